@@ -1,0 +1,3 @@
+from optim_repair.cli import main
+
+main()

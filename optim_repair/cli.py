@@ -1,0 +1,111 @@
+"""The ``optim-repair`` command: parse, call one library function, render, pick the exit code."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, TypeVar
+
+import typer
+
+from optim_repair import api, render
+from optim_repair.errors import ExitCode, OptimRepairError
+
+app = typer.Typer(
+    help="Find and repair missing optimizer state in PyTorch checkpoints, without touching the original.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+T = TypeVar("T")
+
+
+class FillChoice(str, enum.Enum):
+    empty = "empty"
+    fresh = "fresh"
+
+
+_VERDICT_EXIT = {"healthy": ExitCode.OK, "repairable": ExitCode.REPAIRABLE, "malformed": ExitCode.MALFORMED}
+
+Checkpoint = Annotated[
+    Path, typer.Argument(help="A torch file, a checkpoint directory, or a DCP directory.", show_default=False)
+]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document (schema_version 1) instead.")]
+
+
+def _run(call: Callable[[], T]) -> T:
+    """The one place library errors become a message on stderr and an exit code."""
+    try:
+        return call()
+    except OptimRepairError as exc:
+        render.print_error(str(exc))
+        raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        render.print_error("interrupted; nothing was written")
+        raise typer.Exit(130) from None
+    except Exception as exc:  # a bug, not an input problem: one line, its own exit code
+        render.print_error(f"internal error ({type(exc).__name__}: {exc}); please report it")
+        raise typer.Exit(ExitCode.INTERNAL) from None
+
+
+@app.command()
+def inspect(checkpoint: Checkpoint, json: JsonFlag = False) -> None:
+    """Report every optimizer, every parameter without state, and every malformed entry.
+
+    Exit 0 healthy, 1 missing entries (repairable), 3 malformed, 4 nothing readable.
+    """
+    diagnosis = _run(lambda: api.inspect(checkpoint))
+    if json:
+        render.print_json(render.inspect_document(diagnosis))
+    else:
+        render.print_inspect(diagnosis)
+    raise typer.Exit(_VERDICT_EXIT[diagnosis.verdict])
+
+
+@app.command()
+def fix(
+    checkpoint: Checkpoint,
+    out: Annotated[Path, typer.Option("--out", help="Where to write the repaired copy (a new path).")],
+    fill: Annotated[
+        FillChoice | None,
+        typer.Option(help="empty: add {} (default for torch files); fresh: the optimizer's exact first-step state "
+                     "(default for DCP)."),
+    ] = None,
+    optimizer: Annotated[
+        str | None, typer.Option(help="Which optimizer wrote the state, for --fill fresh (e.g. adamw).")
+    ] = None,
+    model: Annotated[
+        Path | None, typer.Option(help="Model weights for parameter shapes: safetensors, torch file or DCP directory.")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+    link: Annotated[
+        bool, typer.Option("--link", help="Hard-link unchanged DCP shard files instead of copying them.")
+    ] = False,
+    json: JsonFlag = False,
+) -> None:
+    """Write a repaired, verified copy; the input is never modified.
+
+    Exit 0 written and verified, 3 malformed (nothing written), 4 bad input, 5 output refused or failed.
+    """
+    result = _run(
+        lambda: api.fix(
+            checkpoint,
+            out,
+            fill=fill.value if fill else None,
+            optimizer=optimizer,
+            model=model,
+            force=force,
+            link=link,
+            progress=render.print_message,
+        )
+    )
+    if json:
+        render.print_json(render.fix_document(result))
+    else:
+        render.print_fix(result)
+
+
+def main() -> None:
+    app(prog_name="optim-repair")

@@ -1,0 +1,223 @@
+"""Findings about an inventory: missing, empty and malformed entries, and warnings. Pure functions."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from optim_repair.inventory import (
+    CheckpointInventory,
+    OptimizerInventory,
+    ParamKey,
+    StateEntry,
+    TensorMeta,
+    WeightMap,
+)
+
+Verdict = Literal["healthy", "repairable", "malformed"]
+
+MOMENT_KEYS = frozenset(
+    {
+        "exp_avg",
+        "exp_avg_sq",
+        "max_exp_avg_sq",
+        "exp_inf",
+        "square_avg",
+        "grad_avg",
+        "acc_delta",
+        "momentum_buffer",
+        "prev",
+        "step_size",
+        "ax",
+        "sum",
+    }
+)
+"""State keys that hold a tensor shaped like the parameter (``momentum_buffer`` may also be None)."""
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A state entry that cannot be repaired safely; ``code`` is stable."""
+
+    param: ParamKey | None
+    code: Literal["partial-state", "orphan-state", "duplicate-param", "bad-entry", "shape-mismatch"]
+    detail: str
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A warning or piece of information with a stable ``code``."""
+
+    code: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class OptimizerDiagnosis:
+    optimizer: OptimizerInventory
+    missing: tuple[ParamKey, ...]
+    empty: tuple[ParamKey, ...]
+    malformed: tuple[Malformed, ...]
+    warnings: tuple[Notice, ...]
+
+    @property
+    def cold(self) -> bool:
+        return all(entry.is_empty for entry in self.optimizer.entries)
+
+    @property
+    def params(self) -> int:
+        return len(set(self.optimizer.params))
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    inventory: CheckpointInventory
+    optimizers: tuple[OptimizerDiagnosis, ...]
+    warnings: tuple[Notice, ...]
+
+    @property
+    def verdict(self) -> Verdict:
+        if any(opt.malformed for opt in self.optimizers):
+            return "malformed"
+        if any(opt.missing for opt in self.optimizers):
+            return "repairable"
+        return "healthy"
+
+
+def _duplicates(optimizer: OptimizerInventory) -> list[Malformed]:
+    where: dict[ParamKey, list[int]] = {}
+    for index, group in enumerate(optimizer.groups):
+        for param in group.params:
+            where.setdefault(param, []).append(index)
+    return [
+        Malformed(param, "duplicate-param", f"listed {len(groups)} times, in groups {sorted(set(groups))}")
+        for param, groups in where.items()
+        if len(groups) > 1
+    ]
+
+
+def _bad_entries(entry: StateEntry) -> list[Malformed]:
+    if not entry.is_mapping:
+        return [Malformed(entry.param, "bad-entry", f"the entry is a {entry.type_name}, not a mapping")]
+    return [
+        Malformed(entry.param, "bad-entry", f"{key} is {_kind(value)}, not a tensor")
+        for key, value in entry.values or ()
+        if key in MOMENT_KEYS and not isinstance(value, TensorMeta) and not (key == "momentum_buffer" and value is None)
+    ]
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "None"
+    return f"a {getattr(value, 'type_name', type(value).__name__)}"
+
+
+def _partial(optimizer: OptimizerInventory) -> list[Malformed]:
+    found = []
+    for index, group in enumerate(optimizer.groups):
+        members = set(group.params)
+        populated = [e for e in optimizer.entries if e.param in members and e.values]
+        if len(populated) < 2:
+            continue
+        reference, _ = Counter(frozenset(e.keys) for e in populated).most_common(1)[0]
+        for entry in populated:
+            lacking = [key for key in sorted(reference) if key not in entry.keys]
+            if lacking:
+                found.append(
+                    Malformed(
+                        entry.param,
+                        "partial-state",
+                        f"lacks {', '.join(lacking)}, which the other entries of group {index} have",
+                    )
+                )
+    return found
+
+
+def _shape_mismatches(entry: StateEntry, weights: dict[str, TensorMeta]) -> list[Malformed]:
+    shaped = [(key, value) for key, value in entry.values or () if key in MOMENT_KEYS and isinstance(value, TensorMeta)]
+    param = weights.get(entry.param) if isinstance(entry.param, str) else None
+    if param is not None:
+        reference = ("the parameter", param.shape)
+    elif shaped:
+        reference = (shaped[0][0], shaped[0][1].shape)
+    else:
+        return []
+    return [
+        Malformed(entry.param, "shape-mismatch", f"{key} has shape {list(value.shape)} but {reference[0]} has {list(reference[1])}")
+        for key, value in shaped
+        if value.shape != reference[1]
+    ]
+
+
+def _is_phantom(optimizer: OptimizerInventory) -> bool:
+    populated = [entry for entry in optimizer.entries if entry.values]
+    if not populated:
+        return False
+    for entry in populated:
+        step = entry.get("step")
+        if not isinstance(step, TensorMeta) or step.value != 1:
+            return False
+        moments = [v for k, v in entry.values or () if k in MOMENT_KEYS and isinstance(v, TensorMeta)]
+        if not moments or not all(moment.zero_head for moment in moments):
+            return False
+    return True
+
+
+def diagnose_optimizer(optimizer: OptimizerInventory, weights: Iterable[WeightMap] = ()) -> OptimizerDiagnosis:
+    """Every finding about one optimizer."""
+    shapes: dict[str, TensorMeta] = {}
+    for weight_map in weights:
+        for name, meta in weight_map.tensors:
+            shapes.setdefault(name, meta)
+    listed = set(optimizer.params)
+    present = {entry.param for entry in optimizer.entries}
+    missing = tuple(dict.fromkeys(param for param in optimizer.params if param not in present))
+    malformed = _duplicates(optimizer)
+    malformed += [
+        Malformed(entry.param, "orphan-state", "has a state entry but is in no param group")
+        for entry in optimizer.entries
+        if entry.param not in listed
+    ]
+    for entry in optimizer.entries:
+        malformed += _bad_entries(entry)
+        malformed += _shape_mismatches(entry, shapes)
+    malformed += _partial(optimizer)
+    warnings = []
+    if all(entry.is_empty for entry in optimizer.entries):
+        warnings.append(Notice("cold", "no parameter has optimizer state yet: the optimizer never stepped"))
+    elif _is_phantom(optimizer):
+        warnings.append(
+            Notice(
+                "phantom-step",
+                "every entry has step == 1 and all-zero moments: a never-stepped optimizer exported through "
+                "get_optimizer_state_dict, whose initializing fake step advanced the clock",
+            )
+        )
+    return OptimizerDiagnosis(
+        optimizer=optimizer,
+        missing=missing,
+        empty=tuple(entry.param for entry in optimizer.entries if entry.is_empty),
+        malformed=tuple(malformed),
+        warnings=tuple(warnings),
+    )
+
+
+def diagnose(inventory: CheckpointInventory) -> Diagnosis:
+    """Every finding about a checkpoint."""
+    optimizers = []
+    for file in inventory.files:
+        weights = (*file.weights, *inventory.weights)
+        optimizers.extend(diagnose_optimizer(optimizer, weights) for optimizer in file.optimizers)
+    warnings = []
+    unsafe = [skip for skip in inventory.skipped if "refuses to load" in skip.reason]
+    if unsafe:
+        warnings.append(
+            Notice(
+                "skipped-unsafe",
+                f"{len(unsafe)} file(s) would import code if loaded and were skipped: "
+                + ", ".join(skip.file for skip in unsafe),
+            )
+        )
+    return Diagnosis(inventory, tuple(optimizers), tuple(warnings))

@@ -1,0 +1,1 @@
+"""One module per on-disk format: torch files, DCP directories, safetensors headers."""

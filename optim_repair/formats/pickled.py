@@ -1,0 +1,336 @@
+"""Safe, data-free reading and faithful rewriting of the pickles inside torch files.
+
+A torch file's pickle is read into a plain object graph in which every torch global becomes a
+``GlobalRef``, every call of one a ``Reduced`` and every storage a ``StorageRef``: no torch import,
+no tensor bytes, and nothing outside an allowlist at least as strict as torch's ``weights_only``
+can be named, let alone run. The same graph pickles back to an equivalent pickle, so a writer can
+change one dict and leave everything else as it was.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import collections
+import io
+import pickle
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from optim_repair.errors import InputError, UnsafeInputError
+from optim_repair.inventory import ELEMENT_SIZES, TensorMeta
+
+LEGACY_STORAGE_DTYPES = {
+    "DoubleStorage": "float64",
+    "FloatStorage": "float32",
+    "HalfStorage": "float16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "BFloat16Storage": "bfloat16",
+    "ComplexDoubleStorage": "complex128",
+    "ComplexFloatStorage": "complex64",
+    "QInt8Storage": "qint8",
+    "QInt32Storage": "qint32",
+    "QUInt8Storage": "quint8",
+    "QUInt4x2Storage": "quint4x2",
+    "QUInt2x4Storage": "quint2x4",
+}
+"""Storage classes a torch pickle names, and the dtype each stands for."""
+
+TENSOR_REBUILDERS = frozenset({"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3"})
+_OTHER_REBUILDERS = frozenset(
+    {
+        "_rebuild_parameter",
+        "_rebuild_parameter_with_state",
+        "_rebuild_qtensor",
+        "_rebuild_sparse_tensor",
+        "_rebuild_meta_tensor_no_storage",
+        "_rebuild_nested_tensor",
+        "_rebuild_wrapper_subclass",
+        "_rebuild_device_tensor_from_cpu_tensor",
+    }
+)
+_TORCH_GLOBALS = frozenset(
+    {"Size", "Tensor", "device", "UntypedStorage", "strided", "sparse_coo", "sparse_csr"}
+    | {
+        "per_tensor_affine",
+        "per_tensor_symmetric",
+        "per_channel_affine",
+        "per_channel_symmetric",
+        "per_channel_affine_float_qparams",
+    }
+)
+_REAL_GLOBALS: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "bytearray"): bytearray,
+    ("builtins", "complex"): complex,
+}
+
+
+@dataclass(frozen=True)
+class GlobalRef:
+    """A global the pickle names (``torch._utils._rebuild_tensor_v2``), standing in for it."""
+
+    module: str
+    name: str
+
+    def __call__(self, *args: Any) -> Reduced:
+        return Reduced(self, args)
+
+    def __reduce__(self) -> str:
+        return self.name
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+@dataclass(eq=False)
+class Reduced:
+    """The result of calling an allowlisted torch global: a tensor, a Parameter, a Size, ..."""
+
+    func: GlobalRef
+    args: tuple[Any, ...]
+    state: Any = None
+    has_state: bool = False
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+        self.has_state = True
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.has_state:
+            return (self.func, self.args, self.state)
+        return (self.func, self.args)
+
+
+@dataclass(eq=False)
+class StorageRef:
+    """A storage a pickle refers to by persistent id; its bytes live outside the pickle."""
+
+    pid: tuple[Any, ...]
+    dtype: str
+    key: str
+    location: str
+    numel: int
+    byte_offset: int | None = field(default=None)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * ELEMENT_SIZES.get(self.dtype, 1)
+
+
+def _encode(text: str, encoding: str = "latin1") -> bytes:
+    """``_codecs.encode`` as protocol-2 pickles use it for bytes, limited to latin-1."""
+    if encoding != "latin1":
+        raise UnsafeInputError(f"refuses _codecs.encode with encoding {encoding!r}")
+    return text.encode("latin1")
+
+
+def _storage_dtype(ref: object) -> str:
+    if not isinstance(ref, GlobalRef):
+        raise InputError(f"a storage names {ref!r} as its type")
+    if ref.name in LEGACY_STORAGE_DTYPES:
+        return LEGACY_STORAGE_DTYPES[ref.name]
+    if ref.name == "UntypedStorage":
+        return "uint8"
+    raise InputError(f"unknown storage type {ref.qualname}")
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    def __init__(self, file: BinaryIO, source: str) -> None:
+        super().__init__(file)
+        self._source = source
+        self._storages: dict[str, StorageRef] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
+        if (module, name) in _REAL_GLOBALS:
+            return _REAL_GLOBALS[(module, name)]
+        if (module, name) == ("_codecs", "encode"):
+            return _encode
+        allowed = (
+            (module == "torch._utils" and (name in TENSOR_REBUILDERS or name in _OTHER_REBUILDERS))
+            or (module == "torch._tensor" and name == "_rebuild_from_type_v2")
+            or (module == "torch.nn.parameter" and name == "Parameter")
+            or (module == "torch.serialization" and name == "_get_layout")
+            or (module == "torch" and (name in _TORCH_GLOBALS or name in LEGACY_STORAGE_DTYPES))
+            or (module == "torch" and name in ELEMENT_SIZES)
+        )
+        if not allowed:
+            raise UnsafeInputError(f"{self._source}: refuses to load global {module}.{name}")
+        return GlobalRef(module, name)
+
+    def persistent_load(self, pid: Any) -> StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage"):
+            raise InputError(f"{self._source}: unexpected persistent id {pid!r}")
+        key = str(pid[2])
+        ref = self._storages.get(key)
+        if ref is None:
+            ref = StorageRef(pid, _storage_dtype(pid[1]), key, str(pid[3]), int(pid[4]))
+            self._storages[key] = ref
+        return ref
+
+    @property
+    def storages(self) -> dict[str, StorageRef]:
+        return self._storages
+
+
+@dataclass
+class PickleGraph:
+    """One unpickled object graph and the storages it refers to."""
+
+    root: Any
+    storages: dict[str, StorageRef]
+    protocol: int
+
+
+def load_graph(data: bytes | BinaryIO, source: str) -> PickleGraph:
+    """Unpickle ``data`` safely into a graph of plain values and stand-ins; no tensor bytes are read."""
+    stream = io.BytesIO(data) if isinstance(data, bytes) else data
+    start = stream.tell()
+    head = stream.read(2)
+    stream.seek(start)
+    protocol = head[1] if len(head) == 2 and head[0] == pickle.PROTO[0] else 2
+    unpickler = _SafeUnpickler(stream, source)
+    try:
+        root = unpickler.load()
+    except UnsafeInputError:
+        raise
+    except InputError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError,
+            AttributeError, UnicodeDecodeError, struct.error, MemoryError, RecursionError) as exc:
+        raise InputError(f"{source}: not a readable torch pickle ({type(exc).__name__}: {exc})") from None
+    return PickleGraph(root, unpickler.storages, protocol)
+
+
+class _GraphPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+    """The pure-Python pickler, taught to emit stand-ins as the globals and ids they stand for."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, StorageRef):
+            return obj.pid
+        return None
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if not isinstance(obj, GlobalRef):
+            if obj is _encode:
+                obj = GlobalRef("_codecs", "encode")
+            else:
+                super().save_global(obj, name)
+                return
+        if self.proto >= 4:
+            self.save(obj.module)
+            self.save(obj.name)
+            self.write(pickle.STACK_GLOBAL)
+        else:
+            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+        self.memoize(obj)
+
+
+def dump_graph(root: Any, protocol: int) -> bytes:
+    """Pickle a graph made by ``load_graph`` (possibly edited) back into bytes torch can load."""
+    buffer = io.BytesIO()
+    _GraphPickler(buffer, protocol=protocol).dump(root)
+    return buffer.getvalue()
+
+
+def tensor_meta(value: Any) -> TensorMeta | None:
+    """The ``TensorMeta`` of a tensor or Parameter stand-in, or None for anything else."""
+    if not isinstance(value, Reduced):
+        return None
+    func = value.func
+    if func.module == "torch._utils" and func.name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
+        return tensor_meta(value.args[0]) if value.args else None
+    if func.module == "torch._tensor" and func.name == "_rebuild_from_type_v2":
+        inner = value.args[0] if value.args else None
+        inner_args = value.args[2] if len(value.args) > 2 else ()
+        if isinstance(inner, GlobalRef) and isinstance(inner_args, tuple):
+            return tensor_meta(Reduced(inner, inner_args))
+        return None
+    if func.module != "torch._utils" or func.name not in TENSOR_REBUILDERS or len(value.args) < 4:
+        return None
+    storage, offset, size, stride = value.args[:4]
+    if not isinstance(storage, StorageRef):
+        return None
+    dtype = storage.dtype
+    if func.name == "_rebuild_tensor_v3" and len(value.args) > 6 and isinstance(value.args[6], GlobalRef):
+        dtype = value.args[6].name
+    return TensorMeta(
+        dtype=dtype,
+        shape=tuple(int(s) for s in size),
+        stride=tuple(int(s) for s in stride),
+        storage=storage.key,
+        storage_offset=int(offset),
+        storage_nbytes=storage.nbytes,
+        byte_offset=storage.byte_offset,
+    )
+
+
+def is_tensor(value: Any) -> bool:
+    """Whether a graph value stands for a tensor of any kind (dense, Parameter, sparse, ...)."""
+    return isinstance(value, Reduced) and value.func.module in ("torch._utils", "torch._tensor")
+
+
+def walk(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Every container in a graph with its path of keys and indices, outermost first."""
+    seen: set[int] = set()
+
+    def visit(node: Any, where: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], Any]]:
+        if id(node) in seen:
+            return
+        if isinstance(node, dict):
+            seen.add(id(node))
+            yield where, node
+            for key, child in node.items():
+                yield from visit(child, (*where, key))
+        elif isinstance(node, (list, tuple)):
+            seen.add(id(node))
+            yield where, node
+            for index, child in enumerate(node):
+                yield from visit(child, (*where, index))
+
+    yield from visit(value, path)
+
+
+def resolve(root: Any, address: tuple[Any, ...]) -> Any:
+    """The value at ``address`` (keys and list indices) inside ``root``."""
+    node = root
+    for step in address:
+        node = node[step]
+    return node
+
+
+def new_tensor(storage: StorageRef, shape: tuple[int, ...]) -> Reduced:
+    """A contiguous tensor stand-in over a whole new storage, pickled as torch itself would."""
+    stride: list[int] = []
+    running = 1
+    for size in reversed(shape):
+        stride.insert(0, running)
+        running *= max(size, 1)
+    rebuild = GlobalRef("torch._utils", "_rebuild_tensor_v2")
+    return rebuild(storage, 0, tuple(shape), tuple(stride), False, collections.OrderedDict())
+
+
+def storage_for(key: str, dtype: str, numel: int, *, legacy: bool, location: str = "cpu") -> StorageRef:
+    """A new storage stand-in of ``dtype`` (a legacy storage class where torch would use one)."""
+    names = {dtype_name: cls for cls, dtype_name in LEGACY_STORAGE_DTYPES.items()}
+    cls = names.get(dtype)
+    if cls is None:
+        raise InputError(f"cannot create a storage of dtype {dtype}")
+    pid: tuple[Any, ...] = ("storage", GlobalRef("torch", cls), key, location, numel)
+    if legacy:
+        pid = (*pid, None)
+    return StorageRef(pid, dtype, key, location, numel)
+

@@ -1,0 +1,242 @@
+"""Everything the user sees: rich reports on stdout, one JSON document for scripts, messages on stderr.
+
+The only module that imports rich. JSON never passes through rich: it is ``json.dumps`` of a
+``TypedDict`` with a ``schema_version``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TypedDict
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from optim_repair.api import FixResult
+from optim_repair.diagnose import Diagnosis, OptimizerDiagnosis
+from optim_repair.inventory import ParamKey
+
+SCHEMA_VERSION = 1
+_SHOWN = 8
+
+
+class MalformedDoc(TypedDict):
+    param: ParamKey | None
+    code: str
+    detail: str
+
+
+class NoticeDoc(TypedDict):
+    code: str
+    detail: str
+
+
+class OptimizerDoc(TypedDict):
+    file: str
+    location: str
+    key_style: str
+    groups: int
+    params: int
+    states: int
+    missing: list[ParamKey]
+    empty: list[ParamKey]
+    malformed: list[MalformedDoc]
+    warnings: list[NoticeDoc]
+    cold: bool
+
+
+class SkippedDoc(TypedDict):
+    file: str
+    reason: str
+
+
+class InspectDoc(TypedDict):
+    schema_version: int
+    path: str
+    format: str
+    verdict: str
+    optimizers: list[OptimizerDoc]
+    warnings: list[NoticeDoc]
+    skipped: list[SkippedDoc]
+
+
+class AddedDoc(TypedDict):
+    file: str
+    location: str
+    param: ParamKey
+    keys: list[str]
+
+
+class VerificationDoc(TypedDict):
+    tensors: int
+    bytes: int
+    equal: bool
+
+
+class FixDoc(InspectDoc):
+    out: str
+    fill: str
+    added: list[AddedDoc]
+    verification: VerificationDoc
+
+
+def _optimizer_doc(opt: OptimizerDiagnosis) -> OptimizerDoc:
+    inv = opt.optimizer
+    return {
+        "file": inv.file,
+        "location": inv.location,
+        "key_style": inv.key_style,
+        "groups": len(inv.groups),
+        "params": opt.params,
+        "states": len(inv.entries),
+        "missing": list(opt.missing),
+        "empty": list(opt.empty),
+        "malformed": [{"param": m.param, "code": m.code, "detail": m.detail} for m in opt.malformed],
+        "warnings": [{"code": w.code, "detail": w.detail} for w in opt.warnings],
+        "cold": opt.cold,
+    }
+
+
+def inspect_document(diagnosis: Diagnosis) -> InspectDoc:
+    inventory = diagnosis.inventory
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "path": inventory.path,
+        "format": inventory.format,
+        "verdict": diagnosis.verdict,
+        "optimizers": [_optimizer_doc(opt) for opt in diagnosis.optimizers],
+        "warnings": [{"code": w.code, "detail": w.detail} for w in diagnosis.warnings],
+        "skipped": [{"file": s.file, "reason": s.reason} for s in inventory.skipped],
+    }
+
+
+def fix_document(result: FixResult) -> FixDoc:
+    base = inspect_document(result.diagnosis)
+    return {
+        **base,
+        "out": str(result.out),
+        "fill": result.plan.fill,
+        "added": [
+            {"file": a.file, "location": a.location, "param": a.param, "keys": [key for key, _ in a.state]}
+            for a in result.plan.additions
+        ],
+        "verification": {
+            "tensors": result.verification.tensors,
+            "bytes": result.verification.bytes,
+            "equal": True,
+        },
+    }
+
+
+def print_json(document: InspectDoc | FixDoc) -> None:
+    sys.stdout.write(json.dumps(document, indent=2) + "\n")
+
+
+def _stdout() -> Console:
+    return Console(file=sys.stdout, highlight=False, soft_wrap=True)
+
+
+def _stderr() -> Console:
+    return Console(file=sys.stderr, highlight=False, soft_wrap=True)
+
+
+def _names(params: tuple[ParamKey, ...]) -> str:
+    shown = ", ".join(str(p) for p in params[:_SHOWN])
+    return shown + (f", … (+{len(params) - _SHOWN} more)" if len(params) > _SHOWN else "")
+
+
+def _where(opt: OptimizerDiagnosis) -> str:
+    inv = opt.optimizer
+    location = inv.location or "<root>"
+    return f"{inv.file}:{location}" if inv.file else location
+
+
+_VERDICT_STYLE = {"healthy": "bold green", "repairable": "bold yellow", "malformed": "bold red"}
+
+
+def _optimizer_table(diagnosis: Diagnosis) -> Table:
+    table = Table(show_lines=False, pad_edge=False)
+    for column in ("optimizer", "keys", "groups", "params", "states", "missing", "empty", "malformed"):
+        table.add_column(
+            column, justify="right" if column in ("groups", "params", "states") else "left", overflow="fold"
+        )
+    for opt in diagnosis.optimizers:
+        table.add_row(
+            _where(opt),
+            opt.optimizer.key_style,
+            str(len(opt.optimizer.groups)),
+            str(opt.params),
+            str(len(opt.optimizer.entries)),
+            Text(str(len(opt.missing)), style="yellow" if opt.missing else ""),
+            str(len(opt.empty)),
+            Text(str(len(opt.malformed)), style="red" if opt.malformed else ""),
+        )
+    return table
+
+
+def _print_details(console: Console, diagnosis: Diagnosis) -> None:
+    for opt in diagnosis.optimizers:
+        if opt.missing:
+            console.print(f"  [yellow]missing[/] in {_where(opt)}: {_names(opt.missing)}")
+        for finding in opt.malformed:
+            console.print(f"  [red]{finding.code}[/] in {_where(opt)}: {finding.param!r}: {finding.detail}")
+        for notice in opt.warnings:
+            console.print(f"  [cyan]{notice.code}[/] in {_where(opt)}: {notice.detail}")
+    for notice in diagnosis.warnings:
+        console.print(f"  [cyan]{notice.code}[/]: {notice.detail}")
+    for skipped in diagnosis.inventory.skipped:
+        console.print(f"  [dim]skipped {skipped.file}: {skipped.reason}[/]")
+
+
+def print_inspect(diagnosis: Diagnosis) -> None:
+    console = _stdout()
+    verdict = diagnosis.verdict
+    console.print(
+        f"[bold]{diagnosis.inventory.path}[/] ({diagnosis.inventory.format}): "
+        f"[{_VERDICT_STYLE[verdict]}]{verdict}[/]"
+    )
+    console.print(_optimizer_table(diagnosis))
+    _print_details(console, diagnosis)
+
+
+def _human_bytes(count: int) -> str:
+    size = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{count} B"
+
+
+def print_fix(result: FixResult) -> None:
+    console = _stdout()
+    console.print(f"[bold]{result.diagnosis.inventory.path}[/] → [bold]{result.out}[/] (fill: {result.plan.fill})")
+    table = Table(pad_edge=False)
+    table.add_column("optimizer", overflow="fold")
+    table.add_column("added", justify="right")
+    table.add_column("entries", overflow="fold")
+    kinds = {(file, location): kind for file, location, kind in result.plan.optimizers}
+    for opt in result.diagnosis.optimizers:
+        inv = opt.optimizer
+        added = [a for a in result.plan.additions if (a.file, a.address) == (inv.file, inv.address)]
+        keys = sorted({key for a in added for key, _ in a.state})
+        what = "{}" if not keys else ", ".join(keys)
+        kind = kinds.get((inv.file, inv.location))
+        label = _where(opt) + (f" ({kind})" if kind else "")
+        table.add_row(label, str(len(added)), f"{what} for {_names(tuple(a.param for a in added))}" if added else "—")
+    console.print(table)
+    v = result.verification
+    console.print(
+        f"[bold green]verified[/]: {v.tensors} existing tensors and {_human_bytes(v.bytes)} "
+        f"read back from disk, bit-identical; the only changes are the {len(result.plan.additions)} added entries"
+    )
+
+
+def print_error(message: str) -> None:
+    _stderr().print(Text(f"optim-repair: error: {message}", style="bold red"))
+
+
+def print_message(message: str) -> None:
+    _stderr().print(Text(message, style="dim"))

@@ -1,0 +1,133 @@
+"""Repair plans: which state entries to add, with what. Pure: never touches disk."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from optim_repair.diagnose import Diagnosis, OptimizerDiagnosis
+from optim_repair.errors import RepairRefused, UsageError
+from optim_repair.fresh import FreshTensor, ParamSpec, fresh_state, identify_optimizer
+from optim_repair.inventory import ParamKey, Scalar, TensorMeta, WeightMap
+
+Fill = Literal["empty", "fresh"]
+
+AddedValue = Union[FreshTensor, Scalar]
+
+
+@dataclass(frozen=True)
+class Addition:
+    """One state entry to add to one optimizer."""
+
+    file: str
+    location: str
+    address: tuple[ParamKey, ...]
+    param: ParamKey
+    state: tuple[tuple[str, AddedValue], ...]
+    """The entry's keys and values; () adds ``{}``."""
+
+
+@dataclass(frozen=True)
+class RepairPlan:
+    fill: Fill
+    additions: tuple[Addition, ...]
+    optimizers: tuple[tuple[str, str, str], ...] = ()
+    """For a fresh fill: (file, location, optimizer kind) of each optimizer the plan fills."""
+
+    def for_file(self, file: str) -> tuple[Addition, ...]:
+        return tuple(addition for addition in self.additions if addition.file == file)
+
+
+def default_fill(diagnosis: Diagnosis) -> Fill:
+    """``{}`` for torch files; exact fresh state for DCP, which cannot store an empty mapping."""
+    return "fresh" if diagnosis.inventory.format == "dcp" else "empty"
+
+
+def _refuse_malformed(diagnosis: Diagnosis) -> None:
+    for opt in diagnosis.optimizers:
+        for finding in opt.malformed:
+            where = f"{opt.optimizer.file or diagnosis.inventory.path}:{opt.optimizer.location or '<root>'}"
+            raise RepairRefused(
+                f"{where}: {finding.code} for {finding.param!r} ({finding.detail}); refusing to write a copy "
+                f"of a malformed checkpoint (run inspect for every finding)"
+            )
+
+
+def _shapes(opt: OptimizerDiagnosis, weights: Sequence[WeightMap], where: str) -> dict[ParamKey, TensorMeta]:
+    if opt.optimizer.key_style == "index":
+        raise RepairRefused(
+            f"{where}: an index-keyed optimizer (optimizer.state_dict()) names no parameters, so their "
+            f"shapes cannot be looked up; use --fill empty: optimizer.load_state_dict keeps {{}} entries lazy"
+        )
+    for weight_map in weights:
+        lookup = weight_map.lookup()
+        if all(param in lookup for param in opt.missing):
+            return {param: lookup[param] for param in opt.missing if isinstance(param, str)}
+    lacking = sorted(str(p) for p in opt.missing if not any(p in w.lookup() for w in weights))
+    raise RepairRefused(
+        f"{where}: no parameter shapes for {', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''}; "
+        f"pass --model with the model's weights (safetensors, torch file or DCP directory)"
+    )
+
+
+def _scalar_dtype(opt: OptimizerDiagnosis) -> str:
+    for entry in opt.optimizer.entries:
+        step = entry.get("step")
+        if isinstance(step, TensorMeta):
+            return step.dtype
+    return "float32"
+
+
+def _fresh_additions(
+    opt: OptimizerDiagnosis, kind: str | None, weights: Sequence[WeightMap], where: str
+) -> tuple[str, list[Addition]]:
+    optimizer = opt.optimizer
+    try:
+        chosen = kind or identify_optimizer(optimizer.groups, optimizer.entries)
+    except RepairRefused as exc:
+        raise RepairRefused(f"{where}: {exc}") from None
+    shapes = _shapes(opt, weights, where)
+    additions = []
+    for param in opt.missing:
+        group = optimizer.group_of(param)
+        assert group is not None
+        meta = shapes[param]
+        state = fresh_state(chosen, group, ParamSpec(meta.dtype, meta.shape), scalar_dtype=_scalar_dtype(opt))
+        additions.append(Addition(optimizer.file, optimizer.location, optimizer.address, param, state))
+    return chosen, additions
+
+
+def plan_repair(
+    diagnosis: Diagnosis,
+    fill: Fill | None = None,
+    *,
+    optimizer: str | None = None,
+    model_weights: Sequence[WeightMap] = (),
+) -> RepairPlan:
+    """The entries to add so that every optimizer has an entry for every listed parameter."""
+    _refuse_malformed(diagnosis)
+    chosen_fill = fill or default_fill(diagnosis)
+    if chosen_fill == "empty" and diagnosis.inventory.format == "dcp":
+        raise RepairRefused(
+            "--fill empty cannot be stored in a DCP checkpoint (DCP drops empty mappings when it saves); "
+            "use the default --fill fresh"
+        )
+    if optimizer is not None and chosen_fill != "fresh":
+        raise UsageError("--optimizer only applies to --fill fresh")
+    additions: list[Addition] = []
+    kinds: list[tuple[str, str, str]] = []
+    for opt in diagnosis.optimizers:
+        if not opt.missing:
+            continue
+        inv = opt.optimizer
+        if chosen_fill == "empty":
+            additions.extend(Addition(inv.file, inv.location, inv.address, param, ()) for param in opt.missing)
+            continue
+        where = f"{inv.file or diagnosis.inventory.path}:{inv.location or '<root>'}"
+        file_weights = next((f.weights for f in diagnosis.inventory.files if f.file == inv.file), ())
+        weights = (*model_weights, *file_weights, *diagnosis.inventory.weights)
+        kind, fresh = _fresh_additions(opt, optimizer, weights, where)
+        kinds.append((inv.file, inv.location, kind))
+        additions.extend(fresh)
+    return RepairPlan(chosen_fill, tuple(additions), tuple(kinds))

@@ -1,0 +1,167 @@
+"""Proof, read back from disk, that a written copy holds every original tensor unchanged.
+
+The copy is parsed anew from disk and compared with a fresh parse of the original: the object
+graphs must be equal (floats bit for bit, key order, tuple-vs-list, storage identities) except for
+the planned additions, and every original storage's bytes must be identical in the copy.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from optim_repair.errors import InputError, VerificationError
+from optim_repair.formats.encode import tensor_bytes
+from optim_repair.formats.pickled import GlobalRef, Reduced, StorageRef, tensor_meta
+from optim_repair.formats.torchfile import TorchFile, describe_address, open_torch_file
+from optim_repair.fresh import FreshTensor
+from optim_repair.inventory import ParamKey
+from optim_repair.repair import Addition
+
+_CHUNK = 1 << 22
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What a verification compared: original tensors found bit-identical in the copy."""
+
+    tensors: int
+    bytes: int
+
+    def __add__(self, other: Verification) -> Verification:
+        return Verification(self.tensors + other.tensors, self.bytes + other.bytes)
+
+
+NOTHING = Verification(0, 0)
+
+
+def _bits(value: float | complex) -> bytes:
+    if isinstance(value, complex):
+        return struct.pack("<dd", value.real, value.imag)
+    return struct.pack("<d", value)
+
+
+class _GraphComparison:
+    """Walks the original and the copy together; the copy may differ only by the additions."""
+
+    def __init__(self, source: str, additions: Sequence[Addition]) -> None:
+        self.source = source
+        self.added: dict[tuple[Any, ...], list[ParamKey]] = {}
+        for addition in additions:
+            self.added.setdefault((*addition.address, "state"), []).append(addition.param)
+        self.tensors = 0
+        self._seen: set[tuple[int, int]] = set()
+
+    def fail(self, path: tuple[Any, ...], what: str) -> None:
+        where = describe_address(path) or "the top level"
+        raise VerificationError(f"{self.source}: the copy differs at {where}: {what}; the copy was removed")
+
+    def same(self, a: Any, b: Any, path: tuple[Any, ...]) -> None:
+        if type(a) is not type(b):
+            self.fail(path, f"{type(a).__name__} became {type(b).__name__}")
+        pair = (id(a), id(b))
+        if pair in self._seen:
+            return
+        if isinstance(a, (dict, list, tuple, Reduced, StorageRef)):
+            self._seen.add(pair)
+        if isinstance(a, dict):
+            self._same_dict(a, b, path)
+        elif isinstance(a, (list, tuple)):
+            if len(a) != len(b):
+                self.fail(path, f"length {len(a)} became {len(b)}")
+            for index, (x, y) in enumerate(zip(a, b)):
+                self.same(x, y, (*path, index))
+        elif isinstance(a, Reduced):
+            if a.func != b.func or a.has_state != b.has_state:
+                self.fail(path, f"{a.func.qualname} became {b.func.qualname}")
+            if tensor_meta(a) is not None:
+                self.tensors += 1
+            self.same(a.args, b.args, path)
+            self.same(a.state, b.state, path)
+        elif isinstance(a, StorageRef):
+            self.same(a.pid, b.pid, path)
+        elif isinstance(a, (float, complex)):
+            if _bits(a) != _bits(b):
+                self.fail(path, f"{a!r} became {b!r}")
+        elif isinstance(a, (GlobalRef, int, str, bytes, bytearray, set, frozenset)) or a is None:
+            if a != b:
+                self.fail(path, f"{a!r} became {b!r}")
+        else:
+            self.fail(path, f"cannot compare a {type(a).__name__}")
+
+    def _same_dict(self, a: dict[Any, Any], b: dict[Any, Any], path: tuple[Any, ...]) -> None:
+        expected = list(a) + self.added.get(path, [])
+        if list(b) != expected:
+            self.fail(path, f"keys {list(a)!r} became {list(b)!r}")
+        for key in a:
+            self.same(a[key], b[key], (*path, key))
+
+
+def _same_bytes(a: BinaryIO, a_offset: int, b: BinaryIO, b_offset: int, length: int) -> bool:
+    a.seek(a_offset)
+    b.seek(b_offset)
+    remaining = length
+    while remaining:
+        size = min(_CHUNK, remaining)
+        left, right = a.read(size), b.read(size)
+        if left != right or len(left) != size:
+            return False
+        remaining -= size
+    return True
+
+
+def _check_additions(copy: TorchFile, copy_stream: BinaryIO, additions: Sequence[Addition], source: str) -> None:
+    for addition in additions:
+        state = copy.graph.root
+        for step in (*addition.address, "state", addition.param):
+            state = state[step]
+        where = f"{source}: added entry {addition.param!r} at {addition.location or 'the top level'}"
+        if not isinstance(state, dict) or list(state) != [key for key, _ in addition.state]:
+            raise VerificationError(f"{where} is not what was planned; the copy was removed")
+        for key, planned in addition.state:
+            value = state[key]
+            if isinstance(planned, FreshTensor):
+                meta = tensor_meta(value)
+                if meta is None or (meta.dtype, meta.shape) != (planned.dtype, planned.shape):
+                    raise VerificationError(f"{where}: {key} is not a {planned.dtype} tensor of shape {planned.shape}")
+                offset, length = copy.storage_range(meta.storage)
+                copy_stream.seek(offset)
+                if copy_stream.read(length) != tensor_bytes(planned):
+                    raise VerificationError(f"{where}: {key} does not hold the planned values")
+            elif value != planned:
+                raise VerificationError(f"{where}: {key} is {value!r}, planned {planned!r}")
+
+
+def verify_torch_file(original: Path, copy: Path, source: str, additions: Sequence[Addition]) -> Verification:
+    """Prove ``copy`` equals ``original`` plus ``additions``; raise VerificationError otherwise."""
+    before = open_torch_file(original, source)
+    try:
+        after = open_torch_file(copy, source)
+    except InputError as exc:
+        raise VerificationError(f"the copy cannot be read back ({exc}); the copy was removed") from None
+    comparison = _GraphComparison(source, additions)
+    comparison.same(before.graph.root, after.graph.root, ())
+    total = 0
+    with original.open("rb") as a, copy.open("rb") as b:
+        for key, ref in before.graph.storages.items():
+            twin = after.graph.storages.get(key)
+            if twin is None or twin.nbytes != ref.nbytes:
+                raise VerificationError(f"{source}: storage {key} is missing from the copy; the copy was removed")
+            offset, length = before.storage_range(key)
+            if not _same_bytes(a, offset, b, after.storage_range(key)[0], length):
+                raise VerificationError(f"{source}: the bytes of storage {key} changed; the copy was removed")
+            total += length
+        _check_additions(after, b, additions, source)
+    return Verification(comparison.tensors, total)
+
+
+def verify_copied_file(original: Path, copy: Path, source: str) -> Verification:
+    """Prove a file copied as-is is byte-identical."""
+    size = original.stat().st_size
+    with original.open("rb") as a, copy.open("rb") as b:
+        if copy.stat().st_size != size or not _same_bytes(a, 0, b, 0, size):
+            raise VerificationError(f"{source}: the copy differs from the original; the copy was removed")
+    return Verification(0, size)
