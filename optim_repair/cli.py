@@ -107,5 +107,20 @@ def fix(
         render.print_fix(result)
 
 
+@app.command()
+def demo(
+    keep: Annotated[bool, typer.Option("--keep", help="Keep the demo's files instead of removing them.")] = False,
+) -> None:
+    """Train a tiny model whose aux head never gets a gradient, then inspect, fix and resume it."""
+    from optim_repair.demo import run_demo
+
+    report = _run(lambda: run_demo(keep=keep, progress=render.print_message))
+    render.print_demo(report, kept=keep)
+    fresh = [outcome for outcome in report.outcomes if outcome.fill == "fresh"]
+    if not all(outcome.identical for outcome in fresh):
+        render.print_error("the fresh-state copy did not continue bit-identically; please report it")
+        raise typer.Exit(ExitCode.INTERNAL)
+
+
 def main() -> None:
     app(prog_name="optim-repair")

@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from optim_repair.api import FixResult
+from optim_repair.demo import DemoReport
 from optim_repair.diagnose import Diagnosis, OptimizerDiagnosis
 from optim_repair.inventory import ParamKey
 
@@ -232,6 +233,32 @@ def print_fix(result: FixResult) -> None:
         f"[bold green]verified[/]: {v.tensors} existing tensors and {_human_bytes(v.bytes)} "
         f"read back from disk, bit-identical; the only changes are the {len(result.plan.additions)} added entries"
     )
+
+
+def print_demo(report: DemoReport, *, kept: bool) -> None:
+    console = _stdout()
+    console.rule("1. A real run saved a checkpoint; torch refuses to resume from it")
+    console.print(f"{report.checkpoint / 'checkpoint.pt'}")
+    console.print(f"stock set_optimizer_state_dict: [red]{report.stock_error}[/]")
+    console.rule("2. optim-repair inspect")
+    print_inspect(report.diagnosis)
+    console.rule("3. optim-repair fix, both fills")
+    for fix in report.fixes:
+        print_fix(fix)
+    console.rule("4. Resume through torch's stock set_optimizer_state_dict and train on")
+    table = Table(pad_edge=False)
+    for column in ("fill", "loads", "continues bit-identically", "max |Δ| vs uninterrupted run"):
+        table.add_column(column)
+    for outcome in report.outcomes:
+        same = "[green]yes[/]" if outcome.identical else "[red]no[/] (phantom step=1 from torch's loader)"
+        table.add_row(outcome.fill, "yes" if outcome.loaded else "no", same, f"{outcome.max_difference:.3g}")
+    console.print(table)
+    console.print(
+        "With {} entries, use optim_repair.set_optimizer_state_dict (a drop-in for torch's) to keep them lazy; "
+        "with --fill fresh, torch's own loader continues exactly."
+    )
+    if kept:
+        console.print(f"files kept in {report.checkpoint.parent}")
 
 
 def print_error(message: str) -> None:
