@@ -1,0 +1,77 @@
+"""The documentation is tested: every command, option, exit code and JSON field is documented."""
+
+from __future__ import annotations
+
+import re
+import typing
+from pathlib import Path
+
+import pytest
+import typer.main
+
+from optim_repair import render
+from optim_repair.cli import app
+from optim_repair.errors import ExitCode
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+CLI_DOC = (ROOT / "docs" / "cli.md").read_text()
+JSON_DOC = (ROOT / "docs" / "json.md").read_text()
+COMMANDS = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_command_has_help_and_is_documented(name: str) -> None:
+    command = COMMANDS[name]
+    assert command.help and len(command.help.strip()) > 20
+    assert f"## `optim-repair {name}" in CLI_DOC
+    assert f"optim-repair {name}" in README
+
+
+@pytest.mark.parametrize(
+    ("name", "option"),
+    [(name, opt) for name, cmd in sorted(COMMANDS.items()) for p in cmd.params for opt in p.opts if opt.startswith("--")],
+)
+def test_every_option_is_documented(name: str, option: str) -> None:
+    assert f"`{option}" in CLI_DOC, f"{name} {option} is not in docs/cli.md"
+
+
+@pytest.mark.parametrize("code", [v for k, v in vars(ExitCode).items() if k.isupper()])
+def test_every_exit_code_is_documented(code: int) -> None:
+    row = re.compile(rf"^\| {code} \|", re.MULTILINE)
+    assert row.search(README), f"exit code {code} is not in the README"
+    assert row.search(CLI_DOC), f"exit code {code} is not in docs/cli.md"
+
+
+def _fields(doc_type: type, prefix: str = "") -> list[str]:
+    fields = []
+    for name, hint in typing.get_type_hints(doc_type).items():
+        fields.append(prefix + name)
+        origin = typing.get_origin(hint)
+        inner = typing.get_args(hint)[0] if origin is list else hint
+        if typing.is_typeddict(inner) and inner in _SMALL:
+            fields.extend(f"{prefix}{name}[]{{{key}}}" for key in typing.get_type_hints(inner))
+        elif typing.is_typeddict(inner):
+            fields.extend(_fields(inner, f"{prefix}{name}{'[]' if origin is list else ''}."))
+    return fields
+
+
+_SMALL = (render.MalformedDoc, render.NoticeDoc, render.SkippedDoc, render.AddedDoc)
+"""Documented in one row each, as ``{a, b, c}``."""
+
+
+@pytest.mark.parametrize("field", _fields(render.FixDoc))
+def test_every_json_field_is_documented(field: str) -> None:
+    if "{" in field:
+        row_name, key = field.split("[]{")
+        row = next((line for line in JSON_DOC.splitlines() if line.startswith(f"| `{row_name}[]`")), "")
+        assert re.search(rf"[{{ ]{key.rstrip('}')}[,}}]", row), field
+        return
+    top = field.split(".")[0].removesuffix("[]")
+    assert f"`{field}" in JSON_DOC or (field == top and f"`{top}[]`" in JSON_DOC), field
+
+
+@pytest.mark.parametrize("code", ["partial-state", "orphan-state", "duplicate-param", "bad-entry", "shape-mismatch",
+                                  "phantom-step", "stock-loader-phantom-step", "cold", "skipped-unsafe"])
+def test_every_finding_code_is_documented(code: str) -> None:
+    assert f"`{code}`" in CLI_DOC
