@@ -3,7 +3,8 @@
 A tiny model is trained with AdamW while one head's output is discarded, saved the way UniRL
 saves (``checkpoint-<step>/checkpoint.pt``), and then: torch's stock loader refuses it, inspect
 finds the missing entries, fix writes verified copies, and training resumes from them through
-torch's stock ``set_optimizer_state_dict`` and is compared with a run that never stopped.
+torch's stock ``set_optimizer_state_dict`` (and optim-repair's lazy one) and is compared with a
+run that never stopped.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,7 @@ class ResumeOutcome:
     """How training continued from one repaired copy through torch's stock loader."""
 
     fill: str
+    loader: str
     loaded: bool
     identical: bool
     max_difference: float
@@ -103,34 +106,39 @@ def _save_like_unirl(root: Path) -> Path:
     return directory
 
 
-def _stock_load(checkpoint: Path) -> Any:
+STOCK = "torch (stock)"
+LAZY = "optim_repair"
+
+
+def _load(checkpoint: Path, loader: str = STOCK) -> Any:
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    from optim_repair.loader import set_optimizer_state_dict as lazy_set_optimizer_state_dict
 
     saved = torch.load(checkpoint / "checkpoint.pt", weights_only=True)
     model = _model()
     model.load_state_dict(saved["policy_state_dict"])
     optimizer = _optimizer(model)
-    set_optimizer_state_dict(
-        model, optimizer, saved["optimizer_state_dict"], options=StateDictOptions(full_state_dict=True)
-    )
+    load = set_optimizer_state_dict if loader == STOCK else lazy_set_optimizer_state_dict
+    load(model, optimizer, saved["optimizer_state_dict"], options=StateDictOptions(full_state_dict=True))
     return model, optimizer
 
 
 def _stock_error(checkpoint: Path) -> str:
     try:
-        _stock_load(checkpoint)
+        _load(checkpoint)
     except (RuntimeError, KeyError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "loaded"
 
 
-def _resume(fixed: Path, fill: str, reference: dict[str, Any]) -> ResumeOutcome:
-    model, optimizer = _stock_load(fixed)
+def _resume(fixed: Path, fill: str, loader: str, reference: dict[str, Any]) -> ResumeOutcome:
+    model, optimizer = _load(fixed, loader)
     _train(model, optimizer, STEPS_AFTER, use_aux=True, seed=2)
     differences = [(p - reference[n]).abs().max().item() for n, p in model.state_dict().items()]
     identical = all(bool((p == reference[n]).all()) for n, p in model.state_dict().items())
-    return ResumeOutcome(fill, True, identical, max(differences))
+    return ResumeOutcome(fill, loader, True, identical, max(differences))
 
 
 def _uninterrupted() -> dict[str, Any]:
@@ -143,6 +151,7 @@ def _uninterrupted() -> dict[str, Any]:
 
 def run_demo(*, keep: bool = False, progress: Callable[[str], None] = lambda message: None) -> DemoReport:
     """Run the demo in a new temporary directory, removed afterwards unless ``keep``."""
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch's, irrelevant here
     workdir = Path(tempfile.mkdtemp(prefix="optim-repair-demo-"))
     try:
         return _run_in(workdir, progress)
@@ -162,5 +171,10 @@ def _run_in(workdir: Path, progress: Callable[[str], None]) -> DemoReport:
     )
     progress(f"resuming for {STEPS_AFTER} steps with every head in use, and comparing with a run that never stopped")
     reference = _uninterrupted()
-    outcomes = tuple(_resume(fix.out, fix.plan.fill, reference) for fix in fixes)
+    empty, fresh = fixes
+    outcomes = (
+        _resume(empty.out, "empty", STOCK, reference),
+        _resume(empty.out, "empty", LAZY, reference),
+        _resume(fresh.out, "fresh", STOCK, reference),
+    )
     return DemoReport(checkpoint, stock_error, diagnosis, fixes, outcomes)

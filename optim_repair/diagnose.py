@@ -7,6 +7,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from optim_repair.errors import RepairRefused
+from optim_repair.fresh import identify_optimizer
 from optim_repair.inventory import (
     CheckpointInventory,
     OptimizerInventory,
@@ -165,6 +167,31 @@ def _is_phantom(optimizer: OptimizerInventory) -> bool:
     return True
 
 
+def _stock_loader_phantom(optimizer: OptimizerInventory, lazy: int) -> Notice | None:
+    """Whether torch's stock full-state loader would give ``lazy`` stateless params a phantom step.
+
+    Its ``_init_optim_state`` runs a zero-gradient step on every parameter without state. That is
+    harmless for RMSprop and Adadelta, and for SGD unless momentum is used with dampening; every
+    other lazy optimizer then takes a different first step. Unknown kinds are assumed affected.
+    """
+    if not lazy or optimizer.key_style != "name":
+        return None
+    try:
+        kind = identify_optimizer(optimizer.groups, optimizer.entries)
+    except RepairRefused:
+        kind = "an unidentified optimizer"
+    if kind in ("rmsprop", "adadelta"):
+        return None
+    if kind == "sgd" and not any(g.option("momentum") and g.option("dampening") for g in optimizer.groups):
+        return None
+    return Notice(
+        "stock-loader-phantom-step",
+        f"{lazy} parameter(s) without state would get a phantom step=1 from torch's stock "
+        f"set_optimizer_state_dict(full_state_dict=True) and train differently ({kind}); "
+        "remedies: optim-repair fix --fill fresh, or load with optim_repair.set_optimizer_state_dict",
+    )
+
+
 def diagnose_optimizer(optimizer: OptimizerInventory, weights: Iterable[WeightMap] = ()) -> OptimizerDiagnosis:
     """Every finding about one optimizer."""
     shapes: dict[str, TensorMeta] = {}
@@ -195,10 +222,14 @@ def diagnose_optimizer(optimizer: OptimizerInventory, weights: Iterable[WeightMa
                 "get_optimizer_state_dict, whose initializing fake step advanced the clock",
             )
         )
+    empty = tuple(entry.param for entry in optimizer.entries if entry.is_empty)
+    phantom_risk = _stock_loader_phantom(optimizer, len(missing) + len(empty))
+    if phantom_risk is not None:
+        warnings.append(phantom_risk)
     return OptimizerDiagnosis(
         optimizer=optimizer,
         missing=missing,
-        empty=tuple(entry.param for entry in optimizer.entries if entry.is_empty),
+        empty=empty,
         malformed=tuple(malformed),
         warnings=tuple(warnings),
     )

@@ -245,17 +245,18 @@ def print_demo(report: DemoReport, *, kept: bool) -> None:
     console.rule("3. optim-repair fix, both fills")
     for fix in report.fixes:
         print_fix(fix)
-    console.rule("4. Resume through torch's stock set_optimizer_state_dict and train on")
+    console.rule("4. Resume from each copy and train on with every head in use")
     table = Table(pad_edge=False)
-    for column in ("fill", "loads", "continues bit-identically", "max |Δ| vs uninterrupted run"):
-        table.add_column(column)
+    for column in ("fill", "loader", "loads", "continues bit-identically", "max |Δ| vs uninterrupted run"):
+        table.add_column(column, overflow="fold")
     for outcome in report.outcomes:
-        same = "[green]yes[/]" if outcome.identical else "[red]no[/] (phantom step=1 from torch's loader)"
-        table.add_row(outcome.fill, "yes" if outcome.loaded else "no", same, f"{outcome.max_difference:.3g}")
+        same = "[green]yes[/]" if outcome.identical else "[red]no[/]: phantom step=1 from torch's loader"
+        loads = "yes" if outcome.loaded else "no"
+        table.add_row(outcome.fill, outcome.loader, loads, same, f"{outcome.max_difference:.3g}")
     console.print(table)
     console.print(
-        "With {} entries, use optim_repair.set_optimizer_state_dict (a drop-in for torch's) to keep them lazy; "
-        "with --fill fresh, torch's own loader continues exactly."
+        "{} entries resume exactly through optim_repair.set_optimizer_state_dict (a drop-in for torch's); "
+        "--fill fresh resumes exactly through torch's own loader, with no code change."
     )
     if kept:
         console.print(f"files kept in {report.checkpoint.parent}")

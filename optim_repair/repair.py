@@ -80,13 +80,10 @@ def _scalar_dtype(opt: OptimizerDiagnosis) -> str:
 
 
 def _fresh_additions(
-    opt: OptimizerDiagnosis, kind: str | None, weights: Sequence[WeightMap], where: str
+    opt: OptimizerDiagnosis, kind: str | None, weights: Sequence[WeightMap], where: str, *, stores_empty: bool
 ) -> tuple[str, list[Addition]]:
     optimizer = opt.optimizer
-    try:
-        chosen = kind or identify_optimizer(optimizer.groups, optimizer.entries)
-    except RepairRefused as exc:
-        raise RepairRefused(f"{where}: {exc}") from None
+    chosen = kind or identify_optimizer(optimizer.groups, optimizer.entries, where=where)
     shapes = _shapes(opt, weights, where)
     additions = []
     for param in opt.missing:
@@ -94,6 +91,8 @@ def _fresh_additions(
         assert group is not None
         meta = shapes[param]
         state = fresh_state(chosen, group, ParamSpec(meta.dtype, meta.shape), scalar_dtype=_scalar_dtype(opt))
+        if not state and not stores_empty:
+            continue  # a stateless optimizer (plain SGD): its fresh state is no state, which DCP cannot store
         additions.append(Addition(optimizer.file, optimizer.location, optimizer.address, param, state))
     return chosen, additions
 
@@ -125,9 +124,9 @@ def plan_repair(
             additions.extend(Addition(inv.file, inv.location, inv.address, param, ()) for param in opt.missing)
             continue
         where = f"{inv.file or diagnosis.inventory.path}:{inv.location or '<root>'}"
-        file_weights = next((f.weights for f in diagnosis.inventory.files if f.file == inv.file), ())
-        weights = (*model_weights, *file_weights, *diagnosis.inventory.weights)
-        kind, fresh = _fresh_additions(opt, optimizer, weights, where)
+        file = next(f for f in diagnosis.inventory.files if f.file == inv.file)
+        weights = (*model_weights, *file.weights, *diagnosis.inventory.weights)
+        kind, fresh = _fresh_additions(opt, optimizer, weights, where, stores_empty=file.format != "dcp")
         kinds.append((inv.file, inv.location, kind))
         additions.extend(fresh)
     return RepairPlan(chosen_fill, tuple(additions), tuple(kinds))

@@ -1,0 +1,428 @@
+"""The fresh-state registry against real torch optimizers.
+
+Two proofs per optimizer (and per flag that changes its state): the entry ``fresh_state``
+describes is the one the optimizer's own ``_init_group`` creates (keys, order, dtypes, shapes,
+values), and a checkpoint whose missing entries are filled with it resumes bit-identically,
+through torch's ``set_optimizer_state_dict(full_state_dict=True)`` and through
+``optimizer.load_state_dict``. Then ``identify_optimizer`` on the state dicts they write.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+from optim_repair.errors import RepairRefused
+from optim_repair.fresh import (
+    OPTIMIZERS,
+    FreshTensor,
+    FreshValue,
+    ParamSpec,
+    fresh_state,
+    identify_optimizer,
+)
+from optim_repair.inventory import ParamGroup, StateEntry, TensorMeta
+
+Factory = Callable[[Any], torch.optim.Optimizer]
+
+# id -> (registry name, class, keyword arguments): every flag that changes the fresh state.
+VARIANTS: dict[str, tuple[str, type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adam": ("adam", torch.optim.Adam, {"lr": 1e-2}),
+    "adam-amsgrad": ("adam", torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}),
+    "adamw": ("adamw", torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "adamw-amsgrad": ("adamw", torch.optim.AdamW, {"lr": 1e-2, "amsgrad": True}),
+    "nadam": ("nadam", torch.optim.NAdam, {"lr": 1e-2}),
+    "radam": ("radam", torch.optim.RAdam, {"lr": 1e-2}),
+    "adamax": ("adamax", torch.optim.Adamax, {"lr": 1e-2}),
+    "rmsprop": ("rmsprop", torch.optim.RMSprop, {"lr": 1e-2}),
+    "rmsprop-centered-momentum": (
+        "rmsprop", torch.optim.RMSprop, {"lr": 1e-2, "centered": True, "momentum": 0.9},
+    ),
+    "sgd": ("sgd", torch.optim.SGD, {"lr": 1e-2}),
+    "sgd-momentum": ("sgd", torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
+    "sgd-dampening": ("sgd", torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "dampening": 0.5}),
+    "sgd-nesterov": ("sgd", torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "nesterov": True}),
+    "adadelta": ("adadelta", torch.optim.Adadelta, {"lr": 0.5}),
+    # t0=-1: averaging from the first step, so a wrong fresh mu would show in ax.
+    "asgd": ("asgd", torch.optim.ASGD, {"lr": 1e-2, "t0": -1.0}),
+    "rprop": ("rprop", torch.optim.Rprop, {"lr": 3e-3}),
+}  # fmt: skip
+
+
+def test_registry_covers_every_lazy_optimizer() -> None:
+    assert set(OPTIMIZERS) == {spec for spec, _, _ in VARIANTS.values()}
+    for spec in OPTIMIZERS.values():
+        assert issubclass(getattr(torch.optim, spec.torch_class), torch.optim.Optimizer)
+
+
+# --- building torch values from the registry -----------------------------------------------
+
+
+def build(value: FreshValue) -> Any:
+    if isinstance(value, FreshTensor):
+        return torch.full(value.shape, value.fill, dtype=getattr(torch, value.dtype))
+    return value
+
+
+def group_of(group: dict[str, Any]) -> ParamGroup:
+    """The inventory's view of one saved param group (its options as plain values)."""
+    options = tuple((k, v) for k, v in group.items() if k not in ("params", "param_names"))
+    return ParamGroup(params=tuple(group["params"]), options=options)
+
+
+def assert_same_value(actual: object, expected: object, key: str) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), key
+        assert actual.dtype == expected.dtype, key
+        assert actual.shape == expected.shape, key
+        assert torch.equal(actual, expected), key
+    else:
+        assert actual is expected or actual == expected, key
+        assert type(actual) is type(expected), key
+
+
+# --- 1. the entry is what _init_group creates ----------------------------------------------
+
+
+def init_group(opt: torch.optim.Optimizer, param: torch.Tensor) -> list[list[Any]]:
+    """Run the optimizer's real ``_init_group`` for ``param``; return the lists it filled."""
+    group = opt.param_groups[0]
+    init = opt._init_group  # type: ignore[attr-defined]
+    lists: list[list[Any]] = [[] for _ in list(inspect.signature(init).parameters)[1:]]
+    init(group, *lists)
+    return lists
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize(
+    ("dtype", "default"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float64, torch.float64),
+        (torch.complex64, torch.float32),
+    ],
+    ids=["float32", "bfloat16", "default-float64", "complex64"],
+)
+def test_fresh_state_is_what_init_group_creates(variant: str, dtype: torch.dtype, default: torch.dtype) -> None:
+    name, cls, kwargs = VARIANTS[variant]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        param = nn.Parameter(torch.randn(3, 2, dtype=dtype))
+        param.grad = torch.randn_like(param)
+        opt = cls([param], **kwargs)
+        lists = init_group(opt, param)
+        actual = opt.state[param]
+        scalar = "float64" if default == torch.float64 else "float32"
+        group = group_of(opt.state_dict()["param_groups"][0])
+        expected = fresh_state(name, group, ParamSpec(str(dtype)[6:], (3, 2)), scalar_dtype=scalar)
+    finally:
+        torch.set_default_dtype(previous)
+
+    if name == "sgd":
+        # SGD creates no tensor: _init_group reads momentum_buffer (None on a first step);
+        # step() stores the buffer afterwards. Without momentum it never touches the state.
+        assert dict(actual) == {}
+        if kwargs.get("momentum", 0):
+            assert expected == (("momentum_buffer", None),)
+            assert lists[-1] == [None]
+        else:
+            assert expected == ()
+        return
+    assert list(actual) == [key for key, _ in expected]
+    for key, value in expected:
+        assert_same_value(actual[key], build(value), key)
+
+
+def test_fused_adam_step_is_float32_whatever_the_default_dtype() -> None:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        param = nn.Parameter(torch.randn(3, dtype=torch.float32))
+        param.grad = torch.randn_like(param)
+        opt = torch.optim.AdamW([param], fused=True)
+        init_group(opt, param)
+        group = group_of(opt.state_dict()["param_groups"][0])
+        expected = fresh_state("adamw", group, ParamSpec("float32", (3,)), scalar_dtype="float64")
+    finally:
+        torch.set_default_dtype(previous)
+    assert [k for k, _ in expected] == list(opt.state[param])
+    for key, value in expected:
+        assert_same_value(opt.state[param][key], build(value), key)
+    assert expected[0] == ("step", FreshTensor("float32", (), 0.0))
+
+
+def test_hyperparameters_come_from_the_group() -> None:
+    group = ParamGroup(params=("w",), options=(("lr", 0.25), ("momentum", 0.0)))
+    spec = ParamSpec("float16", (4,))
+    assert dict(fresh_state("rprop", group, spec))["step_size"] == FreshTensor("float16", (4,), 0.25)
+    assert dict(fresh_state("asgd", group, spec))["eta"] == FreshTensor("float32", (), 0.25)
+    assert fresh_state("sgd", group, spec) == ()
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "options", "message"),
+    [
+        ("lion", (), "unknown optimizer 'lion'"),
+        ("rprop", (), "has no 'lr' option"),
+        ("asgd", (("lr", TensorMeta("float32", (), (), "0", 0, 4)),), "'lr' is a tensor"),
+        ("sgd", (("lr", 0.1),), "has no 'momentum' option"),
+        ("rmsprop", (("momentum", "0.9"),), "'momentum' is '0.9', not a number"),
+    ],
+)
+def test_fresh_state_refuses(optimizer: str, options: Any, message: str) -> None:
+    with pytest.raises(RepairRefused, match=message):
+        fresh_state(optimizer, ParamGroup(("w",), options), ParamSpec("float32", (2,)))
+
+
+def test_fresh_state_refuses_an_unknown_scalar_dtype() -> None:
+    with pytest.raises(RepairRefused, match="scalar dtype 'float16'"):
+        fresh_state("adam", ParamGroup(("w",)), ParamSpec("float32", (2,)), scalar_dtype="float16")
+
+
+# --- 2. a filled checkpoint resumes bit-identically ----------------------------------------
+
+
+class Net(nn.Module):
+    """A trunk and head always used, and an ``extra`` branch used only when asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+        self.extra = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        hidden = torch.tanh(self.trunk(x))
+        out: torch.Tensor = self.head(hidden)
+        return out + self.extra(hidden) if use_extra else out
+
+
+def inputs(count: int, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(5, 4, generator=generator) for _ in range(count)]
+
+
+def train(model: Net, opt: torch.optim.Optimizer, xs: list[torch.Tensor], use_extra: bool) -> None:
+    for x in xs:
+        opt.zero_grad(set_to_none=True)
+        model(x, use_extra).pow(2).mean().backward()
+        opt.step()
+
+
+def by_name(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` keyed by parameter names, as torch's DSD API keys it."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for group in opt.param_groups for p in group["params"]]
+    sd = copy.deepcopy(opt.state_dict())
+    return {
+        "state": {names[id(params[i])]: entry for i, entry in sd["state"].items()},
+        "param_groups": [
+            dict(group, params=[names[id(params[i])] for i in group["params"]]) for group in sd["param_groups"]
+        ],
+    }
+
+
+def run(variant: str, load: Callable[[Net, torch.optim.Optimizer, dict[str, Any]], None]) -> None:
+    """Uninterrupted run vs. a run resumed from a checkpoint taken while ``extra`` was unused."""
+    _, cls, kwargs = VARIANTS[variant]
+    torch.manual_seed(0)
+    reference = Net()
+    ref_opt = cls(reference.parameters(), **kwargs)
+    train(reference, ref_opt, inputs(3, seed=1), use_extra=False)
+    weights = copy.deepcopy(reference.state_dict())
+    checkpoint = by_name(reference, ref_opt)
+    assert not any(name.startswith("extra.") for name in checkpoint["state"])
+    train(reference, ref_opt, inputs(3, seed=2), use_extra=True)
+
+    resumed = Net()
+    resumed.load_state_dict(weights)
+    opt = cls(resumed.parameters(), **kwargs)
+    load(resumed, opt, checkpoint)
+    train(resumed, opt, inputs(3, seed=2), use_extra=True)
+
+    for (name, expected), actual in zip(reference.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(actual, expected), name
+    expected_state = by_name(reference, ref_opt)["state"]
+    actual_state = by_name(resumed, opt)["state"]
+    assert list(actual_state) == list(expected_state)
+    for name, entry in expected_state.items():
+        assert list(actual_state[name]) == list(entry), name
+        for key, value in entry.items():
+            assert_same_value(actual_state[name][key], value, f"{name}.{key}")
+
+
+def fill_fresh(model: Net, checkpoint: dict[str, Any], name: str) -> dict[str, Any]:
+    """The checkpoint with every missing entry filled from the registry (in memory)."""
+    filled = copy.deepcopy(checkpoint)
+    params = dict(model.named_parameters())
+    for group in filled["param_groups"]:
+        inventory_group = group_of(group)
+        for pname in group["params"]:
+            if pname not in filled["state"]:
+                spec = ParamSpec(str(params[pname].dtype)[6:], tuple(params[pname].shape))
+                state = fresh_state(name, inventory_group, spec)
+                if state:  # () = the optimizer stores nothing: absent already is fresh
+                    filled["state"][pname] = {key: build(value) for key, value in state}
+    return filled
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fresh_fill_resumes_exactly_through_torch_set_optimizer_state_dict(variant: str) -> None:
+    name = VARIANTS[variant][0]
+
+    def load(model: Net, opt: torch.optim.Optimizer, checkpoint: dict[str, Any]) -> None:
+        filled = fill_fresh(model, checkpoint, name)
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(model, opt, filled, options=options)
+
+    if variant == "sgd":
+        # Plain SGD stores no state at all; torch's own full_state_dict loader cannot load
+        # even its own output for it (optim_repair.loader can: see test_loader.py).
+        with pytest.raises(AssertionError, match="Expected device to be set"):
+            run(variant, load)
+        return
+    run(variant, load)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fresh_fill_resumes_exactly_through_load_state_dict(variant: str) -> None:
+    name = VARIANTS[variant][0]
+
+    def load(model: Net, opt: torch.optim.Optimizer, checkpoint: dict[str, Any]) -> None:
+        filled = fill_fresh(model, checkpoint, name)
+        names = [n for n, _ in model.named_parameters()]
+        state = {names.index(n): entry for n, entry in filled["state"].items()}
+        groups = [dict(g, params=[names.index(n) for n in g["params"]]) for g in filled["param_groups"]]
+        opt.load_state_dict({"state": state, "param_groups": groups})
+
+    run(variant, load)
+
+
+def test_zeros_momentum_buffer_is_not_fresh_for_sgd_with_dampening() -> None:
+    """Why the registry says None: a zeros buffer changes the first update when dampening != 0."""
+
+    def load(model: Net, opt: torch.optim.Optimizer, checkpoint: dict[str, Any]) -> None:
+        filled = copy.deepcopy(checkpoint)
+        for pname, param in model.named_parameters():
+            filled["state"].setdefault(pname, {"momentum_buffer": torch.zeros_like(param)})
+        set_optimizer_state_dict(model, opt, filled, options=StateDictOptions(full_state_dict=True))
+
+    with pytest.raises(AssertionError):
+        run("sgd-dampening", load)
+
+
+# --- 3. identify_optimizer on real state dicts ---------------------------------------------
+
+
+def inventory(sd: dict[str, Any]) -> tuple[list[ParamGroup], list[StateEntry]]:
+    """A minimal stand-in for a reader: groups with options, entries with their keys."""
+
+    def meta(value: object) -> Any:
+        if isinstance(value, torch.Tensor):
+            shape = tuple(value.shape)
+            return TensorMeta(str(value.dtype)[6:], shape, tuple(value.stride()), "0", 0, 0)
+        return value
+
+    groups = [group_of(group) for group in sd["param_groups"]]
+    entries = [
+        StateEntry(param=key, values=tuple((k, meta(v)) for k, v in entry.items()))
+        for key, entry in sd["state"].items()
+    ]
+    return groups, entries
+
+
+def state_dicts(variant: str, steps: int) -> Iterator[dict[str, Any]]:
+    _, cls, kwargs = VARIANTS[variant]
+    torch.manual_seed(0)
+    model = Net()
+    opt = cls(model.parameters(), **kwargs)
+    train(model, opt, inputs(steps, seed=1), use_extra=False)
+    yield copy.deepcopy(opt.state_dict())
+
+
+EXPECTED_NAME = {variant: spec for variant, (spec, _, _) in VARIANTS.items()}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_identify_optimizer_on_a_trained_state_dict(variant: str) -> None:
+    for sd in state_dicts(variant, steps=2):
+        groups, entries = inventory(sd)
+        assert identify_optimizer(groups, entries) == EXPECTED_NAME[variant]
+
+
+@pytest.mark.parametrize("variant", sorted(set(VARIANTS) - {"adamax"}))
+def test_identify_optimizer_on_a_cold_state_dict(variant: str) -> None:
+    for sd in state_dicts(variant, steps=0):
+        assert sd["state"] == {}
+        groups, entries = inventory(sd)
+        assert identify_optimizer(groups, entries) == EXPECTED_NAME[variant]
+
+
+def test_cold_adamax_is_ambiguous_with_an_old_radam() -> None:
+    # RAdam without 'decoupled_weight_decay' (older torch) has Adamax's options, and the two
+    # create different state (exp_avg_sq vs exp_inf): with no populated entry, ask.
+    for sd in state_dicts("adamax", steps=0):
+        groups, entries = inventory(sd)
+        with pytest.raises(RepairRefused) as raised:
+            identify_optimizer(groups, entries, where="optimizer.pt")
+    message = str(raised.value)
+    assert message.startswith("cannot tell which optimizer wrote optimizer.pt: candidates radam, adamax;")
+    assert "pass --optimizer NAME (one of: adam, adamw, nadam, radam, adamax, rmsprop," in message
+
+
+def test_adam_and_adamw_are_told_apart_by_decoupled_weight_decay() -> None:
+    base = (("lr", 1e-3), ("betas", (0.9, 0.999)), ("weight_decay", 0.0), ("amsgrad", False))
+    adamw = ParamGroup(("w",), (*base, ("decoupled_weight_decay", True)))
+    adam = ParamGroup(("w",), (*base, ("decoupled_weight_decay", False)))
+    old = ParamGroup(("w",), base)  # older torch wrote the flag for neither
+    assert identify_optimizer([adamw], []) == "adamw"
+    assert identify_optimizer([adam], []) == "adam"
+    assert identify_optimizer([old], []) == "adam"
+    assert fresh_state("adam", old, ParamSpec("float32", (2,))) == fresh_state("adamw", old, ParamSpec("float32", (2,)))
+
+
+def test_identify_optimizer_ignores_keys_no_optimizer_writes() -> None:
+    (sd,) = state_dicts("nadam", steps=1)
+    for group in sd["param_groups"]:
+        group["initial_lr"] = group["lr"]  # an LR scheduler adds this
+        group["name"] = "decay"  # trainers add their own
+    assert identify_optimizer(*inventory(sd)) == "nadam"
+
+
+def test_identify_optimizer_uses_state_keys_alone_when_there_are_no_options() -> None:
+    (sd,) = state_dicts("adamax", steps=1)
+    groups, entries = inventory(sd)
+    bare = [ParamGroup(group.params) for group in groups]
+    assert identify_optimizer(bare, entries) == "adamax"
+    (sd,) = state_dicts("radam", steps=1)
+    groups, entries = inventory(sd)
+    # Adam and RAdam entries look alike, and so do their fills: not ambiguous.
+    assert identify_optimizer([ParamGroup(g.params) for g in groups], entries) == "adam"
+
+
+def test_identify_optimizer_refuses_an_unknown_optimizer() -> None:
+    model = Net()
+    opt = torch.optim.Adagrad(model.parameters())
+    groups, entries = inventory(copy.deepcopy(opt.state_dict()))
+    with pytest.raises(
+        RepairRefused, match=r"fit no lazily-initializing torch optimizer; pass --optimizer NAME \(one of: adam,"
+    ):
+        identify_optimizer(groups, entries)
+
+
+def test_identify_optimizer_refuses_state_that_contradicts_the_options() -> None:
+    (sd,) = state_dicts("adam", steps=1)
+    (other,) = state_dicts("adamax", steps=1)
+    groups, _ = inventory(sd)
+    _, entries = inventory(other)
+    with pytest.raises(RepairRefused, match="cannot tell which optimizer wrote"):
+        identify_optimizer(groups, entries)
