@@ -45,13 +45,24 @@ def read_checkpoint(path: Path) -> CheckpointInventory:
         inventory = read_inventory(path, "", str(path))
         if not inventory.optimizers:
             raise InputError(f"{path}: holds no optimizer state (no dict with 'state' and 'param_groups')")
-        return CheckpointInventory(str(path), "torch", False, (inventory,))
+        return CheckpointInventory(str(path), "torch", False, (inventory,), weights=_weights_beside(path))
     if not path.is_dir():
         raise InputError(f"{path}: not a file or directory")
     try:
         return _read_directory(path)
     except PermissionError as exc:
         raise InputError(f"{exc.filename}: cannot read (permission denied)") from None
+
+
+def _weights_beside(file: Path) -> tuple[WeightMap, ...]:
+    """Parameter shapes from safetensors files next to a file argument (HF's ``model.safetensors``)."""
+    weights = []
+    for neighbour in sorted(file.parent.glob("*.safetensors")):
+        try:
+            weights.append(read_weights(neighbour, neighbour.name))
+        except InputError:
+            continue  # only a source of shapes: a damaged neighbour is no reason to refuse the file
+    return tuple(weights)
 
 
 def _read_directory(root: Path) -> CheckpointInventory:
