@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, TypeVar
@@ -123,4 +124,6 @@ def demo(
 
 
 def main() -> None:
+    # torch warns on import when numpy is absent; nothing optim-repair does needs numpy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     app(prog_name="optim-repair")
