@@ -30,7 +30,13 @@ def test_every_command_has_help_and_is_documented(name: str) -> None:
 
 @pytest.mark.parametrize(
     ("name", "option"),
-    [(name, opt) for name, cmd in sorted(COMMANDS.items()) for p in cmd.params for opt in p.opts if opt.startswith("--")],
+    [
+        (name, opt)
+        for name, cmd in sorted(COMMANDS.items())
+        for param in cmd.params
+        for opt in param.opts
+        if opt.startswith("--")
+    ],
 )
 def test_every_option_is_documented(name: str, option: str) -> None:
     assert f"`{option}" in CLI_DOC, f"{name} {option} is not in docs/cli.md"

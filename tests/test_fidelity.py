@@ -34,7 +34,7 @@ def matrix() -> tuple[ModuleType, list[tuple[str, str, str, Any]]]:
 
 
 def _cell(matrix: tuple[ModuleType, list[tuple[str, str, str, Any]]], name: str, loader: str, fill: str) -> Any:
-    return next(cell for n, l, f, cell in matrix[1] if (n, l, f) == (name, loader, fill))
+    return next(cell for n, ld, f, cell in matrix[1] if (n, ld, f) == (name, loader, fill))
 
 
 def test_every_optimizer_resumes_bit_identically_from_fill_fresh_through_the_stock_loader(matrix: Any) -> None:
