@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 from optim_repair.errors import InputError, UnsafeInputError
 from optim_repair.formats import dcp
@@ -95,7 +96,7 @@ def _read_directory(root: Path) -> CheckpointInventory:
             skipped.append(Skipped(rel, "holds no optimizer state"))
     if not any(file.optimizers for file in files):
         raise InputError(f"{root}: no optimizer state found in any file ({len(skipped)} file(s) skipped)")
-    fmt = "dcp" if dcp_roots and all(file.format == "dcp" for file in files) else "torch"
+    fmt: Literal["torch", "dcp"] = "dcp" if dcp_roots and all(file.format == "dcp" for file in files) else "torch"
     return CheckpointInventory(str(root), fmt, True, tuple(files), tuple(skipped), tuple(weights))
 
 

@@ -147,7 +147,11 @@ def _shape_mismatches(entry: StateEntry, weights: dict[str, TensorMeta]) -> list
     else:
         return []
     return [
-        Malformed(entry.param, "shape-mismatch", f"{key} has shape {list(value.shape)} but {reference[0]} has {list(reference[1])}")
+        Malformed(
+            entry.param,
+            "shape-mismatch",
+            f"{key} has shape {list(value.shape)} but {reference[0]} has {list(reference[1])}",
+        )
         for key, value in shaped
         if value.shape != reference[1]
     ]
@@ -192,12 +196,21 @@ def _stock_loader_phantom(optimizer: OptimizerInventory, lazy: int) -> Notice | 
     )
 
 
-def diagnose_optimizer(optimizer: OptimizerInventory, weights: Iterable[WeightMap] = ()) -> OptimizerDiagnosis:
-    """Every finding about one optimizer."""
+def _reference_shapes(weights: Iterable[WeightMap]) -> dict[str, TensorMeta]:
+    """Parameter shapes to check moments against. A name the weight maps disagree on is no reference:
+    a file holding two models (``models.actor``, ``models.critic``) names ``trunk.weight`` twice."""
     shapes: dict[str, TensorMeta] = {}
+    ambiguous: set[str] = set()
     for weight_map in weights:
         for name, meta in weight_map.tensors:
-            shapes.setdefault(name, meta)
+            if shapes.setdefault(name, meta).shape != meta.shape:
+                ambiguous.add(name)
+    return {name: meta for name, meta in shapes.items() if name not in ambiguous}
+
+
+def diagnose_optimizer(optimizer: OptimizerInventory, weights: Iterable[WeightMap] = ()) -> OptimizerDiagnosis:
+    """Every finding about one optimizer."""
+    shapes = _reference_shapes(weights)
     listed = set(optimizer.params)
     present = {entry.param for entry in optimizer.entries}
     missing = tuple(dict.fromkeys(param for param in optimizer.params if param not in present))
@@ -237,7 +250,7 @@ def diagnose_optimizer(optimizer: OptimizerInventory, weights: Iterable[WeightMa
 
 def diagnose(inventory: CheckpointInventory) -> Diagnosis:
     """Every finding about a checkpoint."""
-    optimizers = []
+    optimizers: list[OptimizerDiagnosis] = []
     for file in inventory.files:
         weights = (*file.weights, *inventory.weights)
         optimizers.extend(diagnose_optimizer(optimizer, weights) for optimizer in file.optimizers)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal
 
-ParamKey = Union[str, int]
+ParamKey = str | int
 """A parameter's key in an optimizer state dict: its name, or its integer index."""
 
-Scalar = Union[None, bool, int, float, complex, str, bytes]
+Scalar = None | bool | int | float | complex | str | bytes
 
 ELEMENT_SIZES: Mapping[str, int] = {
     "float64": 8,
@@ -93,7 +93,7 @@ class OtherValue:
     type_name: str
 
 
-StateValue = Union[TensorMeta, OtherValue, Scalar]
+StateValue = TensorMeta | OtherValue | Scalar
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ the planned additions, and every original storage's bytes must be identical in t
 from __future__ import annotations
 
 import struct
+import zipfile
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +74,7 @@ class _GraphComparison:
         elif isinstance(a, (list, tuple)):
             if len(a) != len(b):
                 self.fail(path, f"length {len(a)} became {len(b)}")
-            for index, (x, y) in enumerate(zip(a, b)):
+            for index, (x, y) in enumerate(zip(a, b, strict=True)):
                 self.same(x, y, (*path, index))
         elif isinstance(a, Reduced):
             if a.func != b.func or a.has_state != b.has_state:
@@ -135,6 +137,28 @@ def _check_additions(copy: TorchFile, copy_stream: BinaryIO, additions: Sequence
                 raise VerificationError(f"{where}: {key} is {value!r}, planned {planned!r}")
 
 
+def _same_framing(before: TorchFile, after: TorchFile, a: BinaryIO, b: BinaryIO, source: str) -> None:
+    """What torch reads besides the pickle and the storages is unchanged: the legacy header (magic,
+    protocol, ``little_endian``), or the zip records ``byteorder``, ``version``, ``.format_version``, ..."""
+    changed = f"{source}: the copy's %s differs from the original's; the copy was removed"
+    if before.kind != after.kind:
+        raise VerificationError(changed % "format")
+    if before.kind == "torch-legacy":
+        length = before.legacy_main_start
+        if after.legacy_main_start != length or not _same_bytes(a, 0, b, 0, length):
+            raise VerificationError(changed % "header")
+        return
+    copied = {info.filename[len(after.prefix) :]: info for info in after.records}
+    with zipfile.ZipFile(a) as original, zipfile.ZipFile(b) as copy:
+        for info in before.records:
+            name = info.filename[len(before.prefix) :]
+            if name == "data.pkl" or name.startswith("data/"):
+                continue
+            twin = copied.get(name)
+            if twin is None or twin.file_size != info.file_size or original.read(info) != copy.read(twin):
+                raise VerificationError(changed % f"record {name}")
+
+
 def verify_torch_file(original: Path, copy: Path, source: str, additions: Sequence[Addition]) -> Verification:
     """Prove ``copy`` equals ``original`` plus ``additions``; raise VerificationError otherwise."""
     before = open_torch_file(original, source)
@@ -142,6 +166,11 @@ def verify_torch_file(original: Path, copy: Path, source: str, additions: Sequen
         after = open_torch_file(copy, source)
     except InputError as exc:
         raise VerificationError(f"the copy cannot be read back ({exc}); the copy was removed") from None
+    with original.open("rb") as a, copy.open("rb") as b:
+        try:
+            _same_framing(before, after, a, b, source)
+        except (zipfile.BadZipFile, EOFError, NotImplementedError, UnicodeDecodeError, zlib.error) as exc:
+            raise VerificationError(f"{source}: the copy cannot be read back ({exc}); the copy was removed") from None
     comparison = _GraphComparison(source, additions)
     comparison.same(before.graph.root, after.graph.root, ())
     total = 0

@@ -81,11 +81,20 @@ def _write_directory(
         total += dcp.verify_dcp(directory, target, additions)
     for current, subdirectories, _ in os.walk(root):
         for name in subdirectories:
-            (tmp / relative(Path(current) / name, root)).mkdir(parents=True, exist_ok=True)
+            source = Path(current) / name
+            target = tmp / relative(source, root)
+            if source.is_symlink():  # os.walk does not descend into it: keep the link, as cp -R does
+                if not (target.exists() or target.is_symlink()):
+                    os.symlink(os.readlink(source), target)
+            else:
+                target.mkdir(parents=True, exist_ok=True)
     for file in walk_files(root):
         if any(directory == file.parent or directory in file.parents for directory in dcp_roots):
             continue
         rel = relative(file, root)
+        if file.is_symlink() and not any(f.file == rel for f in inventory.files):
+            os.symlink(os.readlink(file), tmp / rel)  # a link (even a dangling one) stays a link
+            continue
         if plan.for_file(rel):
             progress(f"writing {rel}")
         total += _write_file(file, tmp / rel, rel, plan, inventory)

@@ -38,12 +38,12 @@ def element_bytes(dtype: str, value: float | int | bool | complex) -> bytes:
         code = "<f" if dtype == "complex64" else "<d"
         number = complex(value)
         return struct.pack(code, number.real) + struct.pack(code, number.imag)
-    code = _STRUCT_CODES.get(dtype)
-    if code is None:
+    struct_code = _STRUCT_CODES.get(dtype)
+    if struct_code is None:
         raise RepairRefused(f"cannot create a {dtype} tensor holding {value!r}")
     if dtype.startswith("float"):
-        return struct.pack(code, float(value.real if isinstance(value, complex) else value))
-    return struct.pack(code, value)
+        return struct.pack(struct_code, float(value.real if isinstance(value, complex) else value))
+    return struct.pack(struct_code, value)
 
 
 def tensor_bytes(tensor: FreshTensor) -> bytes:
@@ -64,8 +64,8 @@ def decode_element(dtype: str, data: bytes) -> float | int | bool | complex | No
         code = "<f" if dtype == "complex64" else "<d"
         half = len(data) // 2
         return complex(struct.unpack(code, data[:half])[0], struct.unpack(code, data[half:])[0])
-    code = _STRUCT_CODES.get(dtype)
-    if code is None or struct.calcsize(code) != len(data):
+    struct_code = _STRUCT_CODES.get(dtype)
+    if struct_code is None or struct.calcsize(struct_code) != len(data):
         return None
-    value: float | int | bool = struct.unpack(code, data)[0]
+    value: float | int | bool = struct.unpack(struct_code, data)[0]
     return value

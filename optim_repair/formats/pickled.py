@@ -87,6 +87,10 @@ class GlobalRef:
     def __reduce__(self) -> str:
         return self.name
 
+    def __setstate__(self, state: Any) -> None:
+        # BUILD on a stand-in would rewrite which global it names (torch.Size -> os.system).
+        raise pickle.UnpicklingError(f"the pickle sets the state of global {self.qualname}")
+
     @property
     def qualname(self) -> str:
         return f"{self.module}.{self.name}"
@@ -121,6 +125,9 @@ class StorageRef:
     location: str
     numel: int
     byte_offset: int | None = field(default=None)
+
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError(f"the pickle sets the state of storage {self.key}")
 
     @property
     def nbytes(self) -> int:
@@ -166,6 +173,7 @@ class _SafeUnpickler(pickle.Unpickler):
             or (module == "torch.serialization" and name == "_get_layout")
             or (module == "torch" and (name in _TORCH_GLOBALS or name in LEGACY_STORAGE_DTYPES))
             or (module == "torch" and name in ELEMENT_SIZES)
+            or (module == "torch.storage" and name == "UntypedStorage")
         )
         if not allowed:
             raise UnsafeInputError(f"{self._source}: refuses to load global {module}.{name}")
@@ -210,12 +218,13 @@ def load_graph(data: bytes | BinaryIO, source: str) -> PickleGraph:
     except InputError:
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError,
-            AttributeError, UnicodeDecodeError, struct.error, MemoryError, RecursionError) as exc:
+            AttributeError, UnicodeDecodeError, struct.error, MemoryError, RecursionError,
+            OverflowError) as exc:
         raise InputError(f"{source}: not a readable torch pickle ({type(exc).__name__}: {exc})") from None
     return PickleGraph(root, unpickler.storages, protocol)
 
 
-class _GraphPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+class _GraphPickler(pickle._Pickler):
     """The pure-Python pickler, taught to emit stand-ins as the globals and ids they stand for."""
 
     def persistent_id(self, obj: Any) -> Any:
@@ -224,19 +233,22 @@ class _GraphPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
         return None
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
+        # The pure-Python pickler's internals (save, write, memoize, proto) are not in typeshed.
+        this: Any = self
         if not isinstance(obj, GlobalRef):
             if obj is _encode:
                 obj = GlobalRef("_codecs", "encode")
             else:
-                super().save_global(obj, name)
+                base: Any = super()
+                base.save_global(obj, name)
                 return
-        if self.proto >= 4:
-            self.save(obj.module)
-            self.save(obj.name)
-            self.write(pickle.STACK_GLOBAL)
+        if this.proto >= 4:
+            this.save(obj.module)
+            this.save(obj.name)
+            this.write(pickle.STACK_GLOBAL)
         else:
-            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
-        self.memoize(obj)
+            this.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+        this.memoize(obj)
 
 
 def dump_graph(root: Any, protocol: int) -> bytes:
@@ -267,12 +279,18 @@ def tensor_meta(value: Any) -> TensorMeta | None:
     dtype = storage.dtype
     if func.name == "_rebuild_tensor_v3" and len(value.args) > 6 and isinstance(value.args[6], GlobalRef):
         dtype = value.args[6].name
+    try:
+        shape = tuple(int(s) for s in size)
+        strides = tuple(int(s) for s in stride)
+        start = int(offset)
+    except (TypeError, ValueError, OverflowError):
+        return None  # a damaged tensor record: not a tensor this reader can describe
     return TensorMeta(
         dtype=dtype,
-        shape=tuple(int(s) for s in size),
-        stride=tuple(int(s) for s in stride),
+        shape=shape,
+        stride=strides,
         storage=storage.key,
-        storage_offset=int(offset),
+        storage_offset=start,
         storage_nbytes=storage.nbytes,
         byte_offset=storage.byte_offset,
     )

@@ -31,7 +31,7 @@ _MAX_HEADER = 100 * 1024 * 1024
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides = []
+    strides: list[int] = []
     running = 1
     for size in reversed(shape):
         strides.insert(0, running)

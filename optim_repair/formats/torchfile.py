@@ -12,12 +12,13 @@ import math
 import pickle
 import struct
 import zipfile
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
-from optim_repair.errors import InputError, OutputError
+from optim_repair.errors import InputError
 from optim_repair.formats.encode import decode_element, tensor_bytes
 from optim_repair.formats.pickled import (
     PickleGraph,
@@ -34,6 +35,7 @@ from optim_repair.formats.pickled import (
 )
 from optim_repair.fresh import FreshTensor
 from optim_repair.inventory import (
+    ELEMENT_SIZES,
     FileInventory,
     OptimizerInventory,
     OtherValue,
@@ -51,6 +53,8 @@ ALIGNMENT = 64
 _CHUNK = 1 << 22
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _PADDING_FIELD = b"FB"
+_ZIP_ERRORS = (zipfile.BadZipFile, EOFError, UnicodeDecodeError, NotImplementedError, zlib.error)
+"""What ``zipfile`` raises on a damaged archive (a bad CRC, a mangled header, an unknown method)."""
 PHANTOM_PROBE_BYTES = 4096
 """How many leading bytes of a moment inspect reads, only when every ``step`` of an optimizer is 1."""
 
@@ -96,24 +100,27 @@ def _data_offset(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> int:
     header = stream.read(_LOCAL_HEADER.size)
     if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
         raise InputError(f"{source}: damaged zip record {info.filename}")
-    fields = _LOCAL_HEADER.unpack(header)
+    fields: tuple[int, ...] = _LOCAL_HEADER.unpack(header)
     return info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
 
 
 def _open_zip(path: Path, source: str) -> TorchFile:
     try:
         archive = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError) as exc:
+    except (*_ZIP_ERRORS, zipfile.LargeZipFile, ValueError) as exc:
         raise InputError(f"{source}: damaged zip archive ({exc})") from None
     with archive:
         records = archive.infolist()
         pickles = [info for info in records if info.filename.endswith("/data.pkl")]
         if not pickles:
             raise InputError(f"{source}: a zip archive without data.pkl is not a torch.save file")
+        encrypted = [info.filename for info in records if info.flag_bits & 0x1]
+        if encrypted:
+            raise InputError(f"{source}: damaged zip archive (record {encrypted[0]} is marked encrypted)")
         prefix = pickles[0].filename[: -len("data.pkl")]
         try:
             data = archive.read(pickles[0])
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        except (*_ZIP_ERRORS, OSError) as exc:
             raise InputError(f"{source}: damaged zip archive ({exc})") from None
         graph = load_graph(data, source)
         by_name = {info.filename: info for info in records}
@@ -181,10 +188,8 @@ class _SmallReads:
         self._stream = stream
 
     def read(self, meta: TensorMeta, limit: int) -> bytes:
-        ref = self._file.graph.storages[meta.storage]
-        element = ref.nbytes // ref.numel if ref.numel else 1
         offset, _ = self._file.storage_range(meta.storage)
-        self._stream.seek(offset + meta.storage_offset * element)
+        self._stream.seek(offset + meta.storage_offset * ELEMENT_SIZES.get(meta.dtype, 1))
         return self._stream.read(min(meta.nbytes, limit))
 
     def scalar(self, meta: TensorMeta) -> TensorMeta:
@@ -334,6 +339,15 @@ def read_inventory(path: Path, file: str, source: str) -> FileInventory:
 # ---------------------------------------------------------------- writing
 
 
+def _sibling_location(state: dict[Any, Any], key: str) -> str:
+    """Where the optimizer keeps ``key`` for other parameters (``cuda:0``, or ``cpu`` for a CPU ``step``)."""
+    for entry in state.values():
+        value = entry.get(key) if isinstance(entry, dict) else None
+        if isinstance(value, Reduced) and value.args and isinstance(value.args[0], StorageRef):
+            return value.args[0].location
+    return "cpu"
+
+
 def _apply(torch_file: TorchFile, additions: Sequence[Addition]) -> list[tuple[StorageRef, bytes]]:
     """Add the planned entries to the graph; return the new storages and their bytes."""
     legacy = torch_file.kind == "torch-legacy"
@@ -344,12 +358,13 @@ def _apply(torch_file: TorchFile, additions: Sequence[Addition]) -> list[tuple[S
         entry: dict[str, Any] = {}
         for key, value in addition.state:
             if isinstance(value, FreshTensor):
+                location = _sibling_location(state, key)
                 storage_key = f"optim-repair-{len(created)}" if legacy else str(len(taken))
                 while storage_key in taken:
                     storage_key += "_"
                 taken.add(storage_key)
                 data = tensor_bytes(value)
-                ref = storage_for(storage_key, value.dtype, math.prod(value.shape), legacy=legacy)
+                ref = storage_for(storage_key, value.dtype, math.prod(value.shape), legacy=legacy, location=location)
                 entry[key] = new_tensor(ref, value.shape)
                 created.append((ref, data))
             else:
@@ -430,10 +445,11 @@ def write_torch_file(src: Path, source: str, additions: Sequence[Addition], dest
     torch_file = open_torch_file(src, source)
     created = _apply(torch_file, additions)
     data = dump_graph(torch_file.graph.root, torch_file.graph.protocol)
+    # An OSError (a full disk, ...) is the writer's to report: it names --out, not the temporary file.
     try:
         if torch_file.kind == "torch-zip":
             _write_zip(torch_file, data, created, dest)
         else:
             _write_legacy(torch_file, data, created, dest)
-    except OSError as exc:
-        raise OutputError(f"cannot write {dest.name}: {exc.strerror or exc}") from None
+    except _ZIP_ERRORS as exc:
+        raise InputError(f"{source}: damaged zip archive ({exc})") from None
