@@ -73,7 +73,8 @@ def _train(model: Any, optimizer: Any, steps: int, *, use_aux: bool, seed: int) 
         x = torch.randn(32, 8, generator=generator)
         target = torch.randn(32, 4, generator=generator)
         optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x, use_aux), target).backward()
+        loss = torch.nn.functional.mse_loss(model(x, use_aux), target)
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
 
 

@@ -165,7 +165,7 @@ def _optimizer_table(diagnosis: Diagnosis) -> Table:
         )
     for opt in diagnosis.optimizers:
         table.add_row(
-            _where(opt),
+            Text(_where(opt)),
             opt.optimizer.key_style,
             str(len(opt.optimizer.groups)),
             str(opt.params),
@@ -179,24 +179,27 @@ def _optimizer_table(diagnosis: Diagnosis) -> Table:
 
 def _print_details(console: Console, diagnosis: Diagnosis) -> None:
     for opt in diagnosis.optimizers:
+        where = _where(opt)
         if opt.missing:
-            console.print(f"  [yellow]missing[/] in {_where(opt)}: {_names(opt.missing)}")
+            console.print(Text.assemble("  ", ("missing", "yellow"), f" in {where}: {_names(opt.missing)}"))
         for finding in opt.malformed:
-            console.print(f"  [red]{finding.code}[/] in {_where(opt)}: {finding.param!r}: {finding.detail}")
+            detail = f" in {where}: {finding.param!r}: {finding.detail}"
+            console.print(Text.assemble("  ", (finding.code, "red"), detail))
         for notice in opt.warnings:
-            console.print(f"  [cyan]{notice.code}[/] in {_where(opt)}: {notice.detail}")
+            console.print(Text.assemble("  ", (notice.code, "cyan"), f" in {where}: {notice.detail}"))
     for notice in diagnosis.warnings:
-        console.print(f"  [cyan]{notice.code}[/]: {notice.detail}")
+        console.print(Text.assemble("  ", (notice.code, "cyan"), f": {notice.detail}"))
     for skipped in diagnosis.inventory.skipped:
-        console.print(f"  [dim]skipped {skipped.file}: {skipped.reason}[/]")
+        console.print(Text(f"  skipped {skipped.file}: {skipped.reason}", style="dim"))
 
 
 def print_inspect(diagnosis: Diagnosis) -> None:
     console = _stdout()
     verdict = diagnosis.verdict
     console.print(
-        f"[bold]{diagnosis.inventory.path}[/] ({diagnosis.inventory.format}): "
-        f"[{_VERDICT_STYLE[verdict]}]{verdict}[/]"
+        Text.assemble(
+            (diagnosis.inventory.path, "bold"), f" ({diagnosis.inventory.format}): ", (verdict, _VERDICT_STYLE[verdict])
+        )
     )
     console.print(_optimizer_table(diagnosis))
     _print_details(console, diagnosis)
@@ -213,7 +216,11 @@ def _human_bytes(count: int) -> str:
 
 def print_fix(result: FixResult) -> None:
     console = _stdout()
-    console.print(f"[bold]{result.diagnosis.inventory.path}[/] → [bold]{result.out}[/] (fill: {result.plan.fill})")
+    console.print(
+        Text.assemble(
+            (result.diagnosis.inventory.path, "bold"), " → ", (str(result.out), "bold"), f" (fill: {result.plan.fill})"
+        )
+    )
     table = Table(pad_edge=False)
     table.add_column("optimizer", overflow="fold")
     table.add_column("added", justify="right")
@@ -226,7 +233,8 @@ def print_fix(result: FixResult) -> None:
         what = "{}" if not keys else ", ".join(keys)
         kind = kinds.get((inv.file, inv.location))
         label = _where(opt) + (f" ({kind})" if kind else "")
-        table.add_row(label, str(len(added)), f"{what} for {_names(tuple(a.param for a in added))}" if added else "—")
+        entries = f"{what} for {_names(tuple(a.param for a in added))}" if added else "—"
+        table.add_row(Text(label), str(len(added)), Text(entries))
     console.print(table)
     v = result.verification
     console.print(
@@ -238,8 +246,8 @@ def print_fix(result: FixResult) -> None:
 def print_demo(report: DemoReport, *, kept: bool) -> None:
     console = _stdout()
     console.rule("1. A real run saved a checkpoint; torch refuses to resume from it")
-    console.print(f"{report.checkpoint / 'checkpoint.pt'}")
-    console.print(f"stock set_optimizer_state_dict: [red]{report.stock_error}[/]")
+    console.print(Text(str(report.checkpoint / "checkpoint.pt")))
+    console.print(Text.assemble("stock set_optimizer_state_dict: ", (report.stock_error, "red")))
     console.rule("2. optim-repair inspect")
     print_inspect(report.diagnosis)
     console.rule("3. optim-repair fix, both fills")
@@ -259,7 +267,7 @@ def print_demo(report: DemoReport, *, kept: bool) -> None:
         "--fill fresh resumes exactly through torch's own loader, with no code change."
     )
     if kept:
-        console.print(f"files kept in {report.checkpoint.parent}")
+        console.print(Text(f"files kept in {report.checkpoint.parent}"))
 
 
 def print_error(message: str) -> None:

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
 
-from optim_repair.diagnose import Diagnosis, OptimizerDiagnosis
+from optim_repair.diagnose import MOMENT_KEYS, Diagnosis, OptimizerDiagnosis
 from optim_repair.errors import RepairRefused, UsageError
 from optim_repair.fresh import FreshTensor, ParamSpec, fresh_state, identify_optimizer
 from optim_repair.inventory import ParamKey, Scalar, TensorMeta, WeightMap
 
 Fill = Literal["empty", "fresh"]
 
-AddedValue = Union[FreshTensor, Scalar]
+AddedValue = FreshTensor | Scalar
 
 
 @dataclass(frozen=True)
@@ -54,20 +54,49 @@ def _refuse_malformed(diagnosis: Diagnosis) -> None:
             )
 
 
+def _fits(opt: OptimizerDiagnosis, lookup: dict[str, TensorMeta]) -> bool:
+    """Whether a weight map agrees with the shapes of the optimizer's existing moments."""
+    for entry in opt.optimizer.entries:
+        param = lookup.get(entry.param) if isinstance(entry.param, str) else None
+        for key, value in entry.values or ():
+            if param is None or key not in MOMENT_KEYS or not isinstance(value, TensorMeta):
+                continue
+            if value.shape != param.shape:
+                return False
+    return True
+
+
 def _shapes(opt: OptimizerDiagnosis, weights: Sequence[WeightMap], where: str) -> dict[ParamKey, TensorMeta]:
+    """Shapes and dtypes of the missing params, from the one model the optimizer belongs to.
+
+    A weight map must name every missing parameter and agree with the optimizer's existing
+    moments; when several such maps disagree about a missing parameter, nothing is guessed.
+    """
     if opt.optimizer.key_style == "index":
         raise RepairRefused(
             f"{where}: an index-keyed optimizer (optimizer.state_dict()) names no parameters, so their "
             f"shapes cannot be looked up; use --fill empty: optimizer.load_state_dict keeps {{}} entries lazy"
         )
+    candidates: list[tuple[str, dict[ParamKey, TensorMeta]]] = []
     for weight_map in weights:
         lookup = weight_map.lookup()
-        if all(param in lookup for param in opt.missing):
-            return {param: lookup[param] for param in opt.missing if isinstance(param, str)}
+        if all(param in lookup for param in opt.missing) and _fits(opt, lookup):
+            candidates.append((weight_map.source, {p: lookup[p] for p in opt.missing if isinstance(p, str)}))
+    if candidates:
+        source, shapes = candidates[0]
+        for other_source, other in candidates[1:]:
+            if any((shapes[p].dtype, shapes[p].shape) != (other[p].dtype, other[p].shape) for p in shapes):
+                raise RepairRefused(
+                    f"{where}: {source} and {other_source} give different shapes for the missing parameters; "
+                    f"pass --model with this optimizer's model weights"
+                )
+        return shapes
     lacking = sorted(str(p) for p in opt.missing if not any(p in w.lookup() for w in weights))
+    what = f"no parameter shapes for {', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''}"
+    if not lacking:
+        what = "no model weights that match this optimizer's existing state"
     raise RepairRefused(
-        f"{where}: no parameter shapes for {', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''}; "
-        f"pass --model with the model's weights (safetensors, torch file or DCP directory)"
+        f"{where}: {what}; pass --model with the model's weights (safetensors, torch file or DCP directory)"
     )
 
 
@@ -125,7 +154,7 @@ def plan_repair(
             continue
         where = f"{inv.file or diagnosis.inventory.path}:{inv.location or '<root>'}"
         file = next(f for f in diagnosis.inventory.files if f.file == inv.file)
-        weights = (*model_weights, *file.weights, *diagnosis.inventory.weights)
+        weights = tuple(model_weights) or (*file.weights, *diagnosis.inventory.weights)
         kind, fresh = _fresh_additions(opt, optimizer, weights, where, stores_empty=file.format != "dcp")
         kinds.append((inv.file, inv.location, kind))
         additions.extend(fresh)
