@@ -337,6 +337,27 @@ STATELESS_NAMES: frozenset[str] = frozenset({"sgd_plain"})
 """Optimizers that never create state (SGD without momentum)."""
 
 
+class BranchNet(nn.Module):
+    """A trunk and head always used, and an ``extra`` branch used only when asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+        self.extra = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor, use_extra: bool) -> Tensor:
+        hidden = torch.tanh(self.trunk(x))
+        out: Tensor = self.head(hidden)
+        return out + self.extra(hidden) if use_extra else out
+
+
+def branch_inputs(count: int, seed: int) -> list[Tensor]:
+    """``count`` fixed batches for ``BranchNet``."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(5, 4, generator=generator) for _ in range(count)]
+
+
 def make_optimizer(model: nn.Module, name: str = "adamw", groups: int = 1, **kw: Any) -> Optimizer:
     """A real torch optimizer over ``model``'s trainable parameters.
 

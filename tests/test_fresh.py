@@ -29,6 +29,7 @@ from optim_repair.fresh import (
     identify_optimizer,
 )
 from optim_repair.inventory import ParamGroup, StateEntry, TensorMeta
+from tests.checkpoints import BranchNet, branch_inputs
 
 Factory = Callable[[Any], torch.optim.Optimizer]
 
@@ -191,27 +192,7 @@ def test_fresh_state_refuses_an_unknown_scalar_dtype() -> None:
 # --- 2. a filled checkpoint resumes bit-identically ----------------------------------------
 
 
-class Net(nn.Module):
-    """A trunk and head always used, and an ``extra`` branch used only when asked."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = nn.Linear(4, 4)
-        self.head = nn.Linear(4, 3)
-        self.extra = nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
-        hidden = torch.tanh(self.trunk(x))
-        out: torch.Tensor = self.head(hidden)
-        return out + self.extra(hidden) if use_extra else out
-
-
-def inputs(count: int, seed: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(5, 4, generator=generator) for _ in range(count)]
-
-
-def train(model: Net, opt: torch.optim.Optimizer, xs: list[torch.Tensor], use_extra: bool) -> None:
+def train(model: BranchNet, opt: torch.optim.Optimizer, xs: list[torch.Tensor], use_extra: bool) -> None:
     for x in xs:
         opt.zero_grad(set_to_none=True)
         model(x, use_extra).pow(2).mean().backward()
@@ -231,23 +212,23 @@ def by_name(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     }
 
 
-def run(variant: str, load: Callable[[Net, torch.optim.Optimizer, dict[str, Any]], None]) -> None:
+def run(variant: str, load: Callable[[BranchNet, torch.optim.Optimizer, dict[str, Any]], None]) -> None:
     """Uninterrupted run vs. a run resumed from a checkpoint taken while ``extra`` was unused."""
     _, cls, kwargs = VARIANTS[variant]
     torch.manual_seed(0)
-    reference = Net()
+    reference = BranchNet()
     ref_opt = cls(reference.parameters(), **kwargs)
-    train(reference, ref_opt, inputs(3, seed=1), use_extra=False)
+    train(reference, ref_opt, branch_inputs(3, seed=1), use_extra=False)
     weights = copy.deepcopy(reference.state_dict())
     checkpoint = by_name(reference, ref_opt)
     assert not any(name.startswith("extra.") for name in checkpoint["state"])
-    train(reference, ref_opt, inputs(3, seed=2), use_extra=True)
+    train(reference, ref_opt, branch_inputs(3, seed=2), use_extra=True)
 
-    resumed = Net()
+    resumed = BranchNet()
     resumed.load_state_dict(weights)
     opt = cls(resumed.parameters(), **kwargs)
     load(resumed, opt, checkpoint)
-    train(resumed, opt, inputs(3, seed=2), use_extra=True)
+    train(resumed, opt, branch_inputs(3, seed=2), use_extra=True)
 
     for (name, expected), actual in zip(reference.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(actual, expected), name
@@ -260,7 +241,7 @@ def run(variant: str, load: Callable[[Net, torch.optim.Optimizer, dict[str, Any]
             assert_same_value(actual_state[name][key], value, f"{name}.{key}")
 
 
-def fill_fresh(model: Net, checkpoint: dict[str, Any], name: str) -> dict[str, Any]:
+def fill_fresh(model: BranchNet, checkpoint: dict[str, Any], name: str) -> dict[str, Any]:
     """The checkpoint with every missing entry filled from the registry (in memory)."""
     filled = copy.deepcopy(checkpoint)
     params = dict(model.named_parameters())
@@ -279,7 +260,7 @@ def fill_fresh(model: Net, checkpoint: dict[str, Any], name: str) -> dict[str, A
 def test_fresh_fill_resumes_exactly_through_torch_set_optimizer_state_dict(variant: str) -> None:
     name = VARIANTS[variant][0]
 
-    def load(model: Net, opt: torch.optim.Optimizer, checkpoint: dict[str, Any]) -> None:
+    def load(model: BranchNet, opt: torch.optim.Optimizer, checkpoint: dict[str, Any]) -> None:
         filled = fill_fresh(model, checkpoint, name)
         options = StateDictOptions(full_state_dict=True)
         set_optimizer_state_dict(model, opt, filled, options=options)
@@ -297,7 +278,7 @@ def test_fresh_fill_resumes_exactly_through_torch_set_optimizer_state_dict(varia
 def test_fresh_fill_resumes_exactly_through_load_state_dict(variant: str) -> None:
     name = VARIANTS[variant][0]
 
-    def load(model: Net, opt: torch.optim.Optimizer, checkpoint: dict[str, Any]) -> None:
+    def load(model: BranchNet, opt: torch.optim.Optimizer, checkpoint: dict[str, Any]) -> None:
         filled = fill_fresh(model, checkpoint, name)
         names = [n for n, _ in model.named_parameters()]
         state = {names.index(n): entry for n, entry in filled["state"].items()}
@@ -310,7 +291,7 @@ def test_fresh_fill_resumes_exactly_through_load_state_dict(variant: str) -> Non
 def test_zeros_momentum_buffer_is_not_fresh_for_sgd_with_dampening() -> None:
     """Why the registry says None: a zeros buffer changes the first update when dampening != 0."""
 
-    def load(model: Net, opt: torch.optim.Optimizer, checkpoint: dict[str, Any]) -> None:
+    def load(model: BranchNet, opt: torch.optim.Optimizer, checkpoint: dict[str, Any]) -> None:
         filled = copy.deepcopy(checkpoint)
         for pname, param in model.named_parameters():
             filled["state"].setdefault(pname, {"momentum_buffer": torch.zeros_like(param)})
@@ -343,9 +324,9 @@ def inventory(sd: dict[str, Any]) -> tuple[list[ParamGroup], list[StateEntry]]:
 def state_dicts(variant: str, steps: int) -> Iterator[dict[str, Any]]:
     _, cls, kwargs = VARIANTS[variant]
     torch.manual_seed(0)
-    model = Net()
+    model = BranchNet()
     opt = cls(model.parameters(), **kwargs)
-    train(model, opt, inputs(steps, seed=1), use_extra=False)
+    train(model, opt, branch_inputs(steps, seed=1), use_extra=False)
     yield copy.deepcopy(opt.state_dict())
 
 
@@ -410,7 +391,7 @@ def test_identify_optimizer_uses_state_keys_alone_when_there_are_no_options() ->
 
 
 def test_identify_optimizer_refuses_an_unknown_optimizer() -> None:
-    model = Net()
+    model = BranchNet()
     opt = torch.optim.Adagrad(model.parameters())
     groups, entries = inventory(copy.deepcopy(opt.state_dict()))
     with pytest.raises(

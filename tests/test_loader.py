@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from optim_repair.errors import RepairRefused
 from optim_repair.loader import set_optimizer_state_dict
+from tests.checkpoints import BranchNet, branch_inputs
 
 VARIANTS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adam": (torch.optim.Adam, {"lr": 1e-2}),
@@ -39,34 +40,14 @@ VARIANTS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
 }
 
 
-class Net(nn.Module):
-    """A trunk and head always used, and an ``extra`` branch used only when asked."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = nn.Linear(4, 4)
-        self.head = nn.Linear(4, 3)
-        self.extra = nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
-        hidden = torch.tanh(self.trunk(x))
-        out: torch.Tensor = self.head(hidden)
-        return out + self.extra(hidden) if use_extra else out
-
-
 EXTRA = ("extra.weight", "extra.bias")
 
 Optimizers = tuple[torch.optim.Optimizer, ...]
-Make = Callable[[Net], Optimizers]
-Load = Callable[[Net, Optimizers, dict[str, Any]], None]
+Make = Callable[[BranchNet], Optimizers]
+Load = Callable[[BranchNet, Optimizers, dict[str, Any]], None]
 
 
-def inputs(count: int, seed: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(5, 4, generator=generator) for _ in range(count)]
-
-
-def train(model: Net, optims: Optimizers, xs: list[torch.Tensor], use_extra: bool) -> None:
+def train(model: BranchNet, optims: Optimizers, xs: list[torch.Tensor], use_extra: bool) -> None:
     for x in xs:
         for opt in optims:
             opt.zero_grad(set_to_none=True)
@@ -102,34 +83,34 @@ def run(
     load: Load,
     *,
     before: int = 3,
-    checkpoint_of: Callable[[Net, Optimizers], dict[str, Any]] = by_name,
+    checkpoint_of: Callable[[BranchNet, Optimizers], dict[str, Any]] = by_name,
     warm_resume: bool = False,
     expect_stateless: bool = True,
     after_checkpoint: Callable[[Optimizers], None] = lambda optims: None,
-) -> tuple[Net, Optimizers]:
+) -> tuple[BranchNet, Optimizers]:
     """Train ``before`` steps without ``extra``, checkpoint, train 3 steps with it; resume the
     checkpoint through ``load`` and check that it ends exactly where the reference does."""
     torch.manual_seed(0)
-    reference = Net()
+    reference = BranchNet()
     ref_optims = make(reference)
-    train(reference, ref_optims, inputs(before, seed=1), use_extra=False)
+    train(reference, ref_optims, branch_inputs(before, seed=1), use_extra=False)
     weights = copy.deepcopy(reference.state_dict())
     checkpoint = checkpoint_of(reference, ref_optims)
     assert not any(name in checkpoint.get("state", {}) for name in EXTRA)
     after_checkpoint(ref_optims)
-    train(reference, ref_optims, inputs(3, seed=2), use_extra=True)
+    train(reference, ref_optims, branch_inputs(3, seed=2), use_extra=True)
 
-    resumed = Net()
+    resumed = BranchNet()
     optims = make(resumed)
     if warm_resume:  # the optimizer already has state, for every param, before the load
-        train(resumed, optims, inputs(2, seed=3), use_extra=True)
+        train(resumed, optims, branch_inputs(2, seed=3), use_extra=True)
     resumed.load_state_dict(weights)
     load(resumed, optims, checkpoint)
     extra = [p for n, p in resumed.named_parameters() if n in EXTRA]
     for opt in optims:
         assert not expect_stateless or not any(p in opt.state for p in extra), "never-stepped params have no state"
     after_checkpoint(optims)
-    train(resumed, optims, inputs(3, seed=2), use_extra=True)
+    train(resumed, optims, branch_inputs(3, seed=2), use_extra=True)
 
     for (name, expected), actual in zip(reference.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(actual, expected), name
@@ -145,7 +126,7 @@ def run(
 
 
 def ours(full: bool, **more: Any) -> Load:
-    def load(model: Net, optims: Optimizers, checkpoint: dict[str, Any]) -> None:
+    def load(model: BranchNet, optims: Optimizers, checkpoint: dict[str, Any]) -> None:
         options = StateDictOptions(full_state_dict=full, **more)
         set_optimizer_state_dict(model, optims if len(optims) > 1 else optims[0], checkpoint, options=options)
 
@@ -155,7 +136,7 @@ def ours(full: bool, **more: Any) -> Load:
 def with_empty_entries(load: Load) -> Load:
     """Load after filling the missing entries with ``{}`` (what a naive repair writes)."""
 
-    def filled(model: Net, optims: Optimizers, checkpoint: dict[str, Any]) -> None:
+    def filled(model: BranchNet, optims: Optimizers, checkpoint: dict[str, Any]) -> None:
         checkpoint = copy.deepcopy(checkpoint)
         for group in checkpoint["param_groups"]:
             for name in group["params"]:
@@ -174,7 +155,7 @@ def test_resume_is_bit_identical(variant: str, style: str, full: bool) -> None:
 
 
 def stock(full: bool) -> Load:
-    def load(model: Net, optims: Optimizers, checkpoint: dict[str, Any]) -> None:
+    def load(model: BranchNet, optims: Optimizers, checkpoint: dict[str, Any]) -> None:
         dsd.set_optimizer_state_dict(model, optims, checkpoint, options=StateDictOptions(full_state_dict=full))
 
     return load
@@ -188,11 +169,11 @@ def test_stock_loader_with_empty_entries_diverges_for_adamw() -> None:
         run(make, with_empty_entries(stock(full=True)), expect_stateless=False)
 
     torch.manual_seed(0)
-    model = Net()
+    model = BranchNet()
     (opt,) = make(model)
-    train(model, (opt,), inputs(1, seed=1), use_extra=False)
+    train(model, (opt,), branch_inputs(1, seed=1), use_extra=False)
     checkpoint = by_name(model, (opt,))
-    resumed = Net()
+    resumed = BranchNet()
     (cold,) = make(resumed)  # the phantom comes from torch's fake step on a cold optimizer
     with_empty_entries(stock(full=True))(resumed, (cold,), checkpoint)
     assert cold.state[resumed.extra.weight]["step"] == 1
@@ -205,7 +186,7 @@ def test_stock_loader_refuses_a_sparse_dict() -> None:
 
 
 def test_get_optimizer_state_dict_output_resumes_exactly() -> None:
-    def checkpoint_of(model: Net, optims: Optimizers) -> dict[str, Any]:
+    def checkpoint_of(model: BranchNet, optims: Optimizers) -> dict[str, Any]:
         (opt,) = optims  # warm: get_optimizer_state_dict's fake step does not run
         full = StateDictOptions(full_state_dict=True)
         return copy.deepcopy(get_optimizer_state_dict(model, opt, options=full))
@@ -217,7 +198,7 @@ def test_get_optimizer_state_dict_output_resumes_exactly() -> None:
 def test_several_optimizers_one_of_them_cold(full: bool) -> None:
     """AdamW for the trunk and head; NAdam for ``extra`` alone, never stepped before the checkpoint."""
 
-    def make(model: Net) -> Optimizers:
+    def make(model: BranchNet) -> Optimizers:
         used = [*model.trunk.parameters(), *model.head.parameters()]
         return torch.optim.AdamW(used, lr=1e-2), torch.optim.NAdam(model.extra.parameters(), lr=1e-2)
 
@@ -254,7 +235,7 @@ def test_an_lr_change_before_the_first_gradient_is_honoured() -> None:
     make = single(*VARIANTS["rprop"])
     run(make, ours(full=True), after_checkpoint=halve_lr)
 
-    def fill_with_saved_lr(model: Net, optims: Optimizers, checkpoint: dict[str, Any]) -> None:
+    def fill_with_saved_lr(model: BranchNet, optims: Optimizers, checkpoint: dict[str, Any]) -> None:
         checkpoint = copy.deepcopy(checkpoint)
         lr = checkpoint["param_groups"][0]["lr"]
         for name, param in model.named_parameters():
@@ -285,11 +266,11 @@ def test_loading_into_a_warm_optimizer_forgets_its_state() -> None:
     ids=["flatten", "full"],
 )
 def test_flattened_dict(options: dict[str, Any]) -> None:
-    def checkpoint_of(model: Net, optims: Optimizers) -> dict[str, Any]:
+    def checkpoint_of(model: BranchNet, optims: Optimizers) -> dict[str, Any]:
         flat = StateDictOptions(flatten_optimizer_state_dict=True)
         return copy.deepcopy(get_optimizer_state_dict(model, optims[0], options=flat))
 
-    def load(model: Net, optims: Optimizers, checkpoint: dict[str, Any]) -> None:
+    def load(model: BranchNet, optims: Optimizers, checkpoint: dict[str, Any]) -> None:
         assert "state" not in checkpoint and "state.trunk.weight.step" in checkpoint
         set_optimizer_state_dict(model, optims[0], checkpoint, options=StateDictOptions(**options))
 
@@ -299,7 +280,7 @@ def test_flattened_dict(options: dict[str, Any]) -> None:
 def test_index_keyed_dict() -> None:
     """``optimizer.state_dict()`` itself, which torch loads with full_state_dict=False."""
 
-    def checkpoint_of(model: Net, optims: Optimizers) -> dict[str, Any]:
+    def checkpoint_of(model: BranchNet, optims: Optimizers) -> dict[str, Any]:
         return copy.deepcopy(optims[0].state_dict())
 
     run(single(*VARIANTS["nadam"]), ours(full=False), checkpoint_of=checkpoint_of)
@@ -319,9 +300,9 @@ def structure(value: object) -> object:
 @pytest.mark.parametrize("full", [True, False], ids=["full", "sharded"])
 def test_the_callers_dict_is_left_alone_and_tensors_are_shared_as_torch_shares_them(full: bool) -> None:
     torch.manual_seed(0)
-    model = Net()
+    model = BranchNet()
     (opt,) = single(*VARIANTS["adamw"])(model)
-    train(model, (opt,), inputs(2, seed=1), use_extra=False)
+    train(model, (opt,), branch_inputs(2, seed=1), use_extra=False)
     checkpoint = by_name(model, (opt,))
     checkpoint["state"]["extra.bias"] = {}
     before = structure(checkpoint)
@@ -344,7 +325,7 @@ def test_the_callers_dict_is_left_alone_and_tensors_are_shared_as_torch_shares_t
 
 
 def test_broadcast_from_rank0_is_refused() -> None:
-    model = Net()
+    model = BranchNet()
     opt = torch.optim.AdamW(model.parameters())
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     with pytest.raises(RepairRefused, match="does not support broadcast_from_rank0"):
@@ -352,7 +333,7 @@ def test_broadcast_from_rank0_is_refused() -> None:
 
 
 def test_an_eager_optimizer_with_missing_state_is_refused() -> None:
-    model = Net()
+    model = BranchNet()
     opt = torch.optim.Adagrad(model.parameters())
     checkpoint = by_name(model, (opt,))
     del checkpoint["state"]["extra.bias"]
@@ -362,7 +343,7 @@ def test_an_eager_optimizer_with_missing_state_is_refused() -> None:
 
 def test_an_eager_optimizer_with_complete_state_loads_as_torch_loads_it() -> None:
     torch.manual_seed(0)
-    model = Net()
+    model = BranchNet()
     opt = torch.optim.Adagrad(model.parameters(), initial_accumulator_value=0.5)
     checkpoint = by_name(model, (opt,))
     fresh = torch.optim.Adagrad(model.parameters())
