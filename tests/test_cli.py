@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -314,3 +315,19 @@ def test_human_reports_show_paths_and_names_verbatim(tmp_path: Path) -> None:
     out = tmp_path / "fixed[b]"
     result = fix_cli(directory, out, code=0)
     assert str(out) in result.stdout and "x[red].ckpt" in result.stdout
+
+
+def test_inspect_and_help_never_import_torch(unirl_checkpoint: Built) -> None:
+    """inspect must cost less than ``import torch``: it never imports it (nor does ``--help``)."""
+    probe = (
+        "import sys\n"
+        "from optim_repair.cli import app\n"
+        "for args in (['--help'], ['inspect', sys.argv[1]], ['inspect', '--json', sys.argv[1]]):\n"
+        "    try:\n"
+        "        app(args)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe, str(unirl_checkpoint.path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
