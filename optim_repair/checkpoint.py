@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from optim_repair.errors import InputError, UnsafeInputError
+from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError
 from optim_repair.formats import dcp
 from optim_repair.formats.safetensors import read_weights
 from optim_repair.formats.torchfile import read_inventory
@@ -87,9 +87,13 @@ def _read_directory(root: Path) -> CheckpointInventory:
             continue
         try:
             inventory = read_inventory(file, rel, rel)
-        except (UnsafeInputError, InputError) as exc:
+        except (UnsafeInputError, NotATorchFile) as exc:
             skipped.append(Skipped(rel, _without_prefix(str(exc), rel)))
             continue
+        except InputError as exc:
+            raise InputError(
+                f"{exc}; a damaged torch file may have held optimizer state, so {root} is not judged"
+            ) from None
         if inventory.optimizers:
             files.append(inventory)
         else:

@@ -38,6 +38,10 @@ class InputError(OptimRepairError):
     exit_code = ExitCode.INPUT
 
 
+class NotATorchFile(InputError):
+    """The file is not a torch file at all (no zip archive with data.pkl, no legacy magic number)."""
+
+
 class UnsafeInputError(InputError):
     """The input would run code (or import a non-allowlisted global) if loaded."""
 

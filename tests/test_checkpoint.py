@@ -84,19 +84,29 @@ def test_every_torch_suffix_is_read(tmp_path: Path, suffix: str) -> None:
     assert [opt.file for opt in inventory.optimizers] == [f"opt{suffix}"]
 
 
-def test_damaged_and_unsafe_neighbours_do_not_change_the_verdict(root: Path, marker: Path) -> None:
+def test_foreign_and_unsafe_neighbours_do_not_change_the_verdict(root: Path, marker: Path) -> None:
     built = ck.unirl_torch(root)
-    (built.path / "garbage.pt").write_bytes(os.urandom(1000))
-    (built.path / "empty.bin").write_bytes(b"")
+    (built.path / "garbage.pt").write_bytes(b"\x00not a pickle" + os.urandom(1000))
     ck.unsafe_pickle(built.path / "sub", marker)
     (built.path / "bad.safetensors").write_bytes(b"\x01")
     inventory = read_checkpoint(built.path)
     assert [opt.file for opt in inventory.optimizers] == ["checkpoint.pt"]
     reasons = {s.file: s.reason for s in inventory.skipped}
-    assert set(reasons) == {"garbage.pt", "empty.bin", "sub/unsafe.pt", "bad.safetensors"}
+    assert set(reasons) == {"garbage.pt", "sub/unsafe.pt", "bad.safetensors"}
     assert reasons["sub/unsafe.pt"] == f"refuses to load global {os.name}.system"
     assert all(not reason.startswith(file) for file, reason in reasons.items()), "reasons do not repeat the file"
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty"])
+def test_a_damaged_torch_file_stops_a_directory_from_being_judged(root: Path, damage: str) -> None:
+    """A damaged torch file may have been an optimizer: skipping it could call a broken checkpoint healthy."""
+    built = ck.accelerate(root)
+    damaged = built.path / "optimizer_1.bin"
+    data = damaged.read_bytes()
+    damaged.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"")
+    with pytest.raises(InputError, match=r"^optimizer_1\.bin: .*a damaged torch file may have held optimizer state"):
+        read_checkpoint(built.path)
 
 
 def test_directory_without_any_optimizer_is_an_input_error(root: Path) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
-from optim_repair.errors import InputError
+from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError
 from optim_repair.formats.encode import decode_element, tensor_bytes
 from optim_repair.formats.pickled import (
     PickleGraph,
@@ -113,7 +113,7 @@ def _open_zip(path: Path, source: str) -> TorchFile:
         records = archive.infolist()
         pickles = [info for info in records if info.filename.endswith("/data.pkl")]
         if not pickles:
-            raise InputError(f"{source}: a zip archive without data.pkl is not a torch.save file")
+            raise NotATorchFile(f"{source}: a zip archive without data.pkl is not a torch.save file")
         encrypted = [info.filename for info in records if info.flag_bits & 0x1]
         if encrypted:
             raise InputError(f"{source}: damaged zip archive (record {encrypted[0]} is marked encrypted)")
@@ -140,10 +140,17 @@ def _open_zip(path: Path, source: str) -> TorchFile:
 
 def _open_legacy(path: Path, source: str) -> TorchFile:
     size = path.stat().st_size
+    if size == 0:
+        raise InputError(f"{source}: empty file")
     with path.open("rb") as stream:
-        magic = load_graph(stream, source).root
+        try:
+            magic = load_graph(stream, source).root
+        except UnsafeInputError:
+            raise
+        except InputError:
+            magic = None
         if magic != LEGACY_MAGIC:
-            raise InputError(f"{source}: not a torch file (no zip archive, no legacy magic number)")
+            raise NotATorchFile(f"{source}: not a torch file (no zip archive, no legacy magic number)")
         load_graph(stream, source)
         load_graph(stream, source)
         main_start = stream.tell()
