@@ -171,14 +171,14 @@ def _is_phantom(optimizer: OptimizerInventory) -> bool:
     return True
 
 
-def _stock_loader_phantom(optimizer: OptimizerInventory, lazy: int) -> Notice | None:
-    """Whether torch's stock full-state loader would give ``lazy`` stateless params a phantom step.
+def _stock_loader_phantom(optimizer: OptimizerInventory, missing: int, empty: int) -> Notice | None:
+    """Whether torch's stock full-state loader would give stateless params a phantom step.
 
     Its ``_init_optim_state`` runs a zero-gradient step on every parameter without state. That is
     harmless for RMSprop and Adadelta, and for SGD unless momentum is used with dampening; every
     other lazy optimizer then takes a different first step. Unknown kinds are assumed affected.
     """
-    if not lazy or optimizer.key_style != "name":
+    if not (missing or empty) or optimizer.key_style != "name":
         return None
     try:
         kind = identify_optimizer(optimizer.groups, optimizer.entries)
@@ -188,11 +188,26 @@ def _stock_loader_phantom(optimizer: OptimizerInventory, lazy: int) -> Notice | 
         return None
     if kind == "sgd" and not any(g.option("momentum") and g.option("dampening") for g in optimizer.groups):
         return None
+    remedies = "load with optim_repair.set_optimizer_state_dict"
+    if missing:
+        remedies = f"optim-repair fix --fill fresh, or {remedies}"
+    if empty:
+        remedies += " ({} entries stay {}: --fill fresh fills absent entries only, so run it on the original)"
     return Notice(
         "stock-loader-phantom-step",
-        f"{lazy} parameter(s) without state would get a phantom step=1 from torch's stock "
-        f"set_optimizer_state_dict(full_state_dict=True) and train differently ({kind}); "
-        "remedies: optim-repair fix --fill fresh, or load with optim_repair.set_optimizer_state_dict",
+        f"{missing + empty} parameter(s) without state would get a phantom step=1 from torch's stock "
+        f"set_optimizer_state_dict(full_state_dict=True) and train differently ({kind}); remedies: {remedies}",
+    )
+
+
+def _index_keyed_sparse(optimizer: OptimizerInventory, missing: int) -> Notice | None:
+    """Absent entries are harmless to ``optimizer.load_state_dict``, the loader index keys are made for."""
+    if not missing or optimizer.key_style != "index":
+        return None
+    return Notice(
+        "sparse-ok-for-load-state-dict",
+        "optimizer.load_state_dict (HF Trainer, Accelerate, Lightning) resumes absent entries exactly; "
+        "repair matters only for loaders that need every entry (torch's set_optimizer_state_dict)",
     )
 
 
@@ -236,9 +251,12 @@ def diagnose_optimizer(optimizer: OptimizerInventory, weights: Iterable[WeightMa
             )
         )
     empty = tuple(entry.param for entry in optimizer.entries if entry.is_empty)
-    phantom_risk = _stock_loader_phantom(optimizer, len(missing) + len(empty))
-    if phantom_risk is not None:
-        warnings.append(phantom_risk)
+    for notice in (
+        _stock_loader_phantom(optimizer, len(missing), len(empty)),
+        _index_keyed_sparse(optimizer, len(missing)),
+    ):
+        if notice is not None:
+            warnings.append(notice)
     return OptimizerDiagnosis(
         optimizer=optimizer,
         missing=missing,

@@ -8,10 +8,12 @@ from typing import Literal
 
 from optim_repair.diagnose import MOMENT_KEYS, Diagnosis, OptimizerDiagnosis
 from optim_repair.errors import RepairRefused, UsageError
-from optim_repair.fresh import FreshTensor, ParamSpec, fresh_state, identify_optimizer
+from optim_repair.fresh import OPTIMIZERS, FreshTensor, ParamSpec, fresh_state, identify_optimizer
 from optim_repair.inventory import ParamKey, Scalar, TensorMeta, WeightMap
 
 Fill = Literal["empty", "fresh"]
+PlanFill = Literal["empty", "fresh", "mixed"]
+"""A plan's fill: ``mixed`` when a directory's torch files got ``{}`` and its DCP checkpoints fresh state."""
 
 AddedValue = FreshTensor | Scalar
 
@@ -30,7 +32,7 @@ class Addition:
 
 @dataclass(frozen=True)
 class RepairPlan:
-    fill: Fill
+    fill: PlanFill
     additions: tuple[Addition, ...]
     optimizers: tuple[tuple[str, str, str], ...] = ()
     """For a fresh fill: (file, location, optimizer kind) of each optimizer the plan fills."""
@@ -39,9 +41,9 @@ class RepairPlan:
         return tuple(addition for addition in self.additions if addition.file == file)
 
 
-def default_fill(diagnosis: Diagnosis) -> Fill:
+def default_fill(format: str) -> Fill:
     """``{}`` for torch files; exact fresh state for DCP, which cannot store an empty mapping."""
-    return "fresh" if diagnosis.inventory.format == "dcp" else "empty"
+    return "fresh" if format == "dcp" else "empty"
 
 
 def _refuse_malformed(diagnosis: Diagnosis) -> None:
@@ -126,6 +128,15 @@ def _fresh_additions(
     return chosen, additions
 
 
+def _check_arguments(fill: str | None, optimizer: str | None) -> None:
+    if fill is not None and fill not in ("empty", "fresh"):
+        raise UsageError(f"fill must be 'empty' or 'fresh', not {fill!r}")
+    if optimizer is not None and fill != "fresh":
+        raise UsageError("--optimizer only applies to --fill fresh")
+    if optimizer is not None and optimizer not in OPTIMIZERS:
+        raise UsageError(f"--optimizer {optimizer!r} is not one of: {', '.join(OPTIMIZERS)}")
+
+
 def plan_repair(
     diagnosis: Diagnosis,
     fill: Fill | None = None,
@@ -133,29 +144,36 @@ def plan_repair(
     optimizer: str | None = None,
     model_weights: Sequence[WeightMap] = (),
 ) -> RepairPlan:
-    """The entries to add so that every optimizer has an entry for every listed parameter."""
+    """The entries to add so that every optimizer has an entry for every listed parameter.
+
+    Without ``fill``, each file gets its format's default: ``{}`` for torch files, fresh state for DCP.
+    """
+    _check_arguments(fill, optimizer)
     _refuse_malformed(diagnosis)
-    chosen_fill = fill or default_fill(diagnosis)
-    if chosen_fill == "empty" and diagnosis.inventory.format == "dcp":
-        raise RepairRefused(
-            "--fill empty cannot be stored in a DCP checkpoint (DCP drops empty mappings when it saves); "
-            "use the default --fill fresh"
-        )
-    if optimizer is not None and chosen_fill != "fresh":
-        raise UsageError("--optimizer only applies to --fill fresh")
     additions: list[Addition] = []
     kinds: list[tuple[str, str, str]] = []
+    fills: set[Fill] = set()
     for opt in diagnosis.optimizers:
         if not opt.missing:
             continue
         inv = opt.optimizer
-        if chosen_fill == "empty":
+        file = next(f for f in diagnosis.inventory.files if f.file == inv.file)
+        chosen = fill or default_fill(file.format)
+        if chosen == "empty" and file.format == "dcp":
+            raise RepairRefused(
+                f"{inv.file or diagnosis.inventory.path}: --fill empty cannot be stored in a DCP checkpoint "
+                "(DCP drops empty mappings when it saves); use the default, --fill fresh"
+            )
+        fills.add(chosen)
+        if chosen == "empty":
             additions.extend(Addition(inv.file, inv.location, inv.address, param, ()) for param in opt.missing)
             continue
         where = f"{inv.file or diagnosis.inventory.path}:{inv.location or '<root>'}"
-        file = next(f for f in diagnosis.inventory.files if f.file == inv.file)
         weights = tuple(model_weights) or (*file.weights, *diagnosis.inventory.weights)
         kind, fresh = _fresh_additions(opt, optimizer, weights, where, stores_empty=file.format != "dcp")
         kinds.append((inv.file, inv.location, kind))
         additions.extend(fresh)
-    return RepairPlan(chosen_fill, tuple(additions), tuple(kinds))
+    described: PlanFill = fill or default_fill(diagnosis.inventory.format)
+    if fill is None and fills:
+        described = fills.pop() if len(fills) == 1 else "mixed"
+    return RepairPlan(described, tuple(additions), tuple(kinds))

@@ -79,7 +79,7 @@ def test_cold_optimizer(cold_checkpoint: Built) -> None:
     diagnosis = optim_repair.inspect(cold_checkpoint.path)
     (opt,) = diagnosis.optimizers
     assert opt.cold and opt.missing == (0, 1, 2, 3, 4, 5) and len(opt.optimizer.entries) == 0
-    assert [w.code for w in opt.warnings] == ["cold"]
+    assert [w.code for w in opt.warnings] == ["cold", "sparse-ok-for-load-state-dict"]
     assert diagnosis.verdict == "repairable"
 
 
@@ -185,7 +185,7 @@ def test_shape_reference_comes_from_weights_when_unambiguous() -> None:
 
 def test_cold_and_phantom_are_exclusive_warnings() -> None:
     cold = optimizer([[0, 1]], [])
-    assert [w.code for w in diagnose_optimizer(cold).warnings] == ["cold"]
+    assert [w.code for w in diagnose_optimizer(cold).warnings] == ["cold", "sparse-ok-for-load-state-dict"]
     all_empty = optimizer([[0, 1]], [StateEntry(0, ()), StateEntry(1, ())])
     d = diagnose_optimizer(all_empty)
     assert d.cold and d.empty == (0, 1) and "cold" in [w.code for w in d.warnings]
@@ -194,3 +194,22 @@ def test_cold_and_phantom_are_exclusive_warnings() -> None:
     assert "phantom-step" in codes and "cold" not in codes
     real = optimizer([[0, 1]], [adam_entry(0, (2,), step=1.0, zero=True), adam_entry(1, (2,), step=1.0, zero=False)])
     assert "phantom-step" not in [w.code for w in diagnose_optimizer(real).warnings]
+
+
+def test_index_keys_say_that_load_state_dict_accepts_absent_entries(hf_checkpoint: Built) -> None:
+    (opt,) = optim_repair.inspect(hf_checkpoint.path).optimizers
+    assert opt.optimizer.key_style == "index" and opt.missing
+    assert [w.code for w in opt.warnings] == ["sparse-ok-for-load-state-dict"]
+
+
+def test_the_phantom_step_remedy_fits_absent_and_empty_entries(
+    unirl_checkpoint: Built, empty_entries_checkpoint: Built
+) -> None:
+    def remedy(built: Built) -> str:
+        (opt,) = optim_repair.inspect(built.path).optimizers
+        return next(w.detail for w in opt.warnings if w.code == "stock-loader-phantom-step")
+
+    both = "optim-repair fix --fill fresh, or load with optim_repair.set_optimizer_state_dict"
+    assert both in remedy(unirl_checkpoint)
+    empty = remedy(empty_entries_checkpoint)
+    assert empty.startswith("2 parameter(s) without state") and "--fill fresh fills absent entries only" in empty

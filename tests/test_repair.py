@@ -111,7 +111,7 @@ def test_unknown_optimizer_is_refused_listing_the_choices(root: Path, tmp_path: 
     torch.save({"model": model.state_dict(), "optimizer": state}, path)
     with pytest.raises(RepairRefused, match=r"--optimizer NAME.*adamw"):
         optim_repair.fix(path, tmp_path / "fixed.pt", fill="fresh")
-    with pytest.raises(RepairRefused, match=r"unknown optimizer|not one of|adamw"):
+    with pytest.raises(UsageError, match=r"--optimizer 'lion' is not one of: adam, adamw"):
         optim_repair.fix(path, tmp_path / "fixed.pt", fill="fresh", optimizer="lion")
 
 
@@ -137,3 +137,22 @@ def test_fresh_scalar_dtype_follows_the_existing_steps(root: Path, tmp_path: Pat
     optim_repair.fix(built.path, tmp_path / "fixed", fill="fresh")
     state = torch.load(tmp_path / "fixed" / "checkpoint.pt", weights_only=True)["optimizer_state_dict"]["state"]
     assert state["head_unused.weight"]["step"].dtype == torch.float64
+
+
+@pytest.mark.parametrize("fill", ["bogus", "EMPTY"])
+def test_the_api_refuses_an_unknown_fill(root: Path, tmp_path: Path, fill: str) -> None:
+    built = ck.unirl_torch(root)
+    with pytest.raises(UsageError, match="fill must be 'empty' or 'fresh'"):
+        optim_repair.fix(built.path, tmp_path / "fixed", fill=fill)  # type: ignore[arg-type]
+    assert not (tmp_path / "fixed").exists()
+
+
+def test_a_directory_with_dcp_and_torch_files_gets_each_formats_default(root: Path, tmp_path: Path) -> None:
+    from tests import dcp_checkpoints as dk
+
+    built = ck.unirl_torch(root)
+    dk.unirl_dcp(built.path / "dcp")
+    result = optim_repair.fix(built.path, tmp_path / "fixed")
+    assert result.plan.fill == "mixed"
+    by_file = {(a.file, bool(a.state)) for a in result.plan.additions}
+    assert by_file == {("checkpoint.pt", False), ("dcp/checkpoint-3", True)}
