@@ -43,6 +43,8 @@ def read_checkpoint(path: Path) -> CheckpointInventory:
     if not path.exists():
         raise InputError(f"{path}: no such file or directory")
     if path.is_file():
+        if path.name == ".metadata" or path.suffix == ".distcp":
+            raise InputError(f"{path}: part of a DCP checkpoint; pass its directory, {path.parent}")
         inventory = read_inventory(path, "", str(path))
         if not inventory.optimizers:
             raise InputError(f"{path}: holds no optimizer state (no dict with 'state' and 'param_groups')")

@@ -18,6 +18,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain click help and one-line usage errors
 )
 
 T = TypeVar("T")
@@ -45,7 +46,7 @@ def _run(call: Callable[[], T]) -> T:
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         render.print_error("interrupted; nothing was written")
-        raise typer.Exit(130) from None
+        raise typer.Exit(ExitCode.INTERRUPTED) from None
     except Exception as exc:  # a bug, not an input problem: one line, its own exit code
         render.print_error(f"internal error ({type(exc).__name__}: {exc}); please report it")
         raise typer.Exit(ExitCode.INTERNAL) from None
@@ -55,7 +56,7 @@ def _run(call: Callable[[], T]) -> T:
 def inspect(checkpoint: Checkpoint, json: JsonFlag = False) -> None:
     """Report every optimizer, every parameter without state, and every malformed entry.
 
-    Exit 0 healthy, 1 missing entries (repairable), 3 malformed, 4 nothing readable.
+    Exit 0 healthy, 1 missing entries (repairable), 2 usage error, 3 malformed, 4 nothing readable.
     """
     diagnosis = _run(lambda: api.inspect(checkpoint))
     if json:
@@ -88,7 +89,8 @@ def fix(
 ) -> None:
     """Write a repaired, verified copy; the input is never modified.
 
-    Exit 0 written and verified, 3 malformed (nothing written), 4 bad input, 5 output refused or failed.
+    Exit 0 written and verified, 2 usage error, 3 malformed or not repairable as asked (nothing written),
+    4 bad input, 5 output refused or failed.
     """
     result = _run(
         lambda: api.fix(

@@ -16,6 +16,8 @@ class ExitCode:
     MALFORMED = 3
     INPUT = 4
     OUTPUT = 5
+    INTERRUPTED = 130
+    """Interrupted (Ctrl-C); nothing was written."""
     INTERNAL = 70
     """A bug in optim-repair (EX_SOFTWARE), never an input problem."""
 

@@ -7,6 +7,7 @@ The only module that imports rich. JSON never passes through rich: it is ``json.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import TypedDict
 
@@ -136,7 +137,9 @@ def print_json(document: InspectDoc | FixDoc) -> None:
 
 
 def _stdout() -> Console:
-    return Console(file=sys.stdout, highlight=False, soft_wrap=True)
+    # Piped reports are not cut at rich's default 80 columns, so that names stay greppable.
+    piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(file=sys.stdout, highlight=False, soft_wrap=True, width=200 if piped else None)
 
 
 def _stderr() -> Console:
