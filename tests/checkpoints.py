@@ -20,6 +20,7 @@ files are written with ``torch.save`` / ``safetensors`` exactly as the named tra
 
 from __future__ import annotations
 
+import abc
 import copy
 import inspect
 import json
@@ -116,14 +117,14 @@ class Built:
 # --------------------------------------------------------------------------- models
 
 
-class Net(nn.Module):
+class Net(nn.Module, abc.ABC):
     """A model ``train`` can drive: a fixed example input and ``forward(x, use_all)``."""
 
-    def example_input(self, generator: torch.Generator) -> Tensor:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def example_input(self, generator: torch.Generator) -> Tensor: ...
 
-    def forward(self, x: Tensor, use_all: bool = False) -> Tensor:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def forward(self, x: Tensor, use_all: bool = False) -> Tensor: ...
 
 
 class TwoHeadNet(Net):
