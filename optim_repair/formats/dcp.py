@@ -30,13 +30,12 @@ from typing import Any, BinaryIO, ClassVar, Literal
 
 from optim_repair.errors import InputError, OutputError, RepairRefused, UnsafeInputError, VerificationError
 from optim_repair.formats.encode import tensor_bytes
-from optim_repair.formats.pickled import PickleGraph, Reduced, is_tensor, load_graph, tensor_meta
+from optim_repair.formats.pickled import PickleGraph, load_graph, option_value, state_value, tensor_meta
 from optim_repair.fresh import FreshTensor
 from optim_repair.inventory import (
     ELEMENT_SIZES,
     FileInventory,
     OptimizerInventory,
-    OtherValue,
     ParamGroup,
     ParamKey,
     StateEntry,
@@ -550,33 +549,17 @@ def _read_bytes_entries(directory: Path, meta: DcpMetadata, keys: Sequence[str],
     return values
 
 
-def _state_value(value: Any) -> StateValue:
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
-        return value
-    if is_tensor(value):
-        return OtherValue("Tensor")
-    if isinstance(value, Reduced):
-        return OtherValue(value.func.qualname)
-    return OtherValue(type(value).__name__)
-
-
-def _option_value(value: Any) -> StateValue | tuple[StateValue, ...]:
-    if isinstance(value, (list, tuple)):
-        return tuple(_state_value(item) for item in value)
-    return _state_value(value)
-
-
 # --- Building inventories -------------------------------------------------------------------------
 
 
 def _slot_value(meta: DcpMetadata, key: str, values: Mapping[str, Any]) -> StateValue:
     item = meta.items[key]
-    return item.meta(key) if isinstance(item, DcpTensor) else _state_value(values[key])
+    return item.meta(key) if isinstance(item, DcpTensor) else state_value(values[key], tensors=False)
 
 
 def _option(meta: DcpMetadata, key: str, values: Mapping[str, Any]) -> StateValue | tuple[StateValue, ...]:
     item = meta.items[key]
-    return item.meta(key) if isinstance(item, DcpTensor) else _option_value(values[key])
+    return item.meta(key) if isinstance(item, DcpTensor) else option_value(values[key], tensors=False)
 
 
 def _entries(

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, UnsafeInputError
-from optim_repair.inventory import ELEMENT_SIZES, TensorMeta
+from optim_repair.inventory import ELEMENT_SIZES, OtherValue, StateValue, TensorMeta
 
 LEGACY_STORAGE_DTYPES = {
     "DoubleStorage": "float64",
@@ -294,6 +294,31 @@ def tensor_meta(value: Any) -> TensorMeta | None:
         storage_nbytes=storage.nbytes,
         byte_offset=storage.byte_offset,
     )
+
+
+def state_value(value: Any, *, tensors: bool = True) -> StateValue:
+    """A graph value as the inventory records it: a ``TensorMeta``, a plain scalar, or a type name.
+
+    ``tensors=False`` describes a tensor only as ``OtherValue("tensor")``: for pickles whose storages
+    are not the file's own (a DCP bytes entry).
+    """
+    meta = tensor_meta(value) if tensors else None
+    if meta is not None:
+        return meta
+    if is_tensor(value):
+        return OtherValue("tensor")
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return value
+    if isinstance(value, Reduced):
+        return OtherValue(value.func.qualname)
+    return OtherValue(type(value).__name__)
+
+
+def option_value(value: Any, *, tensors: bool = True) -> StateValue | tuple[StateValue, ...]:
+    """A param group's hyperparameter as the inventory records it (``betas`` stays a tuple)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(state_value(item, tensors=tensors) for item in value)
+    return state_value(value, tensors=tensors)
 
 
 def is_tensor(value: Any) -> bool:

@@ -28,7 +28,9 @@ from optim_repair.formats.pickled import (
     is_tensor,
     load_graph,
     new_tensor,
+    option_value,
     resolve,
+    state_value,
     storage_for,
     tensor_meta,
     walk,
@@ -38,7 +40,6 @@ from optim_repair.inventory import (
     ELEMENT_SIZES,
     FileInventory,
     OptimizerInventory,
-    OtherValue,
     ParamGroup,
     ParamKey,
     StateEntry,
@@ -210,23 +211,6 @@ class _SmallReads:
         return replace(meta, zero_head=not any(self.read(meta, PHANTOM_PROBE_BYTES)))
 
 
-def _state_value(value: Any) -> StateValue:
-    meta = tensor_meta(value)
-    if meta is not None:
-        return meta
-    if is_tensor(value):
-        return OtherValue("tensor")
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
-        return value
-    return OtherValue(type(value).__name__)
-
-
-def _option_value(value: Any) -> StateValue | tuple[StateValue, ...]:
-    if isinstance(value, (tuple, list)):
-        return tuple(_state_value(item) for item in value)
-    return _state_value(value)
-
-
 def _is_optimizer(node: Any) -> bool:
     if not isinstance(node, dict):
         return False
@@ -254,7 +238,7 @@ def _entry(param: ParamKey, value: Any, reads: _SmallReads) -> StateEntry:
         return StateEntry(param, None, "tensor" if is_tensor(value) else type(value).__name__)
     items: list[tuple[str, StateValue]] = []
     for key, item in value.items():
-        converted = _state_value(item)
+        converted = state_value(item)
         if isinstance(converted, TensorMeta):
             converted = reads.scalar(converted)
         items.append((str(key), converted))
@@ -287,7 +271,7 @@ def _optimizer_inventory(
     groups = tuple(
         ParamGroup(
             params=tuple(group["params"]),
-            options=tuple((str(k), _option_value(v)) for k, v in group.items() if k != "params"),
+            options=tuple((str(k), option_value(v)) for k, v in group.items() if k != "params"),
         )
         for group in node["param_groups"]
     )
