@@ -52,6 +52,16 @@ ELEMENT_SIZES: Mapping[str, int] = {
 """Bytes per element of each torch dtype, by the name torch gives it without ``torch.``."""
 
 
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides torch gives a contiguous tensor of ``shape`` (a size-0 dimension counts as 1)."""
+    strides: list[int] = []
+    running = 1
+    for size in reversed(shape):
+        strides.insert(0, running)
+        running *= max(size, 1)
+    return tuple(strides)
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     """A tensor as it is stored: its layout and where its storage lies, not its values."""

@@ -42,6 +42,7 @@ from optim_repair.inventory import (
     StateValue,
     TensorMeta,
     WeightMap,
+    contiguous_strides,
 )
 from optim_repair.repair import AddedValue, Addition
 from optim_repair.verify import Verification
@@ -83,18 +84,14 @@ class DcpTensor:
 
     def meta(self, key: str) -> TensorMeta:
         """The entry as the inventory describes a tensor: contiguous, its storage named by its key."""
-        stride: list[int] = []
-        running = 1
-        for size in reversed(self.size):
-            stride.insert(0, running)
-            running *= max(size, 1)
+        stride = contiguous_strides(self.size)
         numel = 1
         for size in self.size:
             numel *= size
         return TensorMeta(
             dtype=self.dtype,
             shape=self.size,
-            stride=tuple(stride),
+            stride=stride,
             storage=key,
             storage_offset=0,
             storage_nbytes=numel * ELEMENT_SIZES.get(self.dtype, 1),

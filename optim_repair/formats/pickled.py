@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, UnsafeInputError
-from optim_repair.inventory import ELEMENT_SIZES, OtherValue, StateValue, TensorMeta
+from optim_repair.inventory import ELEMENT_SIZES, OtherValue, StateValue, TensorMeta, contiguous_strides
 
 LEGACY_STORAGE_DTYPES = {
     "DoubleStorage": "float64",
@@ -357,13 +357,8 @@ def resolve(root: Any, address: tuple[Any, ...]) -> Any:
 
 def new_tensor(storage: StorageRef, shape: tuple[int, ...]) -> Reduced:
     """A contiguous tensor stand-in over a whole new storage, pickled as torch itself would."""
-    stride: list[int] = []
-    running = 1
-    for size in reversed(shape):
-        stride.insert(0, running)
-        running *= max(size, 1)
     rebuild = GlobalRef("torch._utils", "_rebuild_tensor_v2")
-    return rebuild(storage, 0, tuple(shape), tuple(stride), False, collections.OrderedDict())
+    return rebuild(storage, 0, tuple(shape), contiguous_strides(shape), False, collections.OrderedDict())
 
 
 def storage_for(key: str, dtype: str, numel: int, *, legacy: bool, location: str = "cpu") -> StorageRef:

@@ -7,7 +7,7 @@ import struct
 from pathlib import Path
 
 from optim_repair.errors import InputError
-from optim_repair.inventory import TensorMeta, WeightMap
+from optim_repair.inventory import TensorMeta, WeightMap, contiguous_strides
 
 _DTYPES = {
     "F64": "float64",
@@ -28,15 +28,6 @@ _DTYPES = {
     "F8_E5M2": "float8_e5m2",
 }
 _MAX_HEADER = 100 * 1024 * 1024
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides: list[int] = []
-    running = 1
-    for size in reversed(shape):
-        strides.insert(0, running)
-        running *= max(size, 1)
-    return tuple(strides)
 
 
 def read_weights(path: Path, source: str) -> WeightMap:
@@ -66,5 +57,6 @@ def read_weights(path: Path, source: str) -> WeightMap:
             dtype = _DTYPES.get(info["dtype"], str(info["dtype"]).lower())
         except (KeyError, TypeError, ValueError):
             raise InputError(f"{source}: not a safetensors file (bad entry {name!r})") from None
-        tensors.append((name, TensorMeta(dtype, shape, _contiguous(shape), name, 0, end - start, 8 + length + start)))
+        meta = TensorMeta(dtype, shape, contiguous_strides(shape), name, 0, end - start, 8 + length + start)
+        tensors.append((name, meta))
     return WeightMap(source, tuple(tensors))
