@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import struct
 import zipfile
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any, BinaryIO
 from optim_repair.errors import InputError, VerificationError
 from optim_repair.formats.encode import tensor_bytes
 from optim_repair.formats.pickled import GlobalRef, Reduced, StorageRef, tensor_meta
-from optim_repair.formats.torchfile import TorchFile, describe_address, open_torch_file
+from optim_repair.formats.torchfile import ZIP_ERRORS, TorchFile, describe_address, open_torch_file
 from optim_repair.fresh import FreshTensor
 from optim_repair.inventory import ParamKey
 from optim_repair.repair import Addition
@@ -169,7 +168,7 @@ def verify_torch_file(original: Path, copy: Path, source: str, additions: Sequen
     with original.open("rb") as a, copy.open("rb") as b:
         try:
             _same_framing(before, after, a, b, source)
-        except (zipfile.BadZipFile, EOFError, NotImplementedError, UnicodeDecodeError, zlib.error) as exc:
+        except ZIP_ERRORS as exc:
             raise VerificationError(f"{source}: the copy cannot be read back ({exc}); the copy was removed") from None
     comparison = _GraphComparison(source, additions)
     comparison.same(before.graph.root, after.graph.root, ())

@@ -132,15 +132,19 @@ def _missing(key: str, names: tuple[str, ...] = HEAD) -> dict[Site, tuple[str, .
     return {Site("", (key,)): names}
 
 
-def unirl_dcp(root: Path, optimizer: str = "adamw", flatten: bool = False) -> Built:
-    """UniRL's DCP checkpoint: ``checkpoint-<step>/`` with ``model``, ``optim`` and ``metadata.pt``."""
+def _unirl_state(optimizer: str, flatten: bool) -> dict[str, Any]:
+    """What UniRL hands ``dcp.save``: the model and its optimizer, after ``trained(optimizer)``."""
     run = trained(optimizer)
-    path = root / f"checkpoint-{PRE_STEPS}"
-    state = {
+    return {
         "model": get_model_state_dict(run.model),
         "optim": get_optimizer_state_dict(run.model, run.optimizer, options=options(flatten)),
     }
-    save(state, checkpoint_id=path)
+
+
+def unirl_dcp(root: Path, optimizer: str = "adamw", flatten: bool = False) -> Built:
+    """UniRL's DCP checkpoint: ``checkpoint-<step>/`` with ``model``, ``optim`` and ``metadata.pt``."""
+    path = root / f"checkpoint-{PRE_STEPS}"
+    save(_unirl_state(optimizer, flatten), checkpoint_id=path)
     torch.save({"step": PRE_STEPS, "optimizer_step_count": PRE_STEPS, "save_mode": "full"}, path / "metadata.pt")
     return Built(path, _missing("optim"))
 
@@ -244,13 +248,8 @@ def save_two_ranks(state: Mapping[str, Any], path: Path) -> None:
 
 def sharded_dcp(root: Path, optimizer: str = "adamw", flatten: bool = False) -> Built:
     """``unirl_dcp`` as two FSDP ranks write it: each tensor in two dim-0 chunks, one file per rank."""
-    run = trained(optimizer)
     path = root / f"checkpoint-{PRE_STEPS}"
-    state = {
-        "model": get_model_state_dict(run.model),
-        "optim": get_optimizer_state_dict(run.model, run.optimizer, options=options(flatten)),
-    }
-    save_two_ranks(state, path)
+    save_two_ranks(_unirl_state(optimizer, flatten), path)
     return Built(path, _missing("optim"))
 
 

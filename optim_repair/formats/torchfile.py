@@ -54,7 +54,8 @@ ALIGNMENT = 64
 _CHUNK = 1 << 22
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _PADDING_FIELD = b"FB"
-_ZIP_ERRORS = (zipfile.BadZipFile, EOFError, UnicodeDecodeError, NotImplementedError, zlib.error)
+ZIP_ERRORS = (zipfile.BadZipFile, EOFError, UnicodeDecodeError, NotImplementedError, zlib.error)
+"""What zipfile raises on a damaged archive (NotImplementedError: an unknown compression method)."""
 """What ``zipfile`` raises on a damaged archive (a bad CRC, a mangled header, an unknown method)."""
 PHANTOM_PROBE_BYTES = 4096
 """How many leading bytes of a moment inspect reads, only when every ``step`` of an optimizer is 1."""
@@ -108,7 +109,7 @@ def _data_offset(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> int:
 def _open_zip(path: Path, source: str) -> TorchFile:
     try:
         archive = zipfile.ZipFile(path)
-    except (*_ZIP_ERRORS, zipfile.LargeZipFile, ValueError) as exc:
+    except (*ZIP_ERRORS, zipfile.LargeZipFile, ValueError) as exc:
         raise InputError(f"{source}: damaged zip archive ({exc})") from None
     with archive:
         records = archive.infolist()
@@ -121,7 +122,7 @@ def _open_zip(path: Path, source: str) -> TorchFile:
         prefix = pickles[0].filename[: -len("data.pkl")]
         try:
             data = archive.read(pickles[0])
-        except (*_ZIP_ERRORS, OSError) as exc:
+        except (*ZIP_ERRORS, OSError) as exc:
             raise InputError(f"{source}: damaged zip archive ({exc})") from None
         graph = load_graph(data, source)
         by_name = {info.filename: info for info in records}
@@ -442,5 +443,5 @@ def write_torch_file(src: Path, source: str, additions: Sequence[Addition], dest
             _write_zip(torch_file, data, created, dest)
         else:
             _write_legacy(torch_file, data, created, dest)
-    except _ZIP_ERRORS as exc:
+    except ZIP_ERRORS as exc:
         raise InputError(f"{source}: damaged zip archive ({exc})") from None
