@@ -1,3 +1,5 @@
+"""``python -m optim_repair``: the same command as ``optim-repair``."""
+
 from optim_repair.cli import main
 
 main()

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from optim_repair.checkpoint import read_checkpoint, read_model_weights
 from optim_repair.diagnose import Diagnosis, diagnose
-from optim_repair.repair import Fill, RepairPlan, plan_repair
+from optim_repair.discovery import discover
+from optim_repair.output import Progress, write_copy
+from optim_repair.reading import read_discovered, read_model_weights
+from optim_repair.repair import plan_repair
+from optim_repair.repair_plan import Fill, RepairPlan
 from optim_repair.verify import Verification
-from optim_repair.writer import Progress, write_copy
 
 
 def inspect(path: str | Path) -> Diagnosis:
@@ -18,11 +20,30 @@ def inspect(path: str | Path) -> Diagnosis:
     Reads no tensor bytes (only ``step`` values); never unpickles unsafely.
     Raises ``optim_repair.errors.InputError`` when there is nothing to inspect.
     """
-    return diagnose(read_checkpoint(Path(path)))
+    return diagnose(read_discovered(discover(Path(path))))
+
+
+def plan(
+    checkpoint: str | Path | Diagnosis,
+    *,
+    fill: Fill | None = None,
+    optimizer: str | None = None,
+    model: str | Path | None = None,
+) -> RepairPlan:
+    """What ``fix`` would add, and with what, without writing anything (a dry run).
+
+    ``checkpoint`` is a path, or the ``Diagnosis`` that ``inspect`` returned for it.
+    Raises ``RepairRefused`` when no repair can be built as asked.
+    """
+    diagnosis = checkpoint if isinstance(checkpoint, Diagnosis) else inspect(checkpoint)
+    weights = read_model_weights(Path(model)) if model is not None else ()
+    return plan_repair(diagnosis, fill, optimizer=optimizer, model_weights=weights)
 
 
 @dataclass(frozen=True)
 class FixResult:
+    """What ``fix`` found, added, wrote and proved."""
+
     diagnosis: Diagnosis
     plan: RepairPlan
     out: Path
@@ -30,7 +51,7 @@ class FixResult:
 
 
 def fix(
-    path: str | Path,
+    checkpoint: str | Path | Diagnosis,
     out: str | Path,
     *,
     fill: Fill | None = None,
@@ -40,14 +61,18 @@ def fix(
     link: bool = False,
     progress: Progress = lambda message: None,
 ) -> FixResult:
-    """Write a repaired copy of ``path`` to ``out``, verified from disk; ``path`` is never modified.
+    """Write a repaired copy of ``checkpoint`` to ``out``, verified from disk; the input is never modified.
 
+    ``checkpoint`` is a path, or the ``Diagnosis`` that ``inspect`` returned for it (not read again).
     ``fill`` is ``"empty"`` (add ``{}``; the default for torch files) or ``"fresh"`` (the exact state
     the optimizer creates on a first step; the default for DCP). Raises an ``OptimRepairError``
     subclass, leaving nothing at ``out``, when the input is malformed or the copy cannot be made.
     """
-    diagnosis = inspect(path)
-    weights = read_model_weights(Path(model)) if model is not None else ()
-    plan = plan_repair(diagnosis, fill, optimizer=optimizer, model_weights=weights)
-    verification = write_copy(diagnosis.inventory, plan, Path(out), force=force, link=link, progress=progress)
-    return FixResult(diagnosis, plan, Path(out), verification)
+    if isinstance(checkpoint, Diagnosis):
+        diagnosis, found = checkpoint, discover(Path(checkpoint.inventory.path))
+    else:
+        found = discover(Path(checkpoint))
+        diagnosis = diagnose(read_discovered(found))
+    repair = plan(diagnosis, fill=fill, optimizer=optimizer, model=model)
+    verification = write_copy(found, diagnosis.inventory, repair, Path(out), force=force, link=link, progress=progress)
+    return FixResult(diagnosis, repair, Path(out), verification)

@@ -115,7 +115,7 @@ def _load(checkpoint: Path, loader: str = STOCK) -> Any:
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    from optim_repair.loader import set_optimizer_state_dict as lazy_set_optimizer_state_dict
+    from optim_repair.torch_loader import set_optimizer_state_dict as lazy_set_optimizer_state_dict
 
     saved = torch.load(checkpoint / "checkpoint.pt", weights_only=True)
     model = _model()

@@ -7,8 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from optim_repair.errors import RepairRefused
-from optim_repair.fresh import identify_optimizer
+from optim_repair.identify import guess_optimizer
 from optim_repair.inventory import (
     CheckpointInventory,
     OptimizerInventory,
@@ -17,26 +16,9 @@ from optim_repair.inventory import (
     TensorMeta,
     WeightMap,
 )
+from optim_repair.optimizers import PARAM_SHAPED_KEYS
 
 Verdict = Literal["healthy", "repairable", "malformed"]
-
-MOMENT_KEYS = frozenset(
-    {
-        "exp_avg",
-        "exp_avg_sq",
-        "max_exp_avg_sq",
-        "exp_inf",
-        "square_avg",
-        "grad_avg",
-        "acc_delta",
-        "momentum_buffer",
-        "prev",
-        "step_size",
-        "ax",
-        "sum",
-    }
-)
-"""State keys that hold a tensor shaped like the parameter (``momentum_buffer`` may also be None)."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +88,9 @@ def _bad_entries(entry: StateEntry) -> list[Malformed]:
     return [
         Malformed(entry.param, "bad-entry", f"{key} is {_kind(value)}, not a tensor")
         for key, value in entry.values or ()
-        if key in MOMENT_KEYS and not isinstance(value, TensorMeta) and not (key == "momentum_buffer" and value is None)
+        if key in PARAM_SHAPED_KEYS
+        and not isinstance(value, TensorMeta)
+        and not (key == "momentum_buffer" and value is None)
     ]
 
 
@@ -138,7 +122,9 @@ def _partial(optimizer: OptimizerInventory) -> list[Malformed]:
 
 
 def _shape_mismatches(entry: StateEntry, weights: dict[str, TensorMeta]) -> list[Malformed]:
-    shaped = [(key, value) for key, value in entry.values or () if key in MOMENT_KEYS and isinstance(value, TensorMeta)]
+    shaped = [
+        (key, value) for key, value in entry.values or () if key in PARAM_SHAPED_KEYS and isinstance(value, TensorMeta)
+    ]
     param = weights.get(entry.param) if isinstance(entry.param, str) else None
     if param is not None:
         reference = ("the parameter", param.shape)
@@ -165,7 +151,7 @@ def _is_phantom(optimizer: OptimizerInventory) -> bool:
         step = entry.get("step")
         if not isinstance(step, TensorMeta) or step.value != 1:
             return False
-        moments = [v for k, v in entry.values or () if k in MOMENT_KEYS and isinstance(v, TensorMeta)]
+        moments = [v for k, v in entry.values or () if k in PARAM_SHAPED_KEYS and isinstance(v, TensorMeta)]
         if not moments or not all(moment.zero_head for moment in moments):
             return False
     return True
@@ -180,10 +166,7 @@ def _stock_loader_phantom(optimizer: OptimizerInventory, missing: int, empty: in
     """
     if not (missing or empty) or optimizer.key_style != "name":
         return None
-    try:
-        kind = identify_optimizer(optimizer.groups, optimizer.entries)
-    except RepairRefused:
-        kind = "an unidentified optimizer"
+    kind = guess_optimizer(optimizer.groups, optimizer.entries) or "an unidentified optimizer"
     if kind in ("rmsprop", "adadelta"):
         return None
     if kind == "sgd" and not any(g.option("momentum") and g.option("dampening") for g in optimizer.groups):
@@ -273,7 +256,7 @@ def diagnose(inventory: CheckpointInventory) -> Diagnosis:
         weights = (*file.weights, *inventory.weights)
         optimizers.extend(diagnose_optimizer(optimizer, weights) for optimizer in file.optimizers)
     warnings = []
-    unsafe = [skip for skip in inventory.skipped if "refuses to load" in skip.reason]
+    unsafe = [skip for skip in inventory.skipped if skip.unsafe]
     if unsafe:
         warnings.append(
             Notice(

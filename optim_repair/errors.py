@@ -1,13 +1,21 @@
-"""The one exception tree of optim-repair.
+"""The one exception tree of optim-repair, whose classes carry the exit code and structured fields.
 
-Every error a user can cause is an ``OptimRepairError``; its class carries the process exit
-code, and the CLI maps it to a one-line message in exactly one place.
+Every error a user can cause is an ``OptimRepairError``. It says *what* is wrong (``reason``),
+*where* (``path``: a file, or a file and a place inside it) and, when one argument would resolve
+it, *which* (``remedy``); foreign errors (``OSError``, ``zipfile.BadZipFile``, ...) are translated
+where they are caught and kept as ``__cause__``. ``str(error)`` words a remedy for Python callers;
+the CLI words it as a flag, in the one place that maps errors to messages.
 """
 
 from __future__ import annotations
 
+import enum
+import os
+from dataclasses import dataclass
+from typing import ClassVar
 
-class ExitCode:
+
+class ExitCode(enum.IntEnum):
     """Exit codes are part of the interface: documented in the README and docs/."""
 
     OK = 0
@@ -16,20 +24,52 @@ class ExitCode:
     MALFORMED = 3
     INPUT = 4
     OUTPUT = 5
-    INTERRUPTED = 130
-    """Interrupted (Ctrl-C); nothing was written."""
     INTERNAL = 70
     """A bug in optim-repair (EX_SOFTWARE), never an input problem."""
+    INTERRUPTED = 130
+    """Interrupted (Ctrl-C); nothing was written."""
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """The argument of ``optim_repair.fix`` that would resolve an error, and how to give it."""
+
+    option: str
+    """The keyword argument: ``optimizer``, ``model``, ``fill``, ``force``."""
+    value: str = ""
+    """What to pass, as words (``NAME``, ``fresh``); empty for a switch such as ``force``."""
+    note: str = ""
+    """What follows, in words that fit either vocabulary: `` (one of: adam, adamw, ...)``."""
+
+    def as_python(self) -> str:
+        value = repr(self.value) if self.value.islower() else self.value
+        return f"pass {self.option}={value or 'True'}{self.note}"
 
 
 class OptimRepairError(Exception):
     """Base of every error optim-repair reports to a user."""
 
-    exit_code = ExitCode.INPUT
+    exit_code: ClassVar[ExitCode] = ExitCode.INPUT
+
+    def __init__(
+        self, reason: str, *, path: str | os.PathLike[str] | None = None, remedy: Remedy | None = None
+    ) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.path = None if path is None else os.fspath(path)
+        self.remedy = remedy
+
+    def __str__(self) -> str:
+        return self.describe(self.remedy.as_python() if self.remedy else "")
+
+    def describe(self, remedy: str) -> str:
+        """The one-line message, with ``remedy`` (already worded) after the reason."""
+        text = f"{self.path}: {self.reason}" if self.path else self.reason
+        return f"{text}; {remedy}" if remedy else text
 
 
 class UsageError(OptimRepairError):
-    """The command line asks for something contradictory or impossible."""
+    """The call asks for something contradictory or impossible."""
 
     exit_code = ExitCode.USAGE
 

@@ -6,60 +6,21 @@ Readers in ``optim_repair.formats`` produce these frozen dataclasses; everything
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
+
+from optim_repair.dtypes import itemsize, numel
 
 ParamKey = str | int
 """A parameter's key in an optimizer state dict: its name, or its integer index."""
 
 Scalar = None | bool | int | float | complex | str | bytes
 
-ELEMENT_SIZES: Mapping[str, int] = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "uint16": 2,
-    "uint32": 4,
-    "uint64": 8,
-    "bool": 1,
-    "complex128": 16,
-    "complex64": 8,
-    "complex32": 4,
-    "qint8": 1,
-    "qint32": 4,
-    "quint8": 1,
-    "quint4x2": 1,
-    "quint2x4": 1,
-    "float8_e4m3fn": 1,
-    "float8_e4m3fnuz": 1,
-    "float8_e5m2": 1,
-    "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1,
-    "float4_e2m1fn_x2": 1,
-    "bits8": 1,
-    "bits16": 2,
-    "bits1x8": 1,
-    "bits2x4": 1,
-    "bits4x2": 1,
-}
-"""Bytes per element of each torch dtype, by the name torch gives it without ``torch.``."""
 
-
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides torch gives a contiguous tensor of ``shape`` (a size-0 dimension counts as 1)."""
-    strides: list[int] = []
-    running = 1
-    for size in reversed(shape):
-        strides.insert(0, running)
-        running *= max(size, 1)
-    return tuple(strides)
+def key_style(keys: Iterable[ParamKey]) -> Literal["name", "index"]:
+    """How an optimizer state dict keys its parameters: by name when any key is a name."""
+    return "name" if any(isinstance(key, str) for key in keys) else "index"
 
 
 @dataclass(frozen=True)
@@ -74,8 +35,6 @@ class TensorMeta:
     storage_offset: int
     """Offset of the tensor's first element in its storage, in elements."""
     storage_nbytes: int
-    byte_offset: int | None = None
-    """Where the storage's bytes start in the file, when the format stores it contiguously."""
     value: float | int | bool | complex | None = None
     """The value of a one-element tensor (``step``), when the reader read its few bytes."""
     zero_head: bool | None = None
@@ -83,17 +42,11 @@ class TensorMeta:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return numel(self.shape)
 
     @property
     def nbytes(self) -> int:
-        return self.numel * ELEMENT_SIZES.get(self.dtype, 1)
-
-    def is_zero_dim(self) -> bool:
-        return self.shape == ()
+        return self.numel * itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -211,6 +164,8 @@ class Skipped:
 
     file: str
     reason: str
+    unsafe: bool = False
+    """Whether it was skipped because loading it would import code (``weights_only`` refuses it)."""
 
 
 @dataclass(frozen=True)

@@ -1,44 +1,15 @@
-"""Repair plans: which state entries to add, with what. Pure: never touches disk."""
+"""Deciding a repair plan: which state entries to add, with what. Pure: never touches disk."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
 
-from optim_repair.diagnose import MOMENT_KEYS, Diagnosis, OptimizerDiagnosis
+from optim_repair.diagnose import Diagnosis, OptimizerDiagnosis
 from optim_repair.errors import RepairRefused, UsageError
-from optim_repair.fresh import OPTIMIZERS, FreshTensor, ParamSpec, fresh_state, identify_optimizer
-from optim_repair.inventory import ParamKey, Scalar, TensorMeta, WeightMap
-
-Fill = Literal["empty", "fresh"]
-PlanFill = Literal["empty", "fresh", "mixed"]
-"""A plan's fill: ``mixed`` when a directory's torch files got ``{}`` and its DCP checkpoints fresh state."""
-
-AddedValue = FreshTensor | Scalar
-
-
-@dataclass(frozen=True)
-class Addition:
-    """One state entry to add to one optimizer."""
-
-    file: str
-    location: str
-    address: tuple[ParamKey, ...]
-    param: ParamKey
-    state: tuple[tuple[str, AddedValue], ...]
-    """The entry's keys and values; () adds ``{}``."""
-
-
-@dataclass(frozen=True)
-class RepairPlan:
-    fill: PlanFill
-    additions: tuple[Addition, ...]
-    optimizers: tuple[tuple[str, str, str], ...] = ()
-    """For a fresh fill: (file, location, optimizer kind) of each optimizer the plan fills."""
-
-    def for_file(self, file: str) -> tuple[Addition, ...]:
-        return tuple(addition for addition in self.additions if addition.file == file)
+from optim_repair.identify import identify_optimizer
+from optim_repair.inventory import ParamKey, TensorMeta, WeightMap
+from optim_repair.optimizers import OPTIMIZERS, PARAM_SHAPED_KEYS, ParamSpec, fresh_state
+from optim_repair.repair_plan import Addition, Fill, FilledOptimizer, PlanFill, RepairPlan
 
 
 def default_fill(format: str) -> Fill:
@@ -61,7 +32,7 @@ def _fits(opt: OptimizerDiagnosis, lookup: dict[str, TensorMeta]) -> bool:
     for entry in opt.optimizer.entries:
         param = lookup.get(entry.param) if isinstance(entry.param, str) else None
         for key, value in entry.values or ():
-            if param is None or key not in MOMENT_KEYS or not isinstance(value, TensorMeta):
+            if param is None or key not in PARAM_SHAPED_KEYS or not isinstance(value, TensorMeta):
                 continue
             if value.shape != param.shape:
                 return False
@@ -151,7 +122,7 @@ def plan_repair(
     _check_arguments(fill, optimizer)
     _refuse_malformed(diagnosis)
     additions: list[Addition] = []
-    kinds: list[tuple[str, str, str]] = []
+    kinds: list[FilledOptimizer] = []
     fills: set[Fill] = set()
     for opt in diagnosis.optimizers:
         if not opt.missing:
@@ -171,7 +142,7 @@ def plan_repair(
         where = f"{inv.file or diagnosis.inventory.path}:{inv.location or '<root>'}"
         weights = tuple(model_weights) or (*file.weights, *diagnosis.inventory.weights)
         kind, fresh = _fresh_additions(opt, optimizer, weights, where, stores_empty=file.format != "dcp")
-        kinds.append((inv.file, inv.location, kind))
+        kinds.append(FilledOptimizer(inv.file, inv.location, kind))
         additions.extend(fresh)
     described: PlanFill = fill or default_fill(diagnosis.inventory.format)
     if fill is None and fills:

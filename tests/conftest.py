@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from tests import checkpoints as ck
+from tests import models
 from tests.checkpoints import Built
 
 CLI_ENV: Mapping[str, str] = {"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
@@ -84,7 +85,7 @@ def malformed_checkpoint(request: pytest.FixtureRequest, root: Path) -> Built:
     return ck.MALFORMED[name](root)
 
 
-@pytest.fixture(params=ck.OPTIMIZER_NAMES)
+@pytest.fixture(params=models.OPTIMIZER_NAMES)
 def optimizer_name(request: pytest.FixtureRequest) -> str:
     """Every optimizer name ``make_optimizer`` accepts."""
     name: str = request.param

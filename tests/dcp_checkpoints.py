@@ -44,10 +44,11 @@ from torch.distributed.checkpoint.state_dict_saver import save
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LinearLR
 
-from optim_repair.fresh import FreshTensor
+from optim_repair.formats.dcp import read_dcp, write_dcp
 from optim_repair.inventory import FileInventory, OptimizerInventory
-from optim_repair.repair import Addition
-from tests.checkpoints import Built, Net, Site, make_optimizer, train
+from optim_repair.repair_plan import Addition, FreshTensor
+from tests.checkpoints import Built, Site
+from tests.models import Net, make_optimizer, train
 
 PRE_STEPS = 3
 """Steps before the checkpoint, in which ``head`` gets no gradient."""
@@ -345,3 +346,25 @@ def with_transform(path: Path, key: str, descriptor: str) -> None:
     metadata.storage_data[MetadataIndex(key)].transform_descriptors = [descriptor]
     with (path / ".metadata").open("wb") as stream:
         pickle.dump(metadata, stream)
+
+
+def files(path: Path) -> dict[str, bytes]:
+    """Every file under ``path`` by relative name, with its bytes."""
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def repaired(built: Built, kinds: dict[str, str], dest: Path, *, link: bool = False) -> tuple[Addition, ...]:
+    """Write ``built`` repaired with hand-written fresh state into ``dest``; returns the additions."""
+    additions = additions_for(read_dcp(built.path, ""), kinds)
+    dest.mkdir()
+    write_dcp(built.path, additions, dest, link=link)
+    return additions
+
+
+def by_name(opt: OptimizerInventory) -> dict[object, dict[str, object]]:
+    return {entry.param: dict(entry.values or ()) for entry in opt.entries}
+
+
+def only(inventory: FileInventory) -> OptimizerInventory:
+    (opt,) = inventory.optimizers
+    return opt

@@ -24,6 +24,7 @@ import torch
 import optim_repair
 from optim_repair.api import FixResult
 from optim_repair.formats.torchfile import open_torch_file
+from optim_repair.inventory import ParamGroup
 from tests.checkpoints import Built, ParamKey
 
 Snapshot = dict[str, tuple[str, int, int, int]]
@@ -234,3 +235,9 @@ def make_writable(path: Path) -> None:
     entries = [path] if path.is_file() else [path, *sorted(path.rglob("*"))]
     for entry in entries:
         entry.chmod(stat.S_IMODE(entry.stat().st_mode) | stat.S_IWUSR)
+
+
+def group_of(group: dict[str, Any]) -> ParamGroup:
+    """The inventory's view of one saved param group (its options as plain values)."""
+    options = tuple((k, v) for k, v in group.items() if k not in ("params", "param_names"))
+    return ParamGroup(params=tuple(group["params"]), options=options)

@@ -15,6 +15,7 @@ import torch
 from typer.testing import Result
 
 from tests import checkpoints as ck
+from tests import models
 from tests.checkpoints import Built
 from tests.conftest import run_cli
 from tests.support import assert_fixed_copy, assert_nothing_written, installed_command, untouched
@@ -75,7 +76,7 @@ def test_inspect_bug_report_json(bug_report_checkpoint: Built) -> None:
                                  "cold")} == {
         "file": "checkpoint.pt", "location": "optimizer_state_dict", "key_style": "name", "groups": 1, "params": 40,
         "states": 36, "empty": [], "malformed": [], "cold": False}
-    assert opt["missing"] == list(ck.BUG_REPORT_MISSING)
+    assert opt["missing"] == list(models.BUG_REPORT_MISSING)
 
 
 @pytest.mark.parametrize("factory", ["unirl_torch", "petrainer", "hf_trainer", "accelerate", "lightning",
@@ -302,9 +303,9 @@ def test_human_reports_show_paths_and_names_verbatim(tmp_path: Path) -> None:
     """Brackets in a path or a parameter name are text, not rich markup (``run[lr=1e-3]``, ``x[red].ckpt``)."""
     directory = tmp_path / "run[lr]"
     directory.mkdir()
-    model = ck.TwoHeadNet()
-    opt = ck.make_optimizer(model)
-    ck.train(model, opt, 1)
+    model = models.TwoHeadNet()
+    opt = models.make_optimizer(model)
+    models.train(model, opt, 1)
     sd = opt.state_dict()
     sd["param_groups"][0]["params"] = [f"w[{i}]" for i in sd["param_groups"][0]["params"]]
     sd["state"] = {f"w[{i}]": entry for i, entry in sd["state"].items()}

@@ -10,6 +10,7 @@ import optim_repair
 from optim_repair.diagnose import diagnose_optimizer
 from optim_repair.inventory import OptimizerInventory, ParamGroup, ParamKey, StateEntry, TensorMeta, WeightMap
 from tests import checkpoints as ck
+from tests import models
 from tests.checkpoints import Built
 
 # ---------------------------------------------------------------- real checkpoints
@@ -26,7 +27,7 @@ def test_the_bug_report_reproducer(bug_report_checkpoint: Built) -> None:
     (opt,) = diagnosis.optimizers
     assert (opt.optimizer.file, opt.optimizer.location, opt.optimizer.key_style) == (
         "checkpoint.pt", "optimizer_state_dict", "name")
-    assert opt.missing == ck.BUG_REPORT_MISSING
+    assert opt.missing == models.BUG_REPORT_MISSING
     assert (len(opt.optimizer.groups), opt.params, len(opt.optimizer.entries)) == (1, 40, 36)
     assert opt.empty == () and opt.malformed == () and not opt.cold
     assert "cold" not in [w.code for w in opt.warnings] and "phantom-step" not in [w.code for w in opt.warnings]

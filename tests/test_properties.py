@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from optim_repair.verify import verify_torch_file
-from tests import checkpoints as ck
+from tests import models
 from tests.support import assert_copy_faithful, fix, load
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64, torch.int64, torch.uint8,
@@ -27,7 +27,7 @@ PROPERTY_SETTINGS = settings(max_examples=25, deadline=None, suppress_health_che
 @functools.cache
 def _trained(key_style: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """A real AdamW state (``head_unused.*`` absent) and its model's weights."""
-    r = ck.run(steps=2)
+    r = models.run(steps=2)
     sd = get_optimizer_state_dict(r.model, r.optimizer) if key_style == "name" else r.optimizer.state_dict()
     return sd, r.model.state_dict()
 

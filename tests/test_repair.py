@@ -9,17 +9,18 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 import optim_repair
-from optim_repair.checkpoint import read_checkpoint
 from optim_repair.diagnose import diagnose
 from optim_repair.errors import RepairRefused, UsageError
-from optim_repair.fresh import FreshTensor
+from optim_repair.reading import read_checkpoint
 from optim_repair.repair import plan_repair
+from optim_repair.repair_plan import FreshTensor
 from tests import checkpoints as ck
+from tests import models
 
 
-def _optimizer_only(root: Path, optimizer: str = "adamw") -> tuple[Path, ck.Run]:
+def _optimizer_only(root: Path, optimizer: str = "adamw") -> tuple[Path, models.Run]:
     """A name-keyed optimizer saved alone, with no model weights in the file."""
-    r = ck.run(optimizer=optimizer)
+    r = models.run(optimizer=optimizer)
     path = root / "optimizer.pt"
     torch.save({"optimizer": get_optimizer_state_dict(r.model, r.optimizer)}, path)
     return path, r
@@ -102,9 +103,9 @@ def test_rprop_step_size_comes_from_the_params_group(root: Path) -> None:
 
 
 def test_unknown_optimizer_is_refused_listing_the_choices(root: Path, tmp_path: Path) -> None:
-    model = ck.TwoHeadNet()
+    model = models.TwoHeadNet()
     optimizer = torch.optim.Adagrad(model.parameters())
-    ck.train(model, optimizer, 2)
+    models.train(model, optimizer, 2)
     state = get_optimizer_state_dict(model, optimizer)
     del state["state"]["head_unused.weight"]  # Adagrad creates state eagerly: remove one entry
     path = root / "adagrad.pt"

@@ -13,17 +13,13 @@ import torch
 
 import optim_repair
 from optim_repair.errors import InputError, OptimRepairError, UnsafeInputError
-from optim_repair.formats.torchfile import (
-    ALIGNMENT,
-    PHANTOM_PROBE_BYTES,
-    find_optimizers,
-    open_torch_file,
-    read_inventory,
-    write_torch_file,
-)
+from optim_repair.formats.torchfile import open_torch_file, read_inventory, write_torch_file
+from optim_repair.formats.torchfile.reader import PHANTOM_PROBE_BYTES, find_optimizers
+from optim_repair.formats.torchfile.zipformat import ALIGNMENT
 from optim_repair.inventory import OtherValue, TensorMeta
-from optim_repair.repair import Addition
+from optim_repair.repair_plan import Addition
 from tests import checkpoints as ck
+from tests import models
 from tests.checkpoints import Built
 from tests.support import (
     assert_copy_faithful,
@@ -115,9 +111,9 @@ def test_optimizers_are_found_by_structure_anywhere(
 
 
 def test_structure_not_names_decides(tmp_path: Path) -> None:
-    model = ck.TwoHeadNet()
-    opt = ck.make_optimizer(model)
-    ck.train(model, opt, 1)
+    model = models.TwoHeadNet()
+    opt = models.make_optimizer(model)
+    models.train(model, opt, 1)
     sd = opt.state_dict()
     payload = {
         "whatever": {"deep": [None, {"x": sd}]},
@@ -315,7 +311,7 @@ def test_zip_copy_keeps_records_and_alignment(root: Path, tmp_path: Path) -> Non
 
 
 def test_write_with_fresh_tensors_creates_new_storages(root: Path, tmp_path: Path) -> None:
-    from optim_repair.fresh import FreshTensor
+    from optim_repair.repair_plan import FreshTensor
 
     for built in (ck.unirl_torch(root / "z"), ck.legacy_format(root / "l")):
         src = built.file()
@@ -338,8 +334,8 @@ def test_legacy_copy_keeps_the_header(root: Path, tmp_path: Path) -> None:
     write_torch_file(built.path, "in", _additions(built), out)
     before, after = open_torch_file(built.path, "in"), open_torch_file(out, "out")
     assert after.kind == "torch-legacy"
-    assert built.path.read_bytes()[: before.legacy_main_start] == out.read_bytes()[: after.legacy_main_start]
-    assert struct.unpack("<q", out.read_bytes()[after.legacy_storage_start : after.legacy_storage_start + 8])[0] > 0
+    assert built.path.read_bytes()[: before.main_start] == out.read_bytes()[: after.main_start]
+    assert struct.unpack("<q", out.read_bytes()[after.storage_start : after.storage_start + 8])[0] > 0
 
 
 @pytest.mark.parametrize("protocol", [2, 3, 4, 5])

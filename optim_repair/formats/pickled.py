@@ -9,38 +9,17 @@ change one dict and leave everything else as it was.
 
 from __future__ import annotations
 
-import _compat_pickle
 import collections
 import io
 import pickle
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from optim_repair.dtypes import DTYPES, LEGACY_STORAGES, contiguous_strides, itemsize
 from optim_repair.errors import InputError, UnsafeInputError
-from optim_repair.inventory import ELEMENT_SIZES, OtherValue, StateValue, TensorMeta, contiguous_strides
-
-LEGACY_STORAGE_DTYPES = {
-    "DoubleStorage": "float64",
-    "FloatStorage": "float32",
-    "HalfStorage": "float16",
-    "LongStorage": "int64",
-    "IntStorage": "int32",
-    "ShortStorage": "int16",
-    "CharStorage": "int8",
-    "ByteStorage": "uint8",
-    "BoolStorage": "bool",
-    "BFloat16Storage": "bfloat16",
-    "ComplexDoubleStorage": "complex128",
-    "ComplexFloatStorage": "complex64",
-    "QInt8Storage": "qint8",
-    "QInt32Storage": "qint32",
-    "QUInt8Storage": "quint8",
-    "QUInt4x2Storage": "quint4x2",
-    "QUInt2x4Storage": "quint2x4",
-}
-"""Storage classes a torch pickle names, and the dtype each stands for."""
+from optim_repair.formats.unpickling import AllowlistUnpickler
+from optim_repair.inventory import OtherValue, StateValue, TensorMeta
 
 TENSOR_REBUILDERS = frozenset({"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3"})
 _OTHER_REBUILDERS = frozenset(
@@ -131,7 +110,7 @@ class StorageRef:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * ELEMENT_SIZES.get(self.dtype, 1)
+        return self.numel * itemsize(self.dtype)
 
 
 def _encode(text: str, encoding: str = "latin1") -> bytes:
@@ -141,57 +120,49 @@ def _encode(text: str, encoding: str = "latin1") -> bytes:
     return text.encode("latin1")
 
 
-def _storage_dtype(ref: object) -> str:
+def _storage_dtype(ref: object, source: str) -> str:
     if not isinstance(ref, GlobalRef):
-        raise InputError(f"a storage names {ref!r} as its type")
-    if ref.name in LEGACY_STORAGE_DTYPES:
-        return LEGACY_STORAGE_DTYPES[ref.name]
+        raise InputError(f"a storage names {ref!r} as its type", path=source)
+    if ref.name in LEGACY_STORAGES:
+        return LEGACY_STORAGES[ref.name]
     if ref.name == "UntypedStorage":
         return "uint8"
-    raise InputError(f"unknown storage type {ref.qualname}")
+    raise InputError(f"unknown storage type {ref.qualname}", path=source)
 
 
-class _SafeUnpickler(pickle.Unpickler):
+def _allowed_global(module: str, name: str) -> Any:
+    """The stand-in for a global a torch pickle names: a real harmless builtin, or a ``GlobalRef``."""
+    if (module, name) in _REAL_GLOBALS:
+        return _REAL_GLOBALS[(module, name)]
+    if (module, name) == ("_codecs", "encode"):
+        return _encode
+    allowed = (
+        (module == "torch._utils" and (name in TENSOR_REBUILDERS or name in _OTHER_REBUILDERS))
+        or (module == "torch._tensor" and name == "_rebuild_from_type_v2")
+        or (module == "torch.nn.parameter" and name == "Parameter")
+        or (module == "torch.serialization" and name == "_get_layout")
+        or (module == "torch" and (name in _TORCH_GLOBALS or name in LEGACY_STORAGES or name in DTYPES))
+        or (module == "torch.storage" and name == "UntypedStorage")
+    )
+    if not allowed:
+        raise UnsafeInputError(f"refuses to load global {module}.{name}")
+    return GlobalRef(module, name)
+
+
+class _GraphUnpickler(AllowlistUnpickler):
     def __init__(self, file: BinaryIO, source: str) -> None:
-        super().__init__(file)
-        self._source = source
-        self._storages: dict[str, StorageRef] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _compat_pickle.NAME_MAPPING:
-            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-        elif module in _compat_pickle.IMPORT_MAPPING:
-            module = _compat_pickle.IMPORT_MAPPING[module]
-        if (module, name) in _REAL_GLOBALS:
-            return _REAL_GLOBALS[(module, name)]
-        if (module, name) == ("_codecs", "encode"):
-            return _encode
-        allowed = (
-            (module == "torch._utils" and (name in TENSOR_REBUILDERS or name in _OTHER_REBUILDERS))
-            or (module == "torch._tensor" and name == "_rebuild_from_type_v2")
-            or (module == "torch.nn.parameter" and name == "Parameter")
-            or (module == "torch.serialization" and name == "_get_layout")
-            or (module == "torch" and (name in _TORCH_GLOBALS or name in LEGACY_STORAGE_DTYPES))
-            or (module == "torch" and name in ELEMENT_SIZES)
-            or (module == "torch.storage" and name == "UntypedStorage")
-        )
-        if not allowed:
-            raise UnsafeInputError(f"{self._source}: refuses to load global {module}.{name}")
-        return GlobalRef(module, name)
+        super().__init__(file, source, _allowed_global)
+        self.storages: dict[str, StorageRef] = {}
 
     def persistent_load(self, pid: Any) -> StorageRef:
         if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage"):
-            raise InputError(f"{self._source}: unexpected persistent id {pid!r}")
+            raise InputError(f"unexpected persistent id {pid!r}", path=self.source)
         key = str(pid[2])
-        ref = self._storages.get(key)
+        ref = self.storages.get(key)
         if ref is None:
-            ref = StorageRef(pid, _storage_dtype(pid[1]), key, str(pid[3]), int(pid[4]))
-            self._storages[key] = ref
+            ref = StorageRef(pid, _storage_dtype(pid[1], self.source), key, str(pid[3]), int(pid[4]))
+            self.storages[key] = ref
         return ref
-
-    @property
-    def storages(self) -> dict[str, StorageRef]:
-        return self._storages
 
 
 @dataclass
@@ -210,17 +181,8 @@ def load_graph(data: bytes | BinaryIO, source: str) -> PickleGraph:
     head = stream.read(2)
     stream.seek(start)
     protocol = head[1] if len(head) == 2 and head[0] == pickle.PROTO[0] else 2
-    unpickler = _SafeUnpickler(stream, source)
-    try:
-        root = unpickler.load()
-    except UnsafeInputError:
-        raise
-    except InputError:
-        raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError,
-            AttributeError, UnicodeDecodeError, struct.error, MemoryError, RecursionError,
-            OverflowError) as exc:
-        raise InputError(f"{source}: not a readable torch pickle ({type(exc).__name__}: {exc})") from None
+    unpickler = _GraphUnpickler(stream, source)
+    root = unpickler.load_safely("torch pickle")
     return PickleGraph(root, unpickler.storages, protocol)
 
 
@@ -292,7 +254,6 @@ def tensor_meta(value: Any) -> TensorMeta | None:
         storage=storage.key,
         storage_offset=start,
         storage_nbytes=storage.nbytes,
-        byte_offset=storage.byte_offset,
     )
 
 
@@ -347,6 +308,17 @@ def walk(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ..
     yield from visit(value, path)
 
 
+def describe_address(address: tuple[Any, ...]) -> str:
+    """``('optimizer_states', 0)`` -> ``optimizer_states[0]``; the root is ``""``."""
+    text = ""
+    for step in address:
+        if isinstance(step, int) and not isinstance(step, bool):
+            text += f"[{step}]"
+        else:
+            text += f".{step}" if text else str(step)
+    return text
+
+
 def resolve(root: Any, address: tuple[Any, ...]) -> Any:
     """The value at ``address`` (keys and list indices) inside ``root``."""
     node = root
@@ -363,9 +335,9 @@ def new_tensor(storage: StorageRef, shape: tuple[int, ...]) -> Reduced:
 
 def storage_for(key: str, dtype: str, numel: int, *, legacy: bool, location: str = "cpu") -> StorageRef:
     """A new storage stand-in of ``dtype`` (a legacy storage class where torch would use one)."""
-    names = {dtype_name: cls for cls, dtype_name in LEGACY_STORAGE_DTYPES.items()}
-    cls = names.get(dtype)
-    if cls is None:
+    known = DTYPES.get(dtype)
+    cls = known.legacy_storage if known else ""
+    if not cls:
         raise InputError(f"cannot create a storage of dtype {dtype}")
     pid: tuple[Any, ...] = ("storage", GlobalRef("torch", cls), key, location, numel)
     if legacy:

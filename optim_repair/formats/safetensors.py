@@ -6,27 +6,11 @@ import json
 import struct
 from pathlib import Path
 
+from optim_repair.dtypes import SAFETENSORS_NAMES, contiguous_strides
 from optim_repair.errors import InputError
-from optim_repair.inventory import TensorMeta, WeightMap, contiguous_strides
+from optim_repair.inventory import TensorMeta, WeightMap
 
-_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "U16": "uint16",
-    "U32": "uint32",
-    "U64": "uint64",
-    "BOOL": "bool",
-    "C64": "complex64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-}
+SAFETENSORS_SUFFIX = ".safetensors"
 _MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -36,17 +20,17 @@ def read_weights(path: Path, source: str) -> WeightMap:
         with path.open("rb") as stream:
             head = stream.read(8)
             if len(head) != 8:
-                raise InputError(f"{source}: not a safetensors file (too short)")
+                raise InputError("not a safetensors file (too short)", path=source)
             length = struct.unpack("<Q", head)[0]
             if length > _MAX_HEADER:
-                raise InputError(f"{source}: not a safetensors file (header of {length} bytes)")
+                raise InputError(f"not a safetensors file (header of {length} bytes)", path=source)
             header = json.loads(stream.read(length))
     except OSError as exc:
-        raise InputError(f"{source}: cannot read ({exc.strerror or exc})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise InputError(f"{source}: not a safetensors file (bad header)") from None
+        raise InputError(f"cannot read ({exc.strerror or exc})", path=source) from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError("not a safetensors file (bad header)", path=source) from exc
     if not isinstance(header, dict):
-        raise InputError(f"{source}: not a safetensors file (bad header)")
+        raise InputError("not a safetensors file (bad header)", path=source)
     tensors = []
     for name, info in header.items():
         if name == "__metadata__":
@@ -54,9 +38,9 @@ def read_weights(path: Path, source: str) -> WeightMap:
         try:
             shape = tuple(int(size) for size in info["shape"])
             start, end = (int(x) for x in info["data_offsets"])
-            dtype = _DTYPES.get(info["dtype"], str(info["dtype"]).lower())
-        except (KeyError, TypeError, ValueError):
-            raise InputError(f"{source}: not a safetensors file (bad entry {name!r})") from None
-        meta = TensorMeta(dtype, shape, contiguous_strides(shape), name, 0, end - start, 8 + length + start)
+            dtype = SAFETENSORS_NAMES.get(info["dtype"], str(info["dtype"]).lower())
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"not a safetensors file (bad entry {name!r})", path=source) from exc
+        meta = TensorMeta(dtype, shape, contiguous_strides(shape), name, 0, end - start)
         tensors.append((name, meta))
     return WeightMap(source, tuple(tensors))

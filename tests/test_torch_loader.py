@@ -1,4 +1,4 @@
-"""``optim_repair.loader.set_optimizer_state_dict`` against an uninterrupted run.
+"""``optim_repair.torch_loader.set_optimizer_state_dict`` against an uninterrupted run.
 
 A model whose ``extra`` branch gets no gradient before the checkpoint has no optimizer state
 for it; after the resume every branch trains. The run resumed through our loader must end
@@ -20,8 +20,8 @@ from torch.distributed.checkpoint import state_dict as dsd
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from optim_repair.errors import RepairRefused
-from optim_repair.loader import set_optimizer_state_dict
-from tests.checkpoints import BranchNet, branch_inputs
+from optim_repair.torch_loader import set_optimizer_state_dict
+from tests.models import BranchNet, branch_inputs
 
 VARIANTS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adam": (torch.optim.Adam, {"lr": 1e-2}),

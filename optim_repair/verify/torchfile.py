@@ -1,8 +1,8 @@
-"""Proof, read back from disk, that a written copy holds every original tensor unchanged.
+"""Verifying a torch file written with additions: the object graph, every storage, and the framing.
 
-The copy is parsed anew from disk and compared with a fresh parse of the original: the object
-graphs must be equal (floats bit for bit, key order, tuple-vs-list, storage identities) except for
-the planned additions, and every original storage's bytes must be identical in the copy.
+The copy is parsed back from disk and compared with a fresh parse of the original: the object graph
+(floats bit for bit, key order, tuple-vs-list, storage identity), every storage's bytes, and the
+byteorder/version records or the legacy header. The only differences allowed are the planned additions.
 """
 
 from __future__ import annotations
@@ -10,33 +10,17 @@ from __future__ import annotations
 import struct
 import zipfile
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, VerificationError
-from optim_repair.formats.encode import tensor_bytes
-from optim_repair.formats.pickled import GlobalRef, Reduced, StorageRef, tensor_meta
-from optim_repair.formats.torchfile import ZIP_ERRORS, TorchFile, describe_address, open_torch_file
-from optim_repair.fresh import FreshTensor
+from optim_repair.formats.pickled import GlobalRef, Reduced, StorageRef, describe_address, tensor_meta
+from optim_repair.formats.ranges import same_range
+from optim_repair.formats.torchfile import LegacyTorchFile, TorchFile, open_torch_file
+from optim_repair.formats.unpickling import ZIP_ERRORS
 from optim_repair.inventory import ParamKey
-from optim_repair.repair import Addition
-
-_CHUNK = 1 << 22
-
-
-@dataclass(frozen=True)
-class Verification:
-    """What a verification compared: original tensors found bit-identical in the copy."""
-
-    tensors: int
-    bytes: int
-
-    def __add__(self, other: Verification) -> Verification:
-        return Verification(self.tensors + other.tensors, self.bytes + other.bytes)
-
-
-NOTHING = Verification(0, 0)
+from optim_repair.repair_plan import Addition, FreshTensor
+from optim_repair.verify.files import Verification
 
 
 def _bits(value: float | complex) -> bytes:
@@ -58,7 +42,7 @@ class _GraphComparison:
 
     def fail(self, path: tuple[Any, ...], what: str) -> None:
         where = describe_address(path) or "the top level"
-        raise VerificationError(f"{self.source}: the copy differs at {where}: {what}; the copy was removed")
+        raise VerificationError(f"the copy differs at {where}: {what}; the copy was removed", path=self.source)
 
     def same(self, a: Any, b: Any, path: tuple[Any, ...]) -> None:
         if type(a) is not type(b):
@@ -101,61 +85,50 @@ class _GraphComparison:
             self.same(a[key], b[key], (*path, key))
 
 
-def _same_bytes(a: BinaryIO, a_offset: int, b: BinaryIO, b_offset: int, length: int) -> bool:
-    a.seek(a_offset)
-    b.seek(b_offset)
-    remaining = length
-    while remaining:
-        size = min(_CHUNK, remaining)
-        left, right = a.read(size), b.read(size)
-        if left != right or len(left) != size:
-            return False
-        remaining -= size
-    return True
-
-
 def _check_additions(copy: TorchFile, copy_stream: BinaryIO, additions: Sequence[Addition], source: str) -> None:
     for addition in additions:
         state = copy.graph.root
         for step in (*addition.address, "state", addition.param):
             state = state[step]
-        where = f"{source}: added entry {addition.param!r} at {addition.location or 'the top level'}"
+        where = f"added entry {addition.param!r} at {addition.location or 'the top level'}"
         if not isinstance(state, dict) or list(state) != [key for key, _ in addition.state]:
-            raise VerificationError(f"{where} is not what was planned; the copy was removed")
+            raise VerificationError(f"{where} is not what was planned; the copy was removed", path=source)
         for key, planned in addition.state:
             value = state[key]
             if isinstance(planned, FreshTensor):
                 meta = tensor_meta(value)
                 if meta is None or (meta.dtype, meta.shape) != (planned.dtype, planned.shape):
-                    raise VerificationError(f"{where}: {key} is not a {planned.dtype} tensor of shape {planned.shape}")
+                    raise VerificationError(
+                        f"{where}: {key} is not a {planned.dtype} tensor of shape {planned.shape}", path=source
+                    )
                 offset, length = copy.storage_range(meta.storage)
                 copy_stream.seek(offset)
-                if copy_stream.read(length) != tensor_bytes(planned):
-                    raise VerificationError(f"{where}: {key} does not hold the planned values")
+                if copy_stream.read(length) != planned.data():
+                    raise VerificationError(f"{where}: {key} does not hold the planned values", path=source)
             elif value != planned:
-                raise VerificationError(f"{where}: {key} is {value!r}, planned {planned!r}")
+                raise VerificationError(f"{where}: {key} is {value!r}, planned {planned!r}", path=source)
 
 
 def _same_framing(before: TorchFile, after: TorchFile, a: BinaryIO, b: BinaryIO, source: str) -> None:
     """What torch reads besides the pickle and the storages is unchanged: the legacy header (magic,
     protocol, ``little_endian``), or the zip records ``byteorder``, ``version``, ``.format_version``, ..."""
-    changed = f"{source}: the copy's %s differs from the original's; the copy was removed"
-    if before.kind != after.kind:
-        raise VerificationError(changed % "format")
-    if before.kind == "torch-legacy":
-        length = before.legacy_main_start
-        if after.legacy_main_start != length or not _same_bytes(a, 0, b, 0, length):
-            raise VerificationError(changed % "header")
+
+    def changed(what: str) -> VerificationError:
+        return VerificationError(f"the copy's {what} differs from the original's; the copy was removed", path=source)
+
+    if isinstance(before, LegacyTorchFile) or isinstance(after, LegacyTorchFile):
+        if not (isinstance(before, LegacyTorchFile) and isinstance(after, LegacyTorchFile)):
+            raise changed("format")
+        length = before.main_start
+        if after.main_start != length or not same_range(a, 0, b, 0, length):
+            raise changed("header")
         return
-    copied = {info.filename[len(after.prefix) :]: info for info in after.records}
+    copied = after.framing()
     with zipfile.ZipFile(a) as original, zipfile.ZipFile(b) as copy:
-        for info in before.records:
-            name = info.filename[len(before.prefix) :]
-            if name == "data.pkl" or name.startswith("data/"):
-                continue
+        for name, info in before.framing().items():
             twin = copied.get(name)
             if twin is None or twin.file_size != info.file_size or original.read(info) != copy.read(twin):
-                raise VerificationError(changed % f"record {name}")
+                raise changed(f"record {name}")
 
 
 def verify_torch_file(original: Path, copy: Path, source: str, additions: Sequence[Addition]) -> Verification:
@@ -164,12 +137,12 @@ def verify_torch_file(original: Path, copy: Path, source: str, additions: Sequen
     try:
         after = open_torch_file(copy, source)
     except InputError as exc:
-        raise VerificationError(f"the copy cannot be read back ({exc}); the copy was removed") from None
+        raise VerificationError(f"the copy cannot be read back ({exc}); the copy was removed") from exc
     with original.open("rb") as a, copy.open("rb") as b:
         try:
             _same_framing(before, after, a, b, source)
         except ZIP_ERRORS as exc:
-            raise VerificationError(f"{source}: the copy cannot be read back ({exc}); the copy was removed") from None
+            raise VerificationError(f"the copy cannot be read back ({exc}); the copy was removed", path=source) from exc
     comparison = _GraphComparison(source, additions)
     comparison.same(before.graph.root, after.graph.root, ())
     total = 0
@@ -177,19 +150,10 @@ def verify_torch_file(original: Path, copy: Path, source: str, additions: Sequen
         for key, ref in before.graph.storages.items():
             twin = after.graph.storages.get(key)
             if twin is None or twin.nbytes != ref.nbytes:
-                raise VerificationError(f"{source}: storage {key} is missing from the copy; the copy was removed")
+                raise VerificationError(f"storage {key} is missing from the copy; the copy was removed", path=source)
             offset, length = before.storage_range(key)
-            if not _same_bytes(a, offset, b, after.storage_range(key)[0], length):
-                raise VerificationError(f"{source}: the bytes of storage {key} changed; the copy was removed")
+            if not same_range(a, offset, b, after.storage_range(key)[0], length):
+                raise VerificationError(f"the bytes of storage {key} changed; the copy was removed", path=source)
             total += length
         _check_additions(after, b, additions, source)
     return Verification(comparison.tensors, total)
-
-
-def verify_copied_file(original: Path, copy: Path, source: str) -> Verification:
-    """Prove a file copied as-is is byte-identical."""
-    size = original.stat().st_size
-    with original.open("rb") as a, copy.open("rb") as b:
-        if copy.stat().st_size != size or not _same_bytes(a, 0, b, 0, size):
-            raise VerificationError(f"{source}: the copy differs from the original; the copy was removed")
-    return Verification(0, size)

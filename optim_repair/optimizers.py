@@ -1,4 +1,4 @@
-"""The state each lazily-initialized torch optimizer creates on a parameter's first step.
+"""The registry of lazily-initialized torch optimizers: the state each creates on a parameter's first step.
 
 torch's Adam, AdamW, NAdam, RAdam, Adamax, RMSprop, SGD, Adadelta, ASGD and Rprop create a
 parameter's ``state`` entry inside ``_init_group``, on the first ``step()`` in which that
@@ -29,29 +29,21 @@ Exactness has one limit that no fill can lift: Rprop's ``step_size`` and ASGD's 
 the group's ``lr`` *at the parameter's first gradient*. A fill uses the ``lr`` saved in the
 checkpoint; if a scheduler changes ``lr`` before the parameter's first gradient after the
 resume, the uninterrupted run would have used that later value. Leaving the entry absent and
-loading with ``optim_repair.loader.set_optimizer_state_dict`` is exact in every case.
+loading with ``optim_repair.torch_loader.set_optimizer_state_dict`` is exact in every case.
 
-Everything here is plain data: no torch import, no I/O (it reads ``optim_repair.inventory``).
+Everything here is plain data: no torch import, no I/O. Which optimizer wrote a state dict is
+told apart from these specs by ``optim_repair.identify``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from optim_repair.errors import RepairRefused
-from optim_repair.inventory import ParamGroup, StateEntry, TensorMeta
-
-
-@dataclass(frozen=True)
-class FreshTensor:
-    """A tensor to create: every element equals ``fill``."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    fill: float | int | bool | complex = 0
-
+from optim_repair.inventory import ParamGroup, TensorMeta
+from optim_repair.repair_plan import FreshTensor
 
 FreshValue = FreshTensor | None | float | int | bool
 """One value of a fresh state entry: a tensor to build, or a plain value torch stores as is."""
@@ -255,7 +247,7 @@ _ADAM_OPTIONS = _COMMON | {
     "betas", "eps", "weight_decay", "amsgrad", "fused", "decoupled_weight_decay",
 }  # fmt: skip
 
-_SPECS = (
+SPECS = (
     OptimizerSpec(
         "adam", "Adam", frozenset({"betas", "amsgrad"}), _ADAM_OPTIONS,
         _sets(("step", "exp_avg", "exp_avg_sq"), ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
@@ -321,7 +313,7 @@ _SPECS = (
     ),
 )  # fmt: skip
 
-OPTIMIZERS: Mapping[str, OptimizerSpec] = MappingProxyType({spec.name: spec for spec in _SPECS})
+OPTIMIZERS: Mapping[str, OptimizerSpec] = MappingProxyType({spec.name: spec for spec in SPECS})
 """The lazily-initializing optimizers, by the name ``--optimizer`` takes.
 
 ============ ========================================================================
@@ -351,9 +343,24 @@ _OTHER_OPTIMIZER_OPTIONS = frozenset(
     }
 )  # fmt: skip
 
-_KNOWN_OPTIONS = frozenset().union(_OTHER_OPTIMIZER_OPTIONS, *(spec.allowed_options for spec in _SPECS))
+KNOWN_OPTIONS = frozenset().union(_OTHER_OPTIMIZER_OPTIONS, *(spec.allowed_options for spec in SPECS))
 """Option keys some torch optimizer writes; any other key (``initial_lr`` from an LR scheduler,
 a trainer's ``name``) says nothing about the optimizer and is ignored."""
+
+_OTHER_OPTIMIZER_STATE = frozenset({"sum"})
+"""Adagrad's accumulator (it creates its state eagerly, so it is not in the registry)."""
+
+
+def _param_shaped(spec: OptimizerSpec) -> frozenset[str]:
+    """The state keys ``spec`` creates shaped like the parameter, with every optional key switched on."""
+    probe = ParamSpec("float32", (2, 3))
+    group = ParamGroup((), (("amsgrad", True), ("momentum", 0.9), ("centered", True), ("lr", 1.0)))
+    state = spec.fresh(group, probe, "float32")
+    return frozenset(key for key, value in state if isinstance(value, FreshTensor) and value.shape == probe.shape)
+
+
+PARAM_SHAPED_KEYS = frozenset().union(_OTHER_OPTIMIZER_STATE, *(_param_shaped(spec) for spec in SPECS))
+"""State keys that hold a tensor shaped like the parameter (SGD's ``momentum_buffer`` may also be None)."""
 
 
 def _spec(optimizer: str) -> OptimizerSpec:
@@ -383,87 +390,3 @@ def fresh_state(optimizer: str, group: ParamGroup, param: ParamSpec, *, scalar_d
             f"scalar dtype {scalar_dtype!r} is not one torch uses for 'step'; one of: {', '.join(SCALAR_DTYPES)}"
         )
     return spec.fresh(group, param, scalar_dtype)
-
-
-# --- telling optimizers apart ---------------------------------------------------------------
-
-
-def _matches_options(spec: OptimizerSpec, groups: Sequence[ParamGroup]) -> bool:
-    for group in groups:
-        keys = group.option_keys
-        if not spec.required_options <= keys:
-            return False
-        if not (keys & _KNOWN_OPTIONS) <= spec.allowed_options:
-            return False
-    return True
-
-
-def _matches_state(spec: OptimizerSpec, entries: Sequence[StateEntry]) -> bool:
-    return all(
-        frozenset(entry.keys) in spec.state_key_sets for entry in entries if entry.is_mapping and not entry.is_empty
-    )
-
-
-def _same_fresh_state(names: Sequence[str], groups: Sequence[ParamGroup]) -> bool:
-    """Whether every candidate would fill every group's parameters identically."""
-    probe = ParamSpec("float32", (1,))
-    for group in groups or (ParamGroup(params=()),):
-        states = set()
-        for name in names:
-            try:
-                states.add(fresh_state(name, group, probe))
-            except RepairRefused:
-                return False
-        if len(states) > 1:
-            return False
-    return True
-
-
-def identify_optimizer(
-    groups: Sequence[ParamGroup],
-    entries: Sequence[StateEntry],
-    *,
-    where: str = "this optimizer state",
-) -> str:
-    """The registry name of the optimizer that wrote ``groups`` and ``entries``.
-
-    A candidate must (1) find, in every group, the option keys every torch version writes
-    for it (``betas`` + ``amsgrad`` for Adam, ``momentum_decay`` for NAdam, ``rho`` for
-    Adadelta, ...) and no option key that only other torch optimizers write (keys no torch
-    optimizer writes, such as ``initial_lr``, are ignored), and (2) explain the key set of
-    every populated state entry. ``where`` names the state in messages.
-
-    When several candidates remain, it is only ambiguous if their fresh states would differ.
-    Adam and AdamW create identical state (AdamW is ``Adam(decoupled_weight_decay=True)``):
-    the answer is ``"adamw"`` when the groups say ``decoupled_weight_decay=True`` and
-    ``"adam"`` otherwise (older torch wrote no such key for either). Likewise when only
-    state keys are known and Adam and RAdam both fit, the first in registry order is
-    returned, since their fills are the same.
-
-    Raises ``RepairRefused`` listing the candidates and the accepted names otherwise.
-    """
-    options_known = any(group.option_keys for group in groups)
-    candidates = [
-        spec.name
-        for spec in _SPECS
-        if (not options_known or _matches_options(spec, groups)) and _matches_state(spec, entries)
-    ]
-    choices = ", ".join(OPTIMIZERS)
-    if not candidates:
-        seen = sorted(frozenset().union(*(group.option_keys for group in groups)))
-        raise RepairRefused(
-            f"cannot tell which optimizer wrote {where}: its options ({', '.join(seen) or 'none'}) "
-            f"and state keys fit no lazily-initializing torch optimizer; "
-            f"pass --optimizer NAME (one of: {choices})"
-        )
-    if len(candidates) == 1:
-        return candidates[0]
-    if not _same_fresh_state(candidates, groups):
-        raise RepairRefused(
-            f"cannot tell which optimizer wrote {where}: candidates {', '.join(candidates)}; "
-            f"pass --optimizer NAME (one of: {choices})"
-        )
-    if set(candidates) <= {"adam", "adamw"}:
-        decoupled = any(group.option("decoupled_weight_decay") is True for group in groups)
-        return "adamw" if decoupled else "adam"
-    return candidates[0]

@@ -1,4 +1,4 @@
-"""Verification from disk (``optim_repair.verify``): it must catch every kind of tampering with a copy."""
+"""Verification of torch files from disk (``optim_repair.verify.torchfile``): it must catch every kind of tampering."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from optim_repair.errors import VerificationError
 from optim_repair.formats.pickled import dump_graph, load_graph
 from optim_repair.formats.torchfile import open_torch_file, write_torch_file
-from optim_repair.repair import Addition
-from optim_repair.verify import verify_copied_file, verify_torch_file
+from optim_repair.repair_plan import Addition
+from optim_repair.verify import verify_torch_file
 from tests import checkpoints as ck
 from tests.checkpoints import Built
 from tests.support import (
@@ -168,7 +168,7 @@ def test_legacy_copies_are_verified_too(legacy_checkpoint: Built, tmp_path: Path
         verify_torch_file(built.path, damaged, "legacy", planned)
     header = tmp_path / "header.pt"
     shutil.copyfile(out, header)
-    start = open_torch_file(header, "h").legacy_main_start
+    start = open_torch_file(header, "h").main_start
     data = bytearray(header.read_bytes())
     sys_info = bytes(data[:start])
     flag = sys_info.index(b"\x88", sys_info.index(b"little_endian"))  # NEWTRUE after the key (and its BINPUT)
@@ -184,16 +184,3 @@ def test_an_unreadable_copy_fails_verification(tricky_copy: tuple[Built, Path, l
     out.write_bytes(out.read_bytes()[:100])
     with pytest.raises(VerificationError, match="cannot be read back"):
         verify_torch_file(built.path, out, "tricky", planned)
-
-
-def test_copied_files_are_compared_byte_for_byte(tmp_path: Path) -> None:
-    a, b = tmp_path / "a.json", tmp_path / "b.json"
-    a.write_bytes(b'{"x": 1}\n')
-    shutil.copyfile(a, b)
-    assert verify_copied_file(a, b, "a.json").bytes == 9
-    b.write_bytes(b'{"x": 2}\n')
-    with pytest.raises(VerificationError, match=r"a\.json: the copy differs"):
-        verify_copied_file(a, b, "a.json")
-    b.write_bytes(b'{"x": 1}\n\n')
-    with pytest.raises(VerificationError):
-        verify_copied_file(a, b, "a.json")

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
 from tests import checkpoints as ck
+from tests import models
 from tests.checkpoints import Built, Site
 
 
@@ -93,8 +94,8 @@ def test_unirl_layout(unirl_checkpoint: Built) -> None:
 
 def test_unirl_reproduces_the_bug(unirl_checkpoint: Built) -> None:
     """The fixture's point: torch's own loader refuses it."""
-    model = ck.TwoHeadNet()
-    opt = ck.make_optimizer(model)
+    model = models.TwoHeadNet()
+    opt = models.make_optimizer(model)
     with pytest.raises(RuntimeError, match=re.escape("Missing optimizer state for parameter 'head_unused.weight'")):
         set_optimizer_state_dict(model, opt, unirl_checkpoint.load())
 
@@ -104,7 +105,7 @@ def test_every_optimizer(root: Path, optimizer_name: str, groups: int) -> None:
     built = ck.unirl_torch(root, optimizer=optimizer_name, groups=groups)
     sd = built.load()
     assert len(sd["param_groups"]) == groups
-    if optimizer_name in ck.STATELESS_NAMES:
+    if optimizer_name in models.STATELESS_NAMES:
         assert built.all_missing == () and sd["state"] == {}
     else:
         assert built.all_missing == ("head_unused.weight", "head_unused.bias")
@@ -139,8 +140,8 @@ def test_hf_trainer(hf_checkpoint: Built) -> None:
         assert torch.load(d / name, weights_only=False) is not None  # our own file: loads unsafely
     assert isinstance(torch.load(d / "training_args.bin", weights_only=False), ck.TrainingArguments)
     weights = load_file(str(d / "model.safetensors"))
-    assert torch.equal(weights["trunk.weight"], ck.TwoHeadNet().trunk.weight) is False  # trained
-    assert list(weights) == sorted(ck.TwoHeadNet().state_dict())
+    assert torch.equal(weights["trunk.weight"], models.TwoHeadNet().trunk.weight) is False  # trained
+    assert list(weights) == sorted(models.TwoHeadNet().state_dict())
     assert json.loads((d / "trainer_state.json").read_text())["global_step"] == 3
 
 
@@ -151,7 +152,7 @@ def test_accelerate(accelerate_checkpoint: Built) -> None:
         Site("optimizer_1.bin"): (1,),
     }
     assert sorted(load(d / "optimizer_1.bin")["state"]) == [0, 2]
-    assert set(load_file(str(d / "model.safetensors"))) == set(ck.TwoHeadNet().state_dict())
+    assert set(load_file(str(d / "model.safetensors"))) == set(models.TwoHeadNet().state_dict())
     load(d / "scheduler.bin")
     assert isinstance(load(d / "random_states_0.pkl")["torch_manual_seed"], torch.Tensor)
 
@@ -182,7 +183,7 @@ def test_legacy_format(legacy_checkpoint: Built) -> None:
 
 def test_bug_report(bug_report_checkpoint: Built) -> None:
     built = bug_report_checkpoint
-    assert built.all_missing == ck.BUG_REPORT_MISSING
+    assert built.all_missing == models.BUG_REPORT_MISSING
     payload = load(built.path / "checkpoint.pt")
     sd = payload["optimizer_state_dict"]
     assert len(params_of(sd)) == 40 and len(sd["state"]) == 36

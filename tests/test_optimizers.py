@@ -4,14 +4,14 @@ Two proofs per optimizer (and per flag that changes its state): the entry ``fres
 describes is the one the optimizer's own ``_init_group`` creates (keys, order, dtypes, shapes,
 values), and a checkpoint whose missing entries are filled with it resumes bit-identically,
 through torch's ``set_optimizer_state_dict(full_state_dict=True)`` and through
-``optimizer.load_state_dict``. Then ``identify_optimizer`` on the state dicts they write.
+``optimizer.load_state_dict``.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,41 +20,14 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
 from optim_repair.errors import RepairRefused
-from optim_repair.fresh import (
-    OPTIMIZERS,
-    FreshTensor,
-    FreshValue,
-    ParamSpec,
-    fresh_state,
-    identify_optimizer,
-)
-from optim_repair.inventory import ParamGroup, StateEntry, TensorMeta
-from tests.checkpoints import BranchNet, branch_inputs
+from optim_repair.inventory import ParamGroup, TensorMeta
+from optim_repair.optimizers import OPTIMIZERS, FreshValue, ParamSpec, fresh_state
+from optim_repair.repair_plan import FreshTensor
+from tests.models import VARIANTS, BranchNet, branch_inputs, train_branches
+from tests.support import group_of
 
 Factory = Callable[[Any], torch.optim.Optimizer]
 
-# id -> (registry name, class, keyword arguments): every flag that changes the fresh state.
-VARIANTS: dict[str, tuple[str, type[torch.optim.Optimizer], dict[str, Any]]] = {
-    "adam": ("adam", torch.optim.Adam, {"lr": 1e-2}),
-    "adam-amsgrad": ("adam", torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}),
-    "adamw": ("adamw", torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
-    "adamw-amsgrad": ("adamw", torch.optim.AdamW, {"lr": 1e-2, "amsgrad": True}),
-    "nadam": ("nadam", torch.optim.NAdam, {"lr": 1e-2}),
-    "radam": ("radam", torch.optim.RAdam, {"lr": 1e-2}),
-    "adamax": ("adamax", torch.optim.Adamax, {"lr": 1e-2}),
-    "rmsprop": ("rmsprop", torch.optim.RMSprop, {"lr": 1e-2}),
-    "rmsprop-centered-momentum": (
-        "rmsprop", torch.optim.RMSprop, {"lr": 1e-2, "centered": True, "momentum": 0.9},
-    ),
-    "sgd": ("sgd", torch.optim.SGD, {"lr": 1e-2}),
-    "sgd-momentum": ("sgd", torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
-    "sgd-dampening": ("sgd", torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "dampening": 0.5}),
-    "sgd-nesterov": ("sgd", torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "nesterov": True}),
-    "adadelta": ("adadelta", torch.optim.Adadelta, {"lr": 0.5}),
-    # t0=-1: averaging from the first step, so a wrong fresh mu would show in ax.
-    "asgd": ("asgd", torch.optim.ASGD, {"lr": 1e-2, "t0": -1.0}),
-    "rprop": ("rprop", torch.optim.Rprop, {"lr": 3e-3}),
-}  # fmt: skip
 
 
 def test_registry_covers_every_lazy_optimizer() -> None:
@@ -72,10 +45,6 @@ def build(value: FreshValue) -> Any:
     return value
 
 
-def group_of(group: dict[str, Any]) -> ParamGroup:
-    """The inventory's view of one saved param group (its options as plain values)."""
-    options = tuple((k, v) for k, v in group.items() if k not in ("params", "param_names"))
-    return ParamGroup(params=tuple(group["params"]), options=options)
 
 
 def assert_same_value(actual: object, expected: object, key: str) -> None:
@@ -192,11 +161,6 @@ def test_fresh_state_refuses_an_unknown_scalar_dtype() -> None:
 # --- 2. a filled checkpoint resumes bit-identically ----------------------------------------
 
 
-def train(model: BranchNet, opt: torch.optim.Optimizer, xs: list[torch.Tensor], use_extra: bool) -> None:
-    for x in xs:
-        opt.zero_grad(set_to_none=True)
-        model(x, use_extra).pow(2).mean().backward()
-        opt.step()
 
 
 def by_name(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -218,17 +182,17 @@ def run(variant: str, load: Callable[[BranchNet, torch.optim.Optimizer, dict[str
     torch.manual_seed(0)
     reference = BranchNet()
     ref_opt = cls(reference.parameters(), **kwargs)
-    train(reference, ref_opt, branch_inputs(3, seed=1), use_extra=False)
+    train_branches(reference, ref_opt, branch_inputs(3, seed=1), use_extra=False)
     weights = copy.deepcopy(reference.state_dict())
     checkpoint = by_name(reference, ref_opt)
     assert not any(name.startswith("extra.") for name in checkpoint["state"])
-    train(reference, ref_opt, branch_inputs(3, seed=2), use_extra=True)
+    train_branches(reference, ref_opt, branch_inputs(3, seed=2), use_extra=True)
 
     resumed = BranchNet()
     resumed.load_state_dict(weights)
     opt = cls(resumed.parameters(), **kwargs)
     load(resumed, opt, checkpoint)
-    train(resumed, opt, branch_inputs(3, seed=2), use_extra=True)
+    train_branches(resumed, opt, branch_inputs(3, seed=2), use_extra=True)
 
     for (name, expected), actual in zip(reference.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(actual, expected), name
@@ -267,7 +231,7 @@ def test_fresh_fill_resumes_exactly_through_torch_set_optimizer_state_dict(varia
 
     if variant == "sgd":
         # Plain SGD stores no state at all; torch's own full_state_dict loader cannot load
-        # even its own output for it (optim_repair.loader can: see test_loader.py).
+        # even its own output for it (optim_repair.torch_loader can: see test_torch_loader.py).
         with pytest.raises(AssertionError, match="Expected device to be set"):
             run(variant, load)
         return
@@ -299,111 +263,3 @@ def test_zeros_momentum_buffer_is_not_fresh_for_sgd_with_dampening() -> None:
 
     with pytest.raises(AssertionError):
         run("sgd-dampening", load)
-
-
-# --- 3. identify_optimizer on real state dicts ---------------------------------------------
-
-
-def inventory(sd: dict[str, Any]) -> tuple[list[ParamGroup], list[StateEntry]]:
-    """A minimal stand-in for a reader: groups with options, entries with their keys."""
-
-    def meta(value: object) -> Any:
-        if isinstance(value, torch.Tensor):
-            shape = tuple(value.shape)
-            return TensorMeta(str(value.dtype)[6:], shape, tuple(value.stride()), "0", 0, 0)
-        return value
-
-    groups = [group_of(group) for group in sd["param_groups"]]
-    entries = [
-        StateEntry(param=key, values=tuple((k, meta(v)) for k, v in entry.items()))
-        for key, entry in sd["state"].items()
-    ]
-    return groups, entries
-
-
-def state_dicts(variant: str, steps: int) -> Iterator[dict[str, Any]]:
-    _, cls, kwargs = VARIANTS[variant]
-    torch.manual_seed(0)
-    model = BranchNet()
-    opt = cls(model.parameters(), **kwargs)
-    train(model, opt, branch_inputs(steps, seed=1), use_extra=False)
-    yield copy.deepcopy(opt.state_dict())
-
-
-EXPECTED_NAME = {variant: spec for variant, (spec, _, _) in VARIANTS.items()}
-
-
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_identify_optimizer_on_a_trained_state_dict(variant: str) -> None:
-    for sd in state_dicts(variant, steps=2):
-        groups, entries = inventory(sd)
-        assert identify_optimizer(groups, entries) == EXPECTED_NAME[variant]
-
-
-@pytest.mark.parametrize("variant", sorted(set(VARIANTS) - {"adamax"}))
-def test_identify_optimizer_on_a_cold_state_dict(variant: str) -> None:
-    for sd in state_dicts(variant, steps=0):
-        assert sd["state"] == {}
-        groups, entries = inventory(sd)
-        assert identify_optimizer(groups, entries) == EXPECTED_NAME[variant]
-
-
-def test_cold_adamax_is_ambiguous_with_an_old_radam() -> None:
-    # RAdam without 'decoupled_weight_decay' (older torch) has Adamax's options, and the two
-    # create different state (exp_avg_sq vs exp_inf): with no populated entry, ask.
-    for sd in state_dicts("adamax", steps=0):
-        groups, entries = inventory(sd)
-        with pytest.raises(RepairRefused) as raised:
-            identify_optimizer(groups, entries, where="optimizer.pt")
-    message = str(raised.value)
-    assert message.startswith("cannot tell which optimizer wrote optimizer.pt: candidates radam, adamax;")
-    assert "pass --optimizer NAME (one of: adam, adamw, nadam, radam, adamax, rmsprop," in message
-
-
-def test_adam_and_adamw_are_told_apart_by_decoupled_weight_decay() -> None:
-    base = (("lr", 1e-3), ("betas", (0.9, 0.999)), ("weight_decay", 0.0), ("amsgrad", False))
-    adamw = ParamGroup(("w",), (*base, ("decoupled_weight_decay", True)))
-    adam = ParamGroup(("w",), (*base, ("decoupled_weight_decay", False)))
-    old = ParamGroup(("w",), base)  # older torch wrote the flag for neither
-    assert identify_optimizer([adamw], []) == "adamw"
-    assert identify_optimizer([adam], []) == "adam"
-    assert identify_optimizer([old], []) == "adam"
-    assert fresh_state("adam", old, ParamSpec("float32", (2,))) == fresh_state("adamw", old, ParamSpec("float32", (2,)))
-
-
-def test_identify_optimizer_ignores_keys_no_optimizer_writes() -> None:
-    (sd,) = state_dicts("nadam", steps=1)
-    for group in sd["param_groups"]:
-        group["initial_lr"] = group["lr"]  # an LR scheduler adds this
-        group["name"] = "decay"  # trainers add their own
-    assert identify_optimizer(*inventory(sd)) == "nadam"
-
-
-def test_identify_optimizer_uses_state_keys_alone_when_there_are_no_options() -> None:
-    (sd,) = state_dicts("adamax", steps=1)
-    groups, entries = inventory(sd)
-    bare = [ParamGroup(group.params) for group in groups]
-    assert identify_optimizer(bare, entries) == "adamax"
-    (sd,) = state_dicts("radam", steps=1)
-    groups, entries = inventory(sd)
-    # Adam and RAdam entries look alike, and so do their fills: not ambiguous.
-    assert identify_optimizer([ParamGroup(g.params) for g in groups], entries) == "adam"
-
-
-def test_identify_optimizer_refuses_an_unknown_optimizer() -> None:
-    model = BranchNet()
-    opt = torch.optim.Adagrad(model.parameters())
-    groups, entries = inventory(copy.deepcopy(opt.state_dict()))
-    with pytest.raises(
-        RepairRefused, match=r"fit no lazily-initializing torch optimizer; pass --optimizer NAME \(one of: adam,"
-    ):
-        identify_optimizer(groups, entries)
-
-
-def test_identify_optimizer_refuses_state_that_contradicts_the_options() -> None:
-    (sd,) = state_dicts("adam", steps=1)
-    (other,) = state_dicts("adamax", steps=1)
-    groups, _ = inventory(sd)
-    _, entries = inventory(other)
-    with pytest.raises(RepairRefused, match="cannot tell which optimizer wrote"):
-        identify_optimizer(groups, entries)

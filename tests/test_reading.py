@@ -1,4 +1,4 @@
-"""Finding every optimizer under a checkpoint argument (``optim_repair.checkpoint``)."""
+"""Reading every optimizer under a checkpoint argument: ``optim_repair.reading`` and ``optim_repair.discovery``."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from optim_repair.checkpoint import read_checkpoint
 from optim_repair.errors import InputError, UnsafeInputError
+from optim_repair.reading import read_checkpoint
 from tests import checkpoints as ck
+from tests import models
 from tests.checkpoints import Built
 
 
@@ -77,8 +78,8 @@ def test_accelerate_reads_bin_files_and_ignores_other_suffixes(root: Path) -> No
 
 @pytest.mark.parametrize("suffix", [".pt", ".pth", ".bin", ".ckpt"])
 def test_every_torch_suffix_is_read(tmp_path: Path, suffix: str) -> None:
-    model = ck.TwoHeadNet()
-    torch.save(ck.make_optimizer(model).state_dict(), tmp_path / f"opt{suffix}")
+    model = models.TwoHeadNet()
+    torch.save(models.make_optimizer(model).state_dict(), tmp_path / f"opt{suffix}")
     (tmp_path / "opt.txt").write_bytes((tmp_path / f"opt{suffix}").read_bytes())
     inventory = read_checkpoint(tmp_path)
     assert [opt.file for opt in inventory.optimizers] == [f"opt{suffix}"]
@@ -122,7 +123,7 @@ def test_directory_without_any_optimizer_is_an_input_error(root: Path) -> None:
 
 def test_file_without_optimizer_and_missing_paths_are_input_errors(root: Path) -> None:
     path = root / "weights.pt"
-    torch.save(ck.TwoHeadNet().state_dict(), path)
+    torch.save(models.TwoHeadNet().state_dict(), path)
     with pytest.raises(InputError, match="holds no optimizer state"):
         read_checkpoint(path)
     with pytest.raises(InputError, match="no such file or directory"):

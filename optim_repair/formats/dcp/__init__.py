@@ -1,0 +1,34 @@
+"""torch.distributed.checkpoint (DCP) directories, split as torch splits them.
+
+``metadata`` (what a ``.metadata`` says, as plain data), ``metadata_reader`` (reading it safely),
+``layout`` (where optimizers and weights sit among the keys), ``storage`` (shard bytes and stream
+transforms), ``reader`` (the inventory) and ``writer`` (a repaired copy; the only part that imports torch).
+"""
+
+from optim_repair.formats.dcp.layout import PlannedEntries
+from optim_repair.formats.dcp.metadata import (
+    METADATA_FILE,
+    SHARD_SUFFIX,
+    DcpBytes,
+    DcpChunk,
+    DcpMetadata,
+    DcpTensor,
+    is_dcp_directory,
+)
+from optim_repair.formats.dcp.metadata_reader import read_metadata
+from optim_repair.formats.dcp.reader import read_dcp
+from optim_repair.formats.dcp.writer import write_dcp
+
+__all__ = [
+    "METADATA_FILE",
+    "SHARD_SUFFIX",
+    "DcpBytes",
+    "DcpChunk",
+    "DcpMetadata",
+    "DcpTensor",
+    "PlannedEntries",
+    "is_dcp_directory",
+    "read_dcp",
+    "read_metadata",
+    "write_dcp",
+]

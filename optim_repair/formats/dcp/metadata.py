@@ -1,0 +1,92 @@
+"""What a DCP checkpoint's ``.metadata`` says, as plain data: its entries, their key paths and where each lies.
+
+A DCP directory holds a pickled ``.metadata`` and ``*.distcp`` shard files. The metadata maps every
+flattened state-dict key to a tensor (dtype, global size, the chunks each rank wrote) or to a bytes
+entry (a ``torch.save``'d object), says where each chunk or entry lies in which shard, and records in
+``planner_data`` the original path of keys behind each flattened key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from optim_repair.dtypes import contiguous_strides, itemsize, numel
+from optim_repair.inventory import ParamKey, TensorMeta
+
+METADATA_FILE = ".metadata"
+SHARD_SUFFIX = ".distcp"
+
+KeyPath = tuple[ParamKey, ...]
+StorageIndex = tuple[str, tuple[int, ...] | None]
+"""A storage entry's identity, as DCP's ``MetadataIndex``: the key, and a tensor chunk's offsets."""
+
+
+@dataclass(frozen=True)
+class DcpChunk:
+    """One rank's piece of a tensor: where it starts in the global tensor, and its size."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DcpTensor:
+    """A tensor entry: dtype, global size, and the chunks it was saved in."""
+
+    dtype: str
+    size: tuple[int, ...]
+    chunks: tuple[DcpChunk, ...]
+
+    def meta(self, key: str) -> TensorMeta:
+        """The entry as the inventory describes a tensor: contiguous, its storage named by its key."""
+        return TensorMeta(
+            dtype=self.dtype,
+            shape=self.size,
+            stride=contiguous_strides(self.size),
+            storage=key,
+            storage_offset=0,
+            storage_nbytes=numel(self.size) * itemsize(self.dtype),
+        )
+
+
+@dataclass(frozen=True)
+class DcpBytes:
+    """A bytes entry: a ``torch.save``'d object (hyperparameters, ``params`` lists, non-tensor state)."""
+
+
+DcpItem = DcpTensor | DcpBytes
+
+
+@dataclass(frozen=True)
+class DcpStorage:
+    """Where one chunk or bytes entry lies: a shard file, a byte range, and the stream transforms on it."""
+
+    relative_path: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DcpMetadata:
+    """A checkpoint's ``.metadata``, read without torch."""
+
+    items: Mapping[str, DcpItem]
+    planner_data: Mapping[str, KeyPath]
+    """Each key's original path of keys (``("optim", "state", "blocks.0.w", "exp_avg")``)."""
+    storage: Mapping[StorageIndex, DcpStorage]
+
+    def path_of(self, key: str) -> KeyPath:
+        return self.planner_data.get(key, (key,))
+
+
+def is_dcp_directory(path: Path) -> bool:
+    """Whether ``path`` is a DCP checkpoint directory (it holds a ``.metadata`` file)."""
+    return path.is_dir() and (path / METADATA_FILE).is_file()
+
+
+def display_path(rel: str, name: str) -> str:
+    """``name`` inside the directory ``rel`` of the user's argument, for messages."""
+    return f"{rel}/{name}" if rel else name

@@ -1,0 +1,241 @@
+"""Reading a DCP ``.metadata`` safely, without torch: an allowlisting unpickler, then a parse into ``DcpMetadata``.
+
+Torch reads ``.metadata`` with plain ``pickle.load``; here it is read by an unpickler that admits
+only the DCP metadata classes and plain data, so a crafted file is refused before anything in it runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, ClassVar
+
+from optim_repair.dtypes import DTYPES
+from optim_repair.errors import InputError, UnsafeInputError
+from optim_repair.formats.dcp.metadata import (
+    METADATA_FILE,
+    DcpBytes,
+    DcpChunk,
+    DcpItem,
+    DcpMetadata,
+    DcpStorage,
+    DcpTensor,
+    KeyPath,
+    StorageIndex,
+    display_path,
+)
+from optim_repair.formats.unpickling import Allowlist, AllowlistUnpickler
+
+
+class MetadataRecord:
+    """An object of an allowlisted DCP class, standing in for it: the state its pickle gave it."""
+
+    kind: ClassVar[str] = ""
+    state: Any = None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+def _record_class(kind: str) -> type[MetadataRecord]:
+    return type(kind, (MetadataRecord,), {"kind": kind})
+
+
+@dataclass(frozen=True)
+class _DType:
+    name: str
+
+
+def _torch_size(*args: Any) -> tuple[int, ...]:
+    sizes = args[0] if args else ()
+    return _int_tuple(sizes, "a torch.Size")
+
+
+def _layout(name: Any) -> str:
+    if not isinstance(name, str):
+        raise InputError(f"a layout is named by {name!r}")
+    return name
+
+
+def _enum_value(value: Any) -> int:
+    if not isinstance(value, int):
+        raise InputError(f"a memory-format code is {value!r}")
+    return value
+
+
+def _pure_path(*parts: Any) -> str:
+    return str(PurePosixPath(*(str(part) for part in parts)))
+
+
+_CHECKPOINT = "torch.distributed.checkpoint.metadata"
+_SHARDED = "torch.distributed._shard.sharded_tensor.metadata"
+_STANDINS: dict[tuple[str, str], Any] = {
+    **{
+        (_CHECKPOINT, kind): _record_class(kind)
+        for kind in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+        )
+    },
+    (_SHARDED, "TensorProperties"): _record_class("TensorProperties"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _record_class("_StorageInfo"),
+    (_CHECKPOINT, "_MEM_FORMAT_ENCODING"): _enum_value,
+    (_SHARDED, "MEM_FORMAT_ENCODING"): _enum_value,
+    ("torch", "Size"): _torch_size,
+    ("torch.serialization", "_get_layout"): _layout,
+    **{
+        ("pathlib", name): _pure_path
+        for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
+    },
+}
+"""Every global a DCP ``.metadata`` may name (besides ``torch.<dtype>``), with what stands in for it."""
+
+
+def _allowlist(*, real: bool) -> Allowlist:
+    """Admits the DCP metadata classes and plain data only; ``real`` gives the real torch classes."""
+
+    def allowed(module: str, name: str) -> Any:
+        is_dtype = module == "torch" and name in DTYPES
+        if (module, name) not in _STANDINS and not is_dtype:
+            raise UnsafeInputError(
+                f"refuses to load global {module}.{name} "
+                "(a DCP .metadata names only torch.distributed.checkpoint metadata classes); nothing was run"
+            )
+        if real:
+            return getattr(importlib.import_module(module), name)
+        return _DType(name) if is_dtype else _STANDINS[(module, name)]
+
+    return allowed
+
+
+def unpickle_metadata(path: Path, source: str, *, real: bool) -> Any:
+    """The objects of a ``.metadata``: stand-ins, or (``real``) torch's own classes, under the same allowlist."""
+    try:
+        with path.open("rb") as stream:
+            return AllowlistUnpickler(stream, source, _allowlist(real=real)).load_safely("DCP metadata pickle")
+    except OSError as exc:
+        raise InputError(f"cannot read ({exc.strerror or exc})", path=source) from exc
+
+
+def _int_tuple(value: Any, what: str, source: str | None = None) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise InputError(f"{what} is {value!r}, not a tuple of integers", path=source)
+    return tuple(value)
+
+
+def _record_fields(value: Any, kind: str, source: str) -> dict[str, Any]:
+    if not (isinstance(value, MetadataRecord) and value.kind == kind):
+        raise InputError(f"expected a {kind}, found {type(value).__name__}", path=source)
+    if value.state is None:
+        return {}
+    if not isinstance(value.state, dict):
+        raise InputError(f"a {kind} holds {type(value.state).__name__}, not its fields", path=source)
+    return value.state
+
+
+def _tensor_item(value: Any, key: str, source: str) -> DcpTensor:
+    fields = _record_fields(value, "TensorStorageMetadata", source)
+    properties = fields.get("properties")
+    if not (isinstance(properties, MetadataRecord) and properties.kind == "TensorProperties"):
+        raise InputError(f"{key} has no tensor properties", path=source)
+    state = properties.state
+    dtype = state[0] if isinstance(state, tuple) and state else state.get("dtype") if isinstance(state, dict) else None
+    if not isinstance(dtype, _DType):
+        raise InputError(f"{key} names no dtype", path=source)
+    chunks = fields.get("chunks")
+    if not isinstance(chunks, list):
+        raise InputError(f"{key} lists no chunks", path=source)
+    parsed = []
+    for chunk in chunks:
+        chunk_fields = _record_fields(chunk, "ChunkStorageMetadata", source)
+        parsed.append(
+            DcpChunk(
+                _int_tuple(chunk_fields.get("offsets"), f"a chunk offset of {key}", source),
+                _int_tuple(chunk_fields.get("sizes"), f"a chunk size of {key}", source),
+            )
+        )
+    return DcpTensor(dtype.name, _int_tuple(fields.get("size"), f"the size of {key}", source), tuple(parsed))
+
+
+def _relative_path(value: Any, source: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise InputError(f"a storage entry names the file {value!r}", path=source)
+    pure = PurePosixPath(value)
+    if pure.is_absolute() or ".." in pure.parts or "\\" in value:
+        raise InputError(f"a storage entry points outside the checkpoint directory ({value!r})", path=source)
+    return value
+
+
+def _storage_entry(
+    key_record: Any, info_record: Any, source: str, checked: set[str]
+) -> tuple[StorageIndex, DcpStorage]:
+    index = _record_fields(key_record, "MetadataIndex", source)
+    fqn = index.get("fqn")
+    if not isinstance(fqn, str):
+        raise InputError(f"a storage entry has the key {fqn!r}", path=source)
+    offset = index.get("offset")
+    offsets = None if offset is None else _int_tuple(offset, f"the chunk offset of {fqn}", source)
+    info = _record_fields(info_record, "_StorageInfo", source)
+    start, length = info.get("offset"), info.get("length")
+    if not (isinstance(start, int) and isinstance(length, int) and start >= 0 and length >= 0):
+        raise InputError(f"{fqn} has the byte range {start!r}+{length!r}", path=source)
+    transforms = info.get("transform_descriptors") or ()
+    if not isinstance(transforms, (list, tuple)) or not all(isinstance(t, str) for t in transforms):
+        raise InputError(f"{fqn} has the stream transforms {transforms!r}", path=source)
+    relative = info.get("relative_path")
+    if not (isinstance(relative, str) and relative in checked):
+        relative = _relative_path(relative, source)
+        checked.add(relative)
+    return (fqn, offsets), DcpStorage(relative, start, length, tuple(transforms))
+
+
+def _parse_metadata(root: Any, source: str) -> DcpMetadata:
+    fields = _record_fields(root, "Metadata", source)
+    entries = fields.get("state_dict_metadata")
+    if not isinstance(entries, dict):
+        raise InputError("holds no state_dict_metadata", path=source)
+    items: dict[str, DcpItem] = {}
+    for key, value in entries.items():
+        if not isinstance(key, str):
+            raise InputError(f"has the key {key!r}", path=source)
+        if isinstance(value, MetadataRecord) and value.kind == "BytesStorageMetadata":
+            items[key] = DcpBytes()
+        else:
+            items[key] = _tensor_item(value, key, source)
+    planner = fields.get("planner_data")
+    if not isinstance(planner, dict):
+        raise InputError(
+            "records no planner_data (the key paths), so parameter names containing dots "
+            "cannot be told apart; it was written by a custom planner",
+            path=source,
+        )
+    paths: dict[str, KeyPath] = {}
+    for key, path in planner.items():
+        if not (
+            isinstance(key, str)
+            and isinstance(path, (tuple, list))
+            and all(isinstance(part, (str, int)) and not isinstance(part, bool) for part in path)
+        ):
+            raise InputError(f"planner_data maps {key!r} to {path!r}", path=source)
+        paths[key] = tuple(path)
+    storage_data = fields.get("storage_data")
+    if not isinstance(storage_data, dict):
+        raise InputError("holds no storage_data", path=source)
+    checked: set[str] = set()
+    storage = dict(_storage_entry(index, info, source, checked) for index, info in storage_data.items())
+    for index in storage:
+        if index[0] not in items:
+            raise InputError(f"stores {index[0]}, which its state_dict_metadata does not list", path=source)
+    return DcpMetadata(items, paths, storage)
+
+
+def read_metadata(path: Path, rel: str = "") -> DcpMetadata:
+    """Read the ``.metadata`` of the DCP directory ``path`` safely, without torch."""
+    source = display_path(rel, METADATA_FILE)
+    return _parse_metadata(unpickle_metadata(path / METADATA_FILE, source, real=False), source)

@@ -1,0 +1,160 @@
+"""The inventory of a DCP checkpoint: its optimizers and model weights, from ``.metadata`` and bytes entries.
+
+Shapes and dtypes come from the metadata alone; of the shards only the optimizers' bytes entries
+(``param_groups`` and non-tensor state) are read. No tensor bytes, and torch is not imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from optim_repair.errors import InputError
+from optim_repair.formats.dcp.layout import MODEL_KEY, DcpOptimizer, dotted, find_optimizers, model_weights
+from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpBytes, DcpMetadata, DcpTensor, display_path
+from optim_repair.formats.dcp.metadata_reader import read_metadata
+from optim_repair.formats.dcp.storage import read_bytes_entries
+from optim_repair.formats.pickled import option_value, state_value
+from optim_repair.inventory import (
+    FileInventory,
+    OptimizerInventory,
+    ParamGroup,
+    ParamKey,
+    StateEntry,
+    StateValue,
+    TensorMeta,
+    WeightMap,
+    key_style,
+)
+
+
+def _state_value(meta: DcpMetadata, key: str, values: Mapping[str, Any]) -> StateValue:
+    item = meta.items[key]
+    return item.meta(key) if isinstance(item, DcpTensor) else state_value(values[key], tensors=False)
+
+
+def _option_value(meta: DcpMetadata, key: str, values: Mapping[str, Any]) -> StateValue | tuple[StateValue, ...]:
+    item = meta.items[key]
+    return item.meta(key) if isinstance(item, DcpTensor) else option_value(values[key], tensors=False)
+
+
+def _state_entries(
+    meta: DcpMetadata, state: Sequence[tuple[ParamKey, str, str]], values: Mapping[str, Any]
+) -> tuple[StateEntry, ...]:
+    by_param: dict[ParamKey, list[tuple[str, StateValue]]] = {}
+    for param, state_key, key in state:
+        by_param.setdefault(param, []).append((state_key, _state_value(meta, key, values)))
+    return tuple(StateEntry(param, tuple(items)) for param, items in by_param.items())
+
+
+def _nested_layout(
+    optimizer: DcpOptimizer, meta: DcpMetadata, values: Mapping[str, Any], source: str
+) -> tuple[tuple[ParamGroup, ...], tuple[StateEntry, ...]]:
+    params: dict[int, tuple[ParamKey, ...]] = {}
+    options: dict[int, list[tuple[str, StateValue | tuple[StateValue, ...]]]] = {}
+    state: list[tuple[ParamKey, str, str]] = []
+    for slot in optimizer.slots:
+        head, tail = slot.rest[0], dotted(slot.rest[1:])
+        if slot.section == "state":
+            state.append((head, tail, slot.key))
+            continue
+        if not isinstance(head, int):
+            raise InputError(f"{slot.key} is not under a param_groups index", path=source)
+        options.setdefault(head, [])
+        if tail != "params":
+            options[head].append((tail, _option_value(meta, slot.key, values)))
+            continue
+        names = values.get(slot.key)
+        if not isinstance(names, list) or not all(
+            isinstance(name, (str, int)) and not isinstance(name, bool) for name in names
+        ):
+            raise InputError(f"{slot.key} is not a list of parameter names", path=source)
+        params[head] = tuple(names)
+    missing = sorted(set(options) - set(params))
+    if missing:
+        raise InputError(f"{optimizer.location}.param_groups.{missing[0]} has no params list", path=source)
+    groups = tuple(ParamGroup(params[index], tuple(options[index])) for index in sorted(options))
+    return groups, _state_entries(meta, state, values)
+
+
+def _longest_name(flat: str, names: Collection[str]) -> str | None:
+    """The longest of ``names`` that ``flat`` starts with, followed by a dot."""
+    end = len(flat)
+    while (end := flat.rfind(".", 0, end)) > 0:
+        if flat[:end] in names:
+            return flat[:end]
+    return None
+
+
+def _comparable_option(value: StateValue | tuple[StateValue, ...]) -> object:
+    if isinstance(value, TensorMeta):
+        return ("tensor", value.dtype, value.shape)
+    return value
+
+
+def _flattened_layout(
+    optimizer: DcpOptimizer, meta: DcpMetadata, values: Mapping[str, Any], known: Collection[str], source: str
+) -> tuple[tuple[ParamGroup, ...], tuple[StateEntry, ...]]:
+    per_name: dict[str, list[tuple[str, StateValue | tuple[StateValue, ...]]]] = {}
+    for slot in optimizer.slots:
+        if slot.section != "param_groups":
+            continue
+        name = _longest_name(slot.flat, known)
+        if name is None:
+            # Not a model weight's name: an option key is a param-group dict key, which has no dot.
+            name = slot.flat.rpartition(".")[0]
+        if not name:
+            raise InputError(f"{slot.key} names no parameter", path=source)
+        option = dotted((slot.flat[len(name) + 1 :], *slot.rest))
+        per_name.setdefault(name, []).append((option, _option_value(meta, slot.key, values)))
+    grouped: dict[object, tuple[list[str], list[tuple[str, StateValue | tuple[StateValue, ...]]]]] = {}
+    for name, opts in per_name.items():
+        signature = tuple((option, _comparable_option(value)) for option, value in opts)
+        grouped.setdefault(signature, ([], opts))[0].append(name)
+    groups = tuple(ParamGroup(tuple(names), tuple(opts)) for names, opts in grouped.values())
+    state: list[tuple[ParamKey, str, str]] = []
+    for slot in optimizer.slots:
+        if slot.section != "state":
+            continue
+        name = _longest_name(slot.flat, per_name.keys())
+        if name is None:
+            raise InputError(f"{slot.key} is state of no parameter in the param_groups", path=source)
+        state.append((name, dotted((slot.flat[len(name) + 1 :], *slot.rest)), slot.key))
+    return groups, _state_entries(meta, state, values)
+
+
+def read_dcp(path: Path, rel: str) -> FileInventory:
+    """The optimizers (and model weights) of the DCP directory ``path``, from its metadata alone.
+
+    ``rel`` is the directory relative to the user's argument ("" when it is the argument). Only the
+    optimizers' bytes entries are read from the shards; no tensor bytes, and torch is not imported.
+    """
+    meta = read_metadata(path, rel)
+    source = display_path(rel, METADATA_FILE)
+    optimizers = find_optimizers(meta, source)
+    wanted = [
+        slot.key for optimizer in optimizers for slot in optimizer.slots if isinstance(meta.items[slot.key], DcpBytes)
+    ]
+    values = read_bytes_entries(path, meta, wanted, rel)
+    weights = model_weights(meta)
+    known = [name for name, _ in weights]
+    inventories = []
+    for optimizer in optimizers:
+        if optimizer.layout == "nested":
+            groups, entries = _nested_layout(optimizer, meta, values, source)
+        else:
+            groups, entries = _flattened_layout(optimizer, meta, values, set(known), source)
+        params = [param for group in groups for param in group.params]
+        inventories.append(
+            OptimizerInventory(
+                file=rel,
+                location=optimizer.location,
+                address=optimizer.root,
+                key_style=key_style(params),
+                groups=groups,
+                entries=entries,
+            )
+        )
+    weight_maps = (WeightMap(f"{rel or '.'}:{MODEL_KEY}", tuple(weights)),) if weights else ()
+    return FileInventory(file=rel, format="dcp", optimizers=tuple(inventories), weights=weight_maps)

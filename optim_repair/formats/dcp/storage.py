@@ -1,0 +1,121 @@
+"""The bytes of DCP shards: byte ranges read in offset order, stream transforms undone, ``torch.save`` objects parsed.
+
+Of the shards, only the small bytes entries of optimizers (``param_groups`` and non-tensor state)
+are read, each through the safe torch-pickle reader; tensor entries are never read for inspection.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import zipfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from optim_repair.errors import InputError
+from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpMetadata, DcpStorage, display_path
+from optim_repair.formats.pickled import PickleGraph, load_graph
+from optim_repair.formats.unpickling import ZIP_ERRORS
+
+MAX_PICKLE_BYTES = 256 << 20
+"""The most a bytes entry's pickle may unpack to: a guard against compressed zip bombs."""
+
+
+def _zstd_decompress(data: bytes, source: str) -> bytes:
+    for module_name in ("compression.zstd", "zstandard"):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        try:
+            if module_name == "compression.zstd":
+                return bytes(module.decompress(data))
+            return bytes(module.ZstdDecompressor().stream_reader(io.BytesIO(data)).read())
+        except Exception as exc:  # each zstd module raises its own error class
+            raise InputError(f"corrupt zstd stream ({exc})", path=source) from exc
+    raise InputError(
+        "is zstd-compressed (stream.zstd/1); install the 'zstandard' package (or use Python 3.14+) to read it",
+        path=source,
+    )
+
+
+def untransform(data: bytes, transforms: tuple[str, ...], source: str) -> bytes:
+    """Undo DCP's stream transforms, in the order torch's reader applies them."""
+    for descriptor in transforms:
+        name, _, version = descriptor.partition("/")
+        if name != "stream.zstd" or version.partition(".")[0] != "1":
+            raise InputError(f"unknown stream transform {descriptor!r}", path=source)
+        data = _zstd_decompress(data, source)
+    return data
+
+
+@dataclass
+class SavedObject:
+    """A ``torch.save``'d object read from a byte range: its pickle graph and its archive."""
+
+    graph: PickleGraph
+    archive: zipfile.ZipFile
+    prefix: str
+
+
+def read_saved_object(data: bytes, source: str) -> SavedObject:
+    """Parse the ``torch.save`` archive in ``data``: its pickle, safely, and the archive for its storages."""
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        pickles = [name for name in archive.namelist() if name.endswith("/data.pkl")]
+        if len(pickles) != 1:
+            raise InputError("not a torch.save archive (no single data.pkl)", path=source)
+        if archive.getinfo(pickles[0]).file_size > MAX_PICKLE_BYTES:
+            raise InputError(f"its pickle claims more than {MAX_PICKLE_BYTES} bytes", path=source)
+        pickle_bytes = archive.read(pickles[0])
+    except (*ZIP_ERRORS, OSError) as exc:
+        raise InputError(f"not a torch.save archive ({exc})", path=source) from None
+    return SavedObject(load_graph(pickle_bytes, source), archive, pickles[0][: -len("data.pkl")])
+
+
+def read_ranges(directory: Path, wanted: Mapping[str, DcpStorage], display: str) -> Iterator[tuple[str, bytes]]:
+    """The bytes of each wanted entry, reading each file once, in offset order."""
+    by_file: dict[str, list[tuple[str, DcpStorage]]] = {}
+    for key, info in wanted.items():
+        by_file.setdefault(info.relative_path, []).append((key, info))
+    for relative, reads in by_file.items():
+        try:
+            with (directory / relative).open("rb") as stream:
+                for key, info in sorted(reads, key=lambda read: read[1].offset):
+                    stream.seek(info.offset)
+                    data = stream.read(info.length)
+                    if len(data) != info.length:
+                        raise InputError(f"truncated; {key} lies past its end", path=display_path(display, relative))
+                    yield key, data
+        except OSError as exc:
+            raise InputError(f"cannot read ({exc.strerror or exc})", path=display_path(display, relative)) from exc
+
+
+def _bytes_entry_storage(meta: DcpMetadata, key: str, source: str) -> DcpStorage:
+    info = meta.storage.get((key, None))
+    if info is None:
+        raise InputError(f"{key} is listed but stored nowhere", path=source)
+    return info
+
+
+def read_bytes_entries(directory: Path, meta: DcpMetadata, keys: Sequence[str], rel: str) -> dict[str, Any]:
+    """The objects ``torch.save``'d in the bytes entries ``keys``, unpickled safely.
+
+    Entries with the same bytes (the flattened layout repeats each option for every parameter)
+    are unpickled once.
+    """
+    source = display_path(rel, METADATA_FILE)
+    wanted = {key: _bytes_entry_storage(meta, key, source) for key in keys}
+    values = {}
+    unpickled: dict[tuple[bytes, tuple[str, ...]], Any] = {}
+    for key, data in read_ranges(directory, wanted, rel):
+        info = wanted[key]
+        if (data, info.transforms) not in unpickled:
+            where = f"{display_path(rel, info.relative_path)}:{key}"
+            unpickled[data, info.transforms] = read_saved_object(
+                untransform(data, info.transforms, where), where
+            ).graph.root
+        values[key] = unpickled[data, info.transforms]
+    return values

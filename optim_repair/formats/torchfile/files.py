@@ -1,0 +1,25 @@
+"""Opening a file written by ``torch.save``, in either of its formats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from optim_repair.errors import InputError
+from optim_repair.formats.torchfile.legacy import LegacyTorchFile, open_legacy
+from optim_repair.formats.torchfile.zipformat import ZipTorchFile, is_zip, open_zip
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+"""Names of the torch files a directory argument reads (UniRL, HF Trainer, Accelerate, Lightning)."""
+
+TorchFile = ZipTorchFile | LegacyTorchFile
+"""A parsed torch file: ``graph``, ``kind``, ``path`` and ``storage_range(key)`` in both formats."""
+
+
+def open_torch_file(path: Path, source: str) -> TorchFile:
+    """Parse ``path`` without reading tensor bytes. Raises InputError / UnsafeInputError."""
+    try:
+        if is_zip(path):
+            return open_zip(path, source)
+        return open_legacy(path, source)
+    except OSError as exc:
+        raise InputError(f"cannot read ({exc.strerror or exc})", path=source) from exc

@@ -1,0 +1,97 @@
+"""The legacy format of ``torch.save`` (``_use_new_zipfile_serialization=False``): pickles, then raw storages.
+
+The file is five pickles (magic number, protocol version, system info, the object graph, the list
+of storage keys) followed, for each key in that list, by an 8-byte element count and the bytes.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError
+from optim_repair.formats.pickled import PickleGraph, StorageRef, load_graph
+from optim_repair.formats.ranges import copy_range
+
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+
+
+@dataclass(frozen=True)
+class LegacyTorchFile:
+    """A parsed legacy-format torch file: its object graph and where each storage's bytes lie."""
+
+    kind: ClassVar[Literal["torch-legacy"]] = "torch-legacy"
+    path: Path
+    graph: PickleGraph
+    offsets: Mapping[str, int]
+    """Where each storage's bytes start in the file, by storage key."""
+    main_start: int
+    """Where the object graph's pickle starts: everything before it is the header."""
+    storage_start: int
+    """Where the storage records start, after the pickled list of storage keys."""
+    storage_end: int
+    keys: tuple[str, ...]
+    """The storage keys in the order their records follow."""
+
+    def storage_range(self, key: str) -> tuple[int, int]:
+        """Byte offset and length of a storage's bytes in the file."""
+        return self.offsets[key], self.graph.storages[key].nbytes
+
+
+def open_legacy(path: Path, source: str) -> LegacyTorchFile:
+    """Parse a legacy-format torch file: its pickles and the element count before each storage."""
+    size = path.stat().st_size
+    if size == 0:
+        raise InputError("empty file", path=source)
+    with path.open("rb") as stream:
+        try:
+            magic = load_graph(stream, source).root
+        except UnsafeInputError:
+            raise
+        except InputError:
+            magic = None
+        if magic != LEGACY_MAGIC:
+            raise NotATorchFile("not a torch file (no zip archive, no legacy magic number)", path=source)
+        load_graph(stream, source)
+        load_graph(stream, source)
+        main_start = stream.tell()
+        graph = load_graph(stream, source)
+        keys = load_graph(stream, source).root
+        storage_start = stream.tell()
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise InputError("damaged legacy torch file (bad storage key list)", path=source)
+        offsets = {}
+        for key in keys:
+            ref = graph.storages.get(key)
+            header = stream.read(8)
+            if ref is None or len(header) != 8:
+                raise InputError(f"damaged legacy torch file (storage {key})", path=source)
+            numel = struct.unpack("<q", header)[0]
+            offsets[key] = stream.tell()
+            end = offsets[key] + ref.nbytes
+            if numel != ref.numel or end > size:
+                raise InputError(f"truncated legacy torch file (storage {key})", path=source)
+            stream.seek(end)
+        missing = set(graph.storages) - set(keys)
+        if missing:
+            raise InputError(f"damaged legacy torch file (no bytes for storage {min(missing)})", path=source)
+        return LegacyTorchFile(path, graph, offsets, main_start, storage_start, stream.tell(), tuple(keys))
+
+
+def write_legacy(
+    torch_file: LegacyTorchFile, data: bytes, created: Sequence[tuple[StorageRef, bytes]], dest: Path
+) -> None:
+    """Write ``torch_file`` to ``dest`` with ``data`` as its main pickle and the ``created`` storages added."""
+    keys = [*torch_file.keys, *(ref.key for ref, _ in created)]
+    with torch_file.path.open("rb") as source, dest.open("wb") as target:
+        copy_range(source, target, 0, torch_file.main_start)
+        target.write(data)
+        target.write(pickle.dumps(keys, protocol=2))
+        copy_range(source, target, torch_file.storage_start, torch_file.storage_end - torch_file.storage_start)
+        for ref, payload in created:
+            target.write(struct.pack("<q", ref.numel))
+            target.write(payload)

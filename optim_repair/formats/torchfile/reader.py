@@ -1,0 +1,156 @@
+"""What inspect needs from a torch file: its optimizers and model weights, found by structure.
+
+No tensor bytes are read but one-element tensors (``step``) and, only for a phantom-step
+candidate, the first ``PHANTOM_PROBE_BYTES`` of each moment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from optim_repair.dtypes import decode_element, itemsize
+from optim_repair.formats.pickled import describe_address, is_tensor, option_value, state_value, tensor_meta, walk
+from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
+from optim_repair.inventory import (
+    FileInventory,
+    OptimizerInventory,
+    ParamGroup,
+    ParamKey,
+    StateEntry,
+    StateValue,
+    TensorMeta,
+    WeightMap,
+    key_style,
+)
+
+PHANTOM_PROBE_BYTES = 4096
+"""How many leading bytes of a moment inspect reads, only when every ``step`` of an optimizer is 1."""
+
+
+class _SmallReads:
+    """The few bytes inspect reads: one-element tensors, and moment heads for phantom-step."""
+
+    def __init__(self, torch_file: TorchFile, stream: BinaryIO) -> None:
+        self._file = torch_file
+        self._stream = stream
+
+    def read(self, meta: TensorMeta, limit: int) -> bytes:
+        offset, _ = self._file.storage_range(meta.storage)
+        self._stream.seek(offset + meta.storage_offset * itemsize(meta.dtype))
+        return self._stream.read(min(meta.nbytes, limit))
+
+    def scalar(self, meta: TensorMeta) -> TensorMeta:
+        if meta.numel != 1 or meta.nbytes > 16:
+            return meta
+        return replace(meta, value=decode_element(meta.dtype, self.read(meta, meta.nbytes)))
+
+    def zero_head(self, meta: TensorMeta) -> TensorMeta:
+        if meta.numel == 0:
+            return replace(meta, zero_head=True)
+        return replace(meta, zero_head=not any(self.read(meta, PHANTOM_PROBE_BYTES)))
+
+
+def _is_optimizer(node: Any) -> bool:
+    if not isinstance(node, dict):
+        return False
+    state, groups = node.get("state"), node.get("param_groups")
+    return (
+        isinstance(state, dict)
+        and isinstance(groups, list)
+        and all(isinstance(group, dict) and isinstance(group.get("params"), list) for group in groups)
+    )
+
+
+def _entry(param: ParamKey, value: Any, reads: _SmallReads) -> StateEntry:
+    if not isinstance(value, dict):
+        return StateEntry(param, None, "tensor" if is_tensor(value) else type(value).__name__)
+    items: list[tuple[str, StateValue]] = []
+    for key, item in value.items():
+        converted = state_value(item)
+        if isinstance(converted, TensorMeta):
+            converted = reads.scalar(converted)
+        items.append((str(key), converted))
+    return StateEntry(param, tuple(items))
+
+
+def _probe_phantom(entries: list[StateEntry], reads: _SmallReads) -> list[StateEntry]:
+    """Probe moment heads, but only when every entry's ``step`` is 1: a phantom-step candidate.
+
+    At most ``PHANTOM_PROBE_BYTES`` of each moment are read, so the cost stays bounded by the
+    number of entries, never by the size of the tensors.
+    """
+    populated = [entry for entry in entries if entry.values]
+    steps = [entry.get("step") for entry in populated]
+    if not populated or not all(isinstance(step, TensorMeta) and step.value == 1 for step in steps):
+        return entries
+    probed = []
+    for entry in entries:
+        values = tuple(
+            (key, reads.zero_head(value) if isinstance(value, TensorMeta) and key != "step" else value)
+            for key, value in entry.values or ()
+        )
+        probed.append(replace(entry, values=values) if entry.values else entry)
+    return probed
+
+
+def _optimizer_inventory(
+    node: dict[Any, Any], file: str, address: tuple[Any, ...], reads: _SmallReads
+) -> OptimizerInventory:
+    groups = tuple(
+        ParamGroup(
+            params=tuple(group["params"]),
+            options=tuple((str(k), option_value(v)) for k, v in group.items() if k != "params"),
+        )
+        for group in node["param_groups"]
+    )
+    entries = _probe_phantom([_entry(param, value, reads) for param, value in node["state"].items()], reads)
+    keys = [param for group in groups for param in group.params] + [entry.param for entry in entries]
+    return OptimizerInventory(
+        file=file,
+        location=describe_address(address),
+        address=address,
+        key_style=key_style(keys),
+        groups=groups,
+        entries=tuple(entries),
+    )
+
+
+def _weight_map(node: dict[Any, Any], source: str) -> WeightMap | None:
+    if not node or not all(isinstance(key, str) for key in node):
+        return None
+    tensors = []
+    for key, value in node.items():
+        meta = tensor_meta(value)
+        if meta is None:
+            return None
+        tensors.append((key, meta))
+    return WeightMap(source, tuple(tensors))
+
+
+def find_optimizers(root: Any) -> list[tuple[tuple[Any, ...], dict[Any, Any]]]:
+    """Every optimizer state dict in a graph, recognised by structure, outermost only."""
+    found: list[tuple[tuple[Any, ...], dict[Any, Any]]] = []
+    for address, node in walk(root):
+        if any(address[: len(outer)] == outer for outer, _ in found):
+            continue
+        if _is_optimizer(node):
+            found.append((address, node))
+    return found
+
+
+def read_inventory(path: Path, file: str, source: str) -> FileInventory:
+    """Everything inspect needs from one torch file, reading no tensor bytes but ``step`` values."""
+    torch_file = open_torch_file(path, source)
+    found = find_optimizers(torch_file.graph.root)
+    with path.open("rb") as stream:
+        reads = _SmallReads(torch_file, stream)
+        optimizers = tuple(_optimizer_inventory(node, file, address, reads) for address, node in found)
+    weights = []
+    for address, node in walk(torch_file.graph.root):
+        if isinstance(node, dict) and not any(address[: len(outer)] == outer for outer, _ in found):
+            weight_map = _weight_map(node, f"{source}:{describe_address(address)}" if address else source)
+            if weight_map is not None:
+                weights.append(weight_map)
+    return FileInventory(file=file, format=torch_file.kind, optimizers=optimizers, weights=tuple(weights))

@@ -1,0 +1,133 @@
+"""The zip format of ``torch.save``: ``<prefix>/data.pkl``, one stored record per storage, and framing records."""
+
+from __future__ import annotations
+
+import struct
+import zipfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, ClassVar, Literal
+
+from optim_repair.errors import InputError, NotATorchFile
+from optim_repair.formats.pickled import PickleGraph, StorageRef, load_graph
+from optim_repair.formats.ranges import CHUNK
+from optim_repair.formats.unpickling import ZIP_ERRORS
+
+ALIGNMENT = 64
+"""torch aligns every record's data on 64 bytes, so that storages can be memory-mapped."""
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+_PADDING_FIELD = b"FB"
+
+
+@dataclass(frozen=True)
+class ZipTorchFile:
+    """A parsed zip-format torch file: its object graph and where each storage's bytes lie."""
+
+    kind: ClassVar[Literal["torch-zip"]] = "torch-zip"
+    path: Path
+    graph: PickleGraph
+    offsets: Mapping[str, int]
+    """Where each storage's bytes start in the file, by storage key."""
+    records: tuple[zipfile.ZipInfo, ...]
+    prefix: str
+    """The archive's top directory, with its slash (``archive/``)."""
+
+    def storage_range(self, key: str) -> tuple[int, int]:
+        """Byte offset and length of a storage's bytes in the file."""
+        return self.offsets[key], self.graph.storages[key].nbytes
+
+    def framing(self) -> dict[str, zipfile.ZipInfo]:
+        """The records torch reads besides the pickle and the storages (``byteorder``, ``version``, ...)."""
+        names = {info.filename[len(self.prefix) :]: info for info in self.records}
+        return {name: info for name, info in names.items() if name != "data.pkl" and not name.startswith("data/")}
+
+
+def is_zip(path: Path) -> bool:
+    with path.open("rb") as stream:
+        return stream.read(4) == b"PK\x03\x04"
+
+
+def _data_offset(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> int:
+    stream.seek(info.header_offset)
+    header = stream.read(_LOCAL_HEADER.size)
+    if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+        raise InputError(f"damaged zip record {info.filename}", path=source)
+    fields: tuple[int, ...] = _LOCAL_HEADER.unpack(header)
+    return info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+
+
+def open_zip(path: Path, source: str) -> ZipTorchFile:
+    """Parse a zip-format torch file: its pickle and its directory, no storage bytes."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except ZIP_ERRORS as exc:
+        raise InputError(f"damaged zip archive ({exc})", path=source) from exc
+    with archive:
+        records = archive.infolist()
+        pickles = [info for info in records if info.filename.endswith("/data.pkl")]
+        if not pickles:
+            raise NotATorchFile("a zip archive without data.pkl is not a torch.save file", path=source)
+        encrypted = [info.filename for info in records if info.flag_bits & 0x1]
+        if encrypted:
+            raise InputError(f"damaged zip archive (record {encrypted[0]} is marked encrypted)", path=source)
+        prefix = pickles[0].filename[: -len("data.pkl")]
+        try:
+            data = archive.read(pickles[0])
+        except (*ZIP_ERRORS, OSError) as exc:
+            raise InputError(f"damaged zip archive ({exc})", path=source) from exc
+        graph = load_graph(data, source)
+        by_name = {info.filename: info for info in records}
+        offsets = {}
+        with path.open("rb") as stream:
+            for key, ref in graph.storages.items():
+                info = by_name.get(f"{prefix}data/{key}")
+                if info is None:
+                    raise InputError(f"storage {key} has no record in the archive", path=source)
+                if info.compress_type != zipfile.ZIP_STORED or info.file_size != ref.nbytes:
+                    raise InputError(
+                        f"storage record {info.filename} holds {info.file_size} bytes, expected {ref.nbytes}",
+                        path=source,
+                    )
+                offsets[key] = _data_offset(stream, info, source)
+    return ZipTorchFile(path, graph, offsets, tuple(records), prefix)
+
+
+def _write_record(archive: zipfile.ZipFile, info: zipfile.ZipInfo, size: int, chunks: Iterator[bytes]) -> None:
+    """Write one stored record whose data starts on an ``ALIGNMENT`` boundary, as torch does."""
+    record = zipfile.ZipInfo(info.filename, date_time=info.date_time)
+    record.compress_type = zipfile.ZIP_STORED
+    record.external_attr = info.external_attr
+    record.file_size = size
+    zip64 = size * 1.05 > zipfile.ZIP64_LIMIT
+    header = _LOCAL_HEADER.size + len(info.filename.encode()) + 4 + (20 if zip64 else 0)
+    pad = -(archive.start_dir + header) % ALIGNMENT
+    record.extra = _PADDING_FIELD + struct.pack("<H", pad) + b"Z" * pad
+    with archive.open(record, "w", force_zip64=zip64) as target:
+        for chunk in chunks:
+            target.write(chunk)
+
+
+def _record_chunks(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> Iterator[bytes]:
+    with archive.open(info) as source:
+        while chunk := source.read(CHUNK):
+            yield chunk
+
+
+def write_zip(torch_file: ZipTorchFile, data: bytes, created: Sequence[tuple[StorageRef, bytes]], dest: Path) -> None:
+    """Write ``torch_file`` to ``dest`` with ``data`` as its pickle and the ``created`` storages added."""
+    with zipfile.ZipFile(torch_file.path) as source, zipfile.ZipFile(dest, "w", allowZip64=True) as target:
+        last_storage = max(
+            (i for i, info in enumerate(torch_file.records) if info.filename.startswith(f"{torch_file.prefix}data/")),
+            default=len(torch_file.records) - 1,
+        )
+        for index, info in enumerate(torch_file.records):
+            if info.filename == f"{torch_file.prefix}data.pkl":
+                _write_record(target, info, len(data), iter([data]))
+            else:
+                _write_record(target, info, info.file_size, _record_chunks(source, info))
+            if index == last_storage:
+                for ref, payload in created:
+                    template = zipfile.ZipInfo(f"{torch_file.prefix}data/{ref.key}", date_time=info.date_time)
+                    template.external_attr = info.external_attr
+                    _write_record(target, template, len(payload), iter([payload]))

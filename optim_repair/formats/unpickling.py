@@ -1,0 +1,79 @@
+"""Allowlisting unpicklers, and the one set of errors a damaged pickle or zip archive raises.
+
+Every pickle optim-repair reads (a torch file's ``data.pkl``, a DCP ``.metadata``, a DCP bytes
+entry) goes through an ``AllowlistUnpickler``: a global outside its allowlist is refused
+with ``UnsafeInputError`` before anything is called, and whatever a damaged pickle makes the
+unpickler raise becomes one ``InputError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import pickle
+import struct
+import zipfile
+import zlib
+from collections.abc import Callable
+from typing import Any, BinaryIO
+
+from optim_repair.errors import InputError
+
+UNPICKLING_ERRORS = (
+    pickle.UnpicklingError,
+    EOFError,
+    ValueError,
+    TypeError,
+    KeyError,
+    IndexError,
+    AttributeError,
+    ImportError,
+    UnicodeDecodeError,
+    struct.error,
+    MemoryError,
+    RecursionError,
+    OverflowError,
+)
+"""What unpickling damaged bytes raises (besides the ``InputError`` of an allowlist)."""
+
+ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    EOFError,
+    UnicodeDecodeError,
+    NotImplementedError,
+    ValueError,
+    RuntimeError,
+    zlib.error,
+)
+"""What ``zipfile`` raises on a damaged archive: a bad CRC, a mangled header, an unknown compression
+method (NotImplementedError), an encrypted record (RuntimeError)."""
+
+
+Allowlist = Callable[[str, str], Any]
+"""What stands in for global ``module.name``; raises ``UnsafeInputError`` for a global not allowed."""
+
+
+class AllowlistUnpickler(pickle.Unpickler):
+    """An unpickler that resolves every global through an allowlist, which refuses it or stands in."""
+
+    def __init__(self, file: BinaryIO, source: str, allowlist: Allowlist) -> None:
+        super().__init__(file)
+        self.source = source
+        self._allowlist = allowlist
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
+        return self._allowlist(module, name)
+
+    def load_safely(self, what: str) -> Any:
+        """Unpickle, translating every error of a damaged pickle into an ``InputError`` about ``what``."""
+        try:
+            return self.load()
+        except InputError as exc:  # raised by the allowlist or a stand-in: name the file
+            exc.path = exc.path or self.source
+            raise
+        except UNPICKLING_ERRORS as exc:
+            raise InputError(f"not a readable {what} ({type(exc).__name__}: {exc})", path=self.source) from exc

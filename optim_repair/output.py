@@ -1,0 +1,157 @@
+"""The atomic copy: a repaired, verified copy written beside the original, following the discovery list.
+
+Everything is written into a temporary sibling of ``--out``, verified from disk, and only then
+renamed into place. Any failure, an interrupt or a full disk included, removes the temporary
+copy; the input is only ever opened for reading.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from optim_repair.discovery import Discovery
+from optim_repair.errors import OutputError
+from optim_repair.formats.dcp import write_dcp
+from optim_repair.formats.torchfile import write_torch_file
+from optim_repair.inventory import CheckpointInventory
+from optim_repair.repair_plan import RepairPlan
+from optim_repair.verify import NOTHING, Verification, verify_copied_file, verify_planned_dcp, verify_torch_file
+
+Progress = Callable[[str], None]
+
+
+def check_output(source: Path, out: Path, *, force: bool) -> None:
+    """Refuse an ``--out`` that would lose or overwrite anything it should not."""
+    src, dst = source.resolve(), out.resolve()
+    if dst == src or src in dst.parents:
+        raise OutputError("--out must not be the input or inside it", path=str(out))
+    if dst in src.parents:
+        raise OutputError("--out must not contain the input", path=str(out))
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise OutputError("already exists; pass --force to replace it", path=str(out))
+        if out.is_dir() != source.is_dir():
+            raise OutputError(f"exists and is not a {'directory' if source.is_dir() else 'file'}", path=str(out))
+    if not dst.parent.is_dir():
+        raise OutputError("no such directory for --out", path=str(out.parent))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _describe(exc: OSError) -> str:
+    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return "the disk is full"
+    return exc.strerror or str(exc)
+
+
+def _write_file(src: Path, dest: Path, rel: str, plan: RepairPlan, inventory: CheckpointInventory) -> Verification:
+    source = rel or str(src)
+    additions = plan.for_file(rel)
+    if any(f.file == rel for f in inventory.files):
+        write_torch_file(src, source, additions, dest)
+        return verify_torch_file(src, dest, source, additions)
+    shutil.copyfile(src, dest)
+    return verify_copied_file(src, dest, source)
+
+
+def _write_directory(
+    found: Discovery, tmp: Path, plan: RepairPlan, inventory: CheckpointInventory, *, link: bool, progress: Progress
+) -> Verification:
+    total = NOTHING
+    optimizer_files = {f.file for f in inventory.files}
+    for entry in found.entries:
+        source, target = found.path(entry), tmp / entry.rel if entry.rel else tmp
+        if entry.link and entry.rel not in optimizer_files:
+            os.symlink(os.readlink(source), target)  # a link (even a dangling one) stays a link, as cp -R does
+        elif entry.role == "directory":
+            target.mkdir()
+        elif entry.role == "dcp":
+            target.mkdir(exist_ok=True)
+            progress(f"writing {entry.rel or 'DCP checkpoint'}")
+            planned = write_dcp(source, plan.for_file(entry.rel), target, link=link)
+            total += verify_planned_dcp(source, target, planned)
+        else:
+            if plan.for_file(entry.rel):
+                progress(f"writing {entry.rel}")
+            total += _write_file(source, target, entry.rel, plan, inventory)
+    return total
+
+
+def write_copy(
+    found: Discovery,
+    inventory: CheckpointInventory,
+    plan: RepairPlan,
+    out: Path,
+    *,
+    force: bool = False,
+    link: bool = False,
+    progress: Progress = lambda message: None,
+) -> Verification:
+    """Write the repaired copy of what ``found`` lists to ``out`` and verify it; return what was proven."""
+    source = found.root
+    check_output(source, out, force=force)
+    parent = out.resolve().parent
+    prefix = f".{out.name}.optim-repair-"
+    tmp = _temporary_sibling(parent, prefix, directory=found.is_directory)
+    try:
+        if found.is_directory:
+            verification = _write_directory(found, tmp, plan, inventory, link=link, progress=progress)
+        else:
+            progress(f"writing {out}")
+            verification = _write_file(source, tmp, "", plan, inventory)
+        _move_into_place(tmp, out)
+    except OSError as exc:
+        _remove(tmp)
+        raise OutputError(f"cannot write ({_describe(exc)}); nothing was left behind", path=str(out)) from exc
+    except BaseException:
+        _remove(tmp)
+        raise
+    return verification
+
+
+def _temporary_sibling(parent: Path, prefix: str, *, directory: bool) -> Path:
+    """A new temporary path beside ``--out``, with the permissions a plain create would give.
+
+    Created with mode 0o666 (0o777 for a directory), so that the process umask applies as it
+    would to any new file; ``tempfile.mkstemp`` would give 0o600.
+    """
+    for _ in range(100):
+        tmp = parent / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            if directory:
+                tmp.mkdir(0o777)
+            else:
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise OutputError(f"cannot write ({_describe(exc)})", path=str(parent)) from exc
+        return tmp
+    raise OutputError("cannot find an unused temporary name", path=str(parent))
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    if not (out.exists() or out.is_symlink()):
+        os.replace(tmp, out)
+        return
+    backup = Path(tempfile.mkdtemp(dir=out.resolve().parent, prefix=f".{out.name}.optim-repair-old-"))
+    displaced = backup / out.name
+    os.replace(out, displaced)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        os.replace(displaced, out)
+        raise
+    finally:
+        _remove(backup)

@@ -1,0 +1,93 @@
+"""Reading every optimizer under a checkpoint argument, following the discovery list, into one inventory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from optim_repair.discovery import Discovery, discover
+from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError
+from optim_repair.formats.dcp import is_dcp_directory, read_dcp
+from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX, read_weights
+from optim_repair.formats.torchfile import read_inventory
+from optim_repair.inventory import CheckpointInventory, Skipped, WeightMap
+
+
+def read_checkpoint(path: Path) -> CheckpointInventory:
+    """The inventory of every optimizer under ``path``. Raises InputError when there is none."""
+    return read_discovered(discover(path))
+
+
+def read_discovered(found: Discovery) -> CheckpointInventory:
+    """The inventory of every optimizer in what ``discover`` found."""
+    if not found.is_directory:
+        inventory = read_inventory(found.root, "", str(found.root))
+        if not inventory.optimizers:
+            raise InputError("holds no optimizer state (no dict with 'state' and 'param_groups')", path=str(found.root))
+        return CheckpointInventory(
+            str(found.root), "torch", False, (inventory,), weights=_weights_beside(found.neighbours)
+        )
+    try:
+        return _read_directory(found)
+    except PermissionError as exc:
+        raise InputError("cannot read (permission denied)", path=str(exc.filename)) from exc
+
+
+def _weights_beside(neighbours: tuple[Path, ...]) -> tuple[WeightMap, ...]:
+    """Parameter shapes from safetensors files next to a file argument (HF's ``model.safetensors``)."""
+    weights = []
+    for neighbour in neighbours:
+        try:
+            weights.append(read_weights(neighbour, neighbour.name))
+        except InputError:
+            continue  # only a source of shapes: a damaged neighbour is no reason to refuse the file
+    return tuple(weights)
+
+
+def _read_directory(found: Discovery) -> CheckpointInventory:
+    root = found.root
+    files = [read_dcp(found.path(entry), entry.rel) for entry in found.with_role("dcp")]
+    skipped: list[Skipped] = []
+    weights: list[WeightMap] = []
+    for entry in found.entries:
+        if entry.role == "safetensors":
+            try:
+                weights.append(read_weights(found.path(entry), entry.rel))
+            except InputError as exc:
+                skipped.append(Skipped(entry.rel, exc.reason))
+        elif entry.role == "torch":
+            try:
+                inventory = read_inventory(found.path(entry), entry.rel, entry.rel)
+            except (UnsafeInputError, NotATorchFile) as exc:
+                skipped.append(Skipped(entry.rel, exc.reason, unsafe=isinstance(exc, UnsafeInputError)))
+                continue
+            except InputError as exc:
+                raise InputError(
+                    f"{exc.reason}; a damaged torch file may have held optimizer state, so {root} is not judged",
+                    path=exc.path,
+                ) from exc
+            if inventory.optimizers:
+                files.append(inventory)
+            else:
+                skipped.append(Skipped(entry.rel, "holds no optimizer state"))
+    if not any(file.optimizers for file in files):
+        raise InputError(f"no optimizer state found in any file ({len(skipped)} file(s) skipped)", path=str(root))
+    dcp_only = files and all(file.format == "dcp" for file in files) and any(found.with_role("dcp"))
+    fmt: Literal["torch", "dcp"] = "dcp" if dcp_only else "torch"
+    return CheckpointInventory(str(root), fmt, True, tuple(files), tuple(skipped), tuple(weights))
+
+
+def read_model_weights(path: Path) -> tuple[WeightMap, ...]:
+    """Parameter shapes from ``--model``: a safetensors file, a torch file, or a DCP directory."""
+    if not path.exists():
+        raise InputError("no such file or directory (--model)", path=str(path))
+    if path.is_dir():
+        if not is_dcp_directory(path):
+            raise InputError("--model takes a safetensors file, a torch file or a DCP directory", path=str(path))
+        return read_dcp(path, str(path)).weights
+    if path.suffix == SAFETENSORS_SUFFIX:
+        return (read_weights(path, str(path)),)
+    inventory = read_inventory(path, str(path), str(path))
+    if not inventory.weights:
+        raise InputError("holds no mapping of parameter names to tensors (--model)", path=str(path))
+    return inventory.weights

@@ -1,0 +1,65 @@
+"""A repair plan as plain data: which state entries to add, where, holding what.
+
+``repair`` decides the plan; the format writers in ``optim_repair.formats`` and the verifiers
+consume it. Nothing here decides anything, reads a file or imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from optim_repair.dtypes import filled_bytes
+from optim_repair.inventory import ParamKey, Scalar
+
+Fill = Literal["empty", "fresh"]
+PlanFill = Literal["empty", "fresh", "mixed"]
+"""A plan's fill: ``mixed`` when a directory's torch files got ``{}`` and its DCP checkpoints fresh state."""
+
+
+@dataclass(frozen=True)
+class FreshTensor:
+    """A tensor to create: every element equals ``fill``."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    fill: float | int | bool | complex = 0
+
+    def data(self) -> bytes:
+        """Its contiguous little-endian bytes."""
+        return filled_bytes(self.dtype, self.shape, self.fill)
+
+
+AddedValue = FreshTensor | Scalar
+"""One value of an added entry: a tensor to create, or a plain value stored as is."""
+
+
+@dataclass(frozen=True)
+class Addition:
+    """One state entry to add to one optimizer."""
+
+    file: str
+    location: str
+    address: tuple[ParamKey, ...]
+    param: ParamKey
+    state: tuple[tuple[str, AddedValue], ...]
+    """The entry's keys and values; () adds ``{}``."""
+
+
+class FilledOptimizer(NamedTuple):
+    """An optimizer a fresh fill fills, and the optimizer kind its fresh state is built for."""
+
+    file: str
+    location: str
+    kind: str
+
+
+@dataclass(frozen=True)
+class RepairPlan:
+    fill: PlanFill
+    additions: tuple[Addition, ...]
+    optimizers: tuple[FilledOptimizer, ...] = ()
+    """For a fresh fill: each optimizer the plan fills, with its kind."""
+
+    def for_file(self, file: str) -> tuple[Addition, ...]:
+        return tuple(addition for addition in self.additions if addition.file == file)

@@ -1,0 +1,110 @@
+"""Verifying a repaired DCP copy through its own new metadata: original entries, other files, new entries."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from optim_repair.errors import InputError, VerificationError
+from optim_repair.formats.dcp.layout import NewEntry, PlannedEntries, plan_entries
+from optim_repair.formats.dcp.metadata import (
+    METADATA_FILE,
+    DcpBytes,
+    DcpChunk,
+    DcpMetadata,
+    DcpStorage,
+    DcpTensor,
+    StorageIndex,
+    display_path,
+)
+from optim_repair.formats.dcp.metadata_reader import read_metadata
+from optim_repair.formats.dcp.storage import read_ranges, read_saved_object, untransform
+from optim_repair.formats.pickled import tensor_meta
+from optim_repair.formats.ranges import same_range
+from optim_repair.repair_plan import Addition, FreshTensor
+from optim_repair.verify.files import Verification, same_file
+
+
+def _same_range(src: Path, dest: Path, original: DcpStorage, copy: DcpStorage) -> bool:
+    source, target = src / original.relative_path, dest / copy.relative_path
+    if original.length != copy.length:
+        return False
+    if original.offset == copy.offset and os.path.samefile(source, target):
+        return True
+    with source.open("rb") as first, target.open("rb") as second:
+        return same_range(first, original.offset, second, copy.offset, original.length)
+
+
+def _check_addition(dest: Path, copy: DcpMetadata, entry: NewEntry) -> None:
+    item = copy.items.get(entry.key)
+    if copy.path_of(entry.key) != entry.path:
+        raise VerificationError(f"{entry.key} has the key path {copy.path_of(entry.key)}", path=dest)
+    value = entry.value
+    index: StorageIndex = (entry.key, tuple(0 for _ in value.shape) if isinstance(value, FreshTensor) else None)
+    info = copy.storage.get(index)
+    if info is None:
+        raise VerificationError(f"{entry.key} is stored nowhere", path=dest)
+    where = f"{display_path(str(dest), info.relative_path)}:{entry.key}"
+    data = dict(read_ranges(dest, {entry.key: info}, str(dest)))[entry.key]
+    saved = read_saved_object(untransform(data, info.transforms, where), where)
+    if isinstance(value, FreshTensor):
+        meta = tensor_meta(saved.graph.root)
+        expected = DcpTensor(value.dtype, value.shape, (DcpChunk(index[1] or (), value.shape),))
+        if item != expected or meta is None or (meta.dtype, meta.shape) != (value.dtype, value.shape):
+            raise VerificationError(f"{entry.key} is not a {value.dtype} tensor of shape {value.shape}", path=dest)
+        storage = saved.graph.storages[meta.storage]
+        if saved.archive.read(f"{saved.prefix}data/{storage.key}") != value.data():
+            raise VerificationError(f"{entry.key} does not hold {value.fill!r} everywhere", path=dest)
+    elif item != DcpBytes() or type(saved.graph.root) is not type(value) or saved.graph.root != value:
+        raise VerificationError(f"{entry.key} does not hold {value!r}", path=dest)
+
+
+def verify_dcp(src: Path, dest: Path, additions: Sequence[Addition]) -> Verification:
+    """Prove, through ``dest``'s own new metadata, that every original entry's bytes are unchanged,
+    every other file is identical and the additions are present; raise ``VerificationError`` if not.
+
+    Counts the original tensor entries and the bytes of every original entry compared.
+    """
+    source = display_path(str(src), METADATA_FILE)
+    return verify_planned_dcp(src, dest, plan_entries(read_metadata(src, str(src)), additions, source))
+
+
+def verify_planned_dcp(src: Path, dest: Path, planned: PlannedEntries) -> Verification:
+    """``verify_dcp`` for the entries the writer planned, without planning them again."""
+    try:
+        return _verify(src, dest, planned.original, planned.entries)
+    except (InputError, OSError) as exc:
+        raise VerificationError(f"the copy cannot be read back ({exc})", path=str(dest)) from exc
+
+
+def _verify(src: Path, dest: Path, original: DcpMetadata, entries: Sequence[NewEntry]) -> Verification:
+    copy = read_metadata(dest, str(dest))
+    expected = set(original.items) | {entry.key for entry in entries}
+    if set(copy.items) != expected:
+        extra, missing = sorted(set(copy.items) - expected), sorted(expected - set(copy.items))
+        raise VerificationError(f"the copy's keys differ (unexpected {extra[:3]}, missing {missing[:3]})", path=dest)
+    for key, item in original.items.items():
+        if copy.items[key] != item or copy.path_of(key) != original.path_of(key):
+            raise VerificationError(f"the metadata of {key} changed", path=dest)
+    compared = 0
+    for index, info in original.storage.items():
+        copied = copy.storage.get(index)
+        if copied is None or copied.transforms != info.transforms or not _same_range(src, dest, info, copied):
+            raise VerificationError(f"the bytes of {index[0]} differ from the original's", path=dest)
+        compared += info.length
+    shards = {info.relative_path for info in original.storage.values()}
+    for source in sorted(src.rglob("*")):
+        relative = source.relative_to(src).as_posix()
+        if not source.is_file() or relative == METADATA_FILE:
+            continue
+        target = dest / relative
+        if relative in shards:
+            if not target.is_file() or target.stat().st_size != source.stat().st_size:
+                raise VerificationError("the shard's size differs from the original's", path=target)
+        elif not same_file(source, target):
+            raise VerificationError(f"differs from {source}", path=target)
+    for entry in entries:
+        _check_addition(dest, copy, entry)
+    tensors = sum(isinstance(item, DcpTensor) for item in original.items.values())
+    return Verification(tensors=tensors, bytes=compared)

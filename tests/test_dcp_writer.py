@@ -1,0 +1,146 @@
+"""Repaired DCP copies (``optim_repair.formats.dcp.writer``), proven by stock ``dcp.load`` and a continuation.
+
+A repaired copy is proven by stock ``dcp.load`` + ``set_optimizer_state_dict`` and a continuation that is
+bit-identical to a run that never stopped.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from optim_repair.errors import OutputError, RepairRefused
+from optim_repair.formats.dcp import DcpBytes, DcpChunk, DcpTensor, read_dcp, read_metadata, write_dcp
+from optim_repair.repair_plan import Addition, FreshTensor
+from optim_repair.verify import verify_dcp
+from tests import dcp_checkpoints as dk
+from tests.dcp_checkpoints import by_name, files, only, repaired
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adam_amsgrad", "nadam"])
+@pytest.mark.parametrize(
+    ("layout", "flatten"),
+    [("unirl", False), ("unirl", True), ("sharded", False), ("sharded", True)],
+    ids=["nested", "flattened", "sharded-nested", "sharded-flattened"],
+)
+def test_repaired_copy_resumes_bit_identically(tmp_path: Path, optimizer: str, layout: str, flatten: bool) -> None:
+    factory = dk.unirl_dcp if layout == "unirl" else dk.sharded_dcp
+    built = factory(tmp_path / "in", optimizer, flatten=flatten)
+    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: optim\.state\.head"):
+        dk.resume(built.path, optimizer, "optim", flatten)
+    dest = tmp_path / "out"
+    additions = repaired(built, {"optim": optimizer}, dest)
+    assert {a.param for a in additions} == set(dk.HEAD)
+    verification = verify_dcp(built.path, dest, additions)
+    assert verification.tensors == sum(isinstance(i, DcpTensor) for i in read_metadata(built.path).items.values())
+    resumed = dk.resume(dest, optimizer, "optim", flatten)
+    expected = dk.uninterrupted(optimizer)
+    assert resumed.keys() == expected.keys()
+    assert all(torch.equal(resumed[name], expected[name]) for name in expected)
+    assert dk.missing_params(only(read_dcp(dest, ""))) == ()
+
+
+def test_plain_values_become_bytes_entries(tmp_path: Path) -> None:
+    """SGD with dampening stores ``momentum_buffer = None`` until the first update; zeros would differ."""
+    built = dk.unirl_dcp(tmp_path / "in", "sgd_dampening")
+    dest = tmp_path / "out"
+    additions = repaired(built, {"optim": "sgd_dampening"}, dest)
+    verify_dcp(built.path, dest, additions)
+    assert read_metadata(dest).items["optim.state.head.proj.weight.momentum_buffer"] == DcpBytes()
+    assert by_name(only(read_dcp(dest, "")))["head.proj.bias"] == {"momentum_buffer": None}
+    resumed = dk.resume(dest, "sgd_dampening", "optim", False)
+    expected = dk.uninterrupted("sgd_dampening")
+    assert all(torch.equal(resumed[name], expected[name]) for name in expected)
+
+
+def test_torchtitan_copy_loads_with_stock_dcp(tmp_path: Path) -> None:
+    built = dk.torchtitan_dcp(tmp_path / "in")
+    dest = tmp_path / "out"
+    additions = repaired(built, {"optimizer": "adamw"}, dest)
+    verify_dcp(built.path, dest, additions)
+    dk.resume(dest, "adamw", "optimizer", True)
+    assert [dk.missing_params(opt) for opt in read_dcp(dest, "").optimizers] == [()]
+
+
+def test_several_optimizers_repaired_in_one_shard(tmp_path: Path) -> None:
+    built = dk.two_optimizers_dcp(tmp_path / "in")
+    dest = tmp_path / "out"
+    additions = repaired(built, {"optim_g": "adamw", "optim_d": "nadam"}, dest)
+    verify_dcp(built.path, dest, additions)
+    assert [dk.missing_params(opt) for opt in read_dcp(dest, "").optimizers] == [(), ()]
+    assert sorted(set(files(dest)) - set(files(built.path))) == ["__optim_repair_0.distcp"]
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
+def test_new_metadata_describes_old_and_new_entries(tmp_path: Path, flatten: bool) -> None:
+    built = dk.unirl_dcp(tmp_path / "in", flatten=flatten)
+    dest = tmp_path / "out"
+    additions = repaired(built, {"optim": "adamw"}, dest)
+    old, new = read_metadata(built.path), read_metadata(dest)
+    added = {f"optim.state.{a.param}.{key}": value for a in additions for key, value in a.state}
+    assert list(new.items) == [*old.items, *added]
+    assert all(new.items[key] == item for key, item in old.items.items())
+    assert all(new.storage[index] == info for index, info in old.storage.items())
+    assert all(new.planner_data[key] == path for key, path in old.planner_data.items())
+    for key, value in added.items():
+        assert isinstance(value, FreshTensor)
+        offsets = tuple(0 for _ in value.shape)
+        assert new.items[key] == DcpTensor(value.dtype, value.shape, (DcpChunk(offsets, value.shape),))
+        assert new.storage[(key, offsets)].relative_path == "__optim_repair_0.distcp"
+        name, state_key = key.removeprefix("optim.state.").rsplit(".", 1)
+        path = ("optim", f"state.{name}.{state_key}") if flatten else ("optim", "state", name, state_key)
+        assert new.planner_data[key] == path
+
+
+@pytest.mark.parametrize("link", [False, True], ids=["copy", "link"])
+def test_copy_keeps_every_file(tmp_path: Path, link: bool) -> None:
+    built = dk.unirl_dcp(tmp_path / "in")
+    (built.path / "extra").mkdir()
+    (built.path / "extra" / "notes.json").write_text('{"step": 3}\n')
+    original = files(built.path)
+    dest = tmp_path / "out"
+    repaired(built, {"optim": "adamw"}, dest, link=link)
+    assert files(built.path) == original
+    copy = files(dest)
+    assert set(copy) == {*original, "__optim_repair_0.distcp"}
+    assert all(copy[name] == data for name, data in original.items() if name != ".metadata")
+    assert copy[".metadata"] != original[".metadata"]
+    shard = os.stat(built.path / "__0_0.distcp")
+    assert os.path.samefile(built.path / "__0_0.distcp", dest / "__0_0.distcp") is link
+    assert shard.st_nlink == (2 if link else 1)
+    assert not os.path.samefile(built.path / "metadata.pt", dest / "metadata.pt")
+
+
+
+
+def test_refuses_additions_it_cannot_write(tmp_path: Path) -> None:
+    built = dk.unirl_dcp(tmp_path / "in")
+    dest = tmp_path / "out"
+    dest.mkdir()
+    zeros = (("step", FreshTensor("float32", (), 0.0)),)
+    cases = {
+        "already exists": Addition("", "optim", ("optim",), "blocks.0.attn.to_q.bias", zeros),
+        "no empty mappings": Addition("", "optim", ("optim",), "head.proj.bias", ()),
+        "no optimizer at 'optimizer'": Addition("", "optimizer", ("optimizer",), "head.proj.bias", zeros),
+    }
+    for message, addition in cases.items():
+        with pytest.raises(RepairRefused, match=message):
+            write_dcp(built.path, [addition], dest, link=False)
+        assert list(dest.iterdir()) == []
+    (dest / "stray").write_text("")
+    with pytest.raises(OutputError, match="existing empty directory"):
+        write_dcp(built.path, [], dest, link=False)
+
+
+def test_no_additions_copy_everything_as_is(tmp_path: Path) -> None:
+    built = dk.unirl_dcp(tmp_path / "in")
+    dest = tmp_path / "out"
+    dest.mkdir()
+    write_dcp(built.path, [], dest, link=False)
+    assert files(dest) == files(built.path)
+    assert verify_dcp(built.path, dest, []).bytes > 0
