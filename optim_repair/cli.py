@@ -11,7 +11,7 @@ from typing import Annotated, TypeVar
 import typer
 
 from optim_repair import api, render
-from optim_repair.errors import ExitCode, OptimRepairError
+from optim_repair.errors import ExitCode, OptimRepairError, Remedy
 
 app = typer.Typer(
     help="Find and repair missing optimizer state in PyTorch checkpoints, without touching the original.",
@@ -37,12 +37,19 @@ Checkpoint = Annotated[
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document (schema_version 1) instead.")]
 
 
+def _as_flag(remedy: Remedy) -> str:
+    """A remedy in the CLI's words: the flag that has the name of the library's keyword argument."""
+    flag = "--" + remedy.option.replace("_", "-")
+    return f"pass {flag}{f' {remedy.value}' if remedy.value else ''}{remedy.note}"
+
+
 def _run(call: Callable[[], T]) -> T:
     """The one place library errors become a message on stderr and an exit code."""
     try:
         return call()
     except OptimRepairError as exc:
-        render.print_error(str(exc))
+        argument = "--" + exc.argument.replace("_", "-") if exc.argument else ""
+        render.print_error(exc.describe(argument, _as_flag(exc.remedy) if exc.remedy else ""))
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         render.print_error("interrupted; nothing was written")

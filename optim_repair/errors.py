@@ -1,10 +1,11 @@
 """The one exception tree of optim-repair, whose classes carry the exit code and structured fields.
 
 Every error a user can cause is an ``OptimRepairError``. It says *what* is wrong (``reason``),
-*where* (``path``: a file, or a file and a place inside it) and, when one argument would resolve
-it, *which* (``remedy``); foreign errors (``OSError``, ``zipfile.BadZipFile``, ...) are translated
-where they are caught and kept as ``__cause__``. ``str(error)`` words a remedy for Python callers;
-the CLI words it as a flag, in the one place that maps errors to messages.
+*where* (``path``: a file, or a file and a place inside it), which argument it is about
+(``argument``) and, when one argument would resolve it, *which* (``remedy``); foreign errors
+(``OSError``, ``zipfile.BadZipFile``, ...) are translated where they are caught and kept as
+``__cause__``. ``str(error)`` names arguments as Python keyword arguments; the CLI names them as
+flags, in the one place that maps errors to messages.
 """
 
 from __future__ import annotations
@@ -32,18 +33,24 @@ class ExitCode(enum.IntEnum):
 
 @dataclass(frozen=True)
 class Remedy:
-    """The argument of ``optim_repair.fix`` that would resolve an error, and how to give it."""
+    """The argument of ``optim_repair.fix`` that would resolve an error, and how to give it.
+
+    Library messages name it as a keyword argument (``pass optimizer=NAME``); the CLI names it as
+    the flag of the same name (``pass --optimizer NAME``).
+    """
 
     option: str
     """The keyword argument: ``optimizer``, ``model``, ``fill``, ``force``."""
     value: str = ""
-    """What to pass, as words (``NAME``, ``fresh``); empty for a switch such as ``force``."""
+    """What to pass (``fresh``); empty for a switch such as ``force``."""
+    placeholder: bool = False
+    """Whether ``value`` stands for what the user must supply (``NAME``, ``PATH``) rather than a literal."""
     note: str = ""
     """What follows, in words that fit either vocabulary: `` (one of: adam, adamw, ...)``."""
 
     def as_python(self) -> str:
-        value = repr(self.value) if self.value.islower() else self.value
-        return f"pass {self.option}={value or 'True'}{self.note}"
+        value = self.value if self.placeholder else repr(self.value) if self.value else "True"
+        return f"pass {self.option}={value}{self.note}"
 
 
 class OptimRepairError(Exception):
@@ -52,19 +59,27 @@ class OptimRepairError(Exception):
     exit_code: ClassVar[ExitCode] = ExitCode.INPUT
 
     def __init__(
-        self, reason: str, *, path: str | os.PathLike[str] | None = None, remedy: Remedy | None = None
+        self,
+        reason: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        argument: str | None = None,
+        remedy: Remedy | None = None,
     ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.path = None if path is None else os.fspath(path)
+        self.argument = argument
+        """The keyword argument the reason is about (``optimizer``); ``{argument}`` in the reason names it."""
         self.remedy = remedy
 
     def __str__(self) -> str:
-        return self.describe(self.remedy.as_python() if self.remedy else "")
+        return self.describe(self.argument or "", self.remedy.as_python() if self.remedy else "")
 
-    def describe(self, remedy: str) -> str:
-        """The one-line message, with ``remedy`` (already worded) after the reason."""
-        text = f"{self.path}: {self.reason}" if self.path else self.reason
+    def describe(self, argument: str, remedy: str) -> str:
+        """The one-line message, with the argument's name and the remedy already worded."""
+        text = self.reason.replace("{argument}", argument) if self.argument else self.reason
+        text = f"{self.path}: {text}" if self.path else text
         return f"{text}; {remedy}" if remedy else text
 
 

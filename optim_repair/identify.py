@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from optim_repair.errors import RepairRefused
+from optim_repair.errors import RepairRefused, Remedy
 from optim_repair.inventory import ParamGroup, StateEntry
 from optim_repair.optimizers import KNOWN_OPTIONS, OPTIMIZERS, SPECS, OptimizerSpec, ParamSpec, fresh_state
 
@@ -93,15 +93,14 @@ def identify_optimizer(
     chosen = _resolve(candidates, groups)
     if chosen is not None:
         return chosen
-    choices = ", ".join(OPTIMIZERS)
+    remedy = Remedy("optimizer", "NAME", placeholder=True, note=f" (one of: {', '.join(OPTIMIZERS)})")
     if not candidates:
         seen = sorted(frozenset().union(*(group.option_keys for group in groups)))
         raise RepairRefused(
             f"cannot tell which optimizer wrote {where}: its options ({', '.join(seen) or 'none'}) "
-            f"and state keys fit no lazily-initializing torch optimizer; "
-            f"pass --optimizer NAME (one of: {choices})"
+            "and state keys fit no lazily-initializing torch optimizer",
+            remedy=remedy,
         )
     raise RepairRefused(
-        f"cannot tell which optimizer wrote {where}: candidates {', '.join(candidates)}; "
-        f"pass --optimizer NAME (one of: {choices})"
+        f"cannot tell which optimizer wrote {where}: candidates {', '.join(candidates)}", remedy=remedy
     )

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from optim_repair.discovery import Discovery
-from optim_repair.errors import OutputError
+from optim_repair.errors import OutputError, Remedy
 from optim_repair.formats.dcp import write_dcp
 from optim_repair.formats.torchfile import write_torch_file
 from optim_repair.inventory import CheckpointInventory
@@ -27,19 +27,19 @@ Progress = Callable[[str], None]
 
 
 def check_output(source: Path, out: Path, *, force: bool) -> None:
-    """Refuse an ``--out`` that would lose or overwrite anything it should not."""
+    """Refuse an output path that would lose or overwrite anything it should not."""
     src, dst = source.resolve(), out.resolve()
     if dst == src or src in dst.parents:
-        raise OutputError("--out must not be the input or inside it", path=str(out))
+        raise OutputError("{argument} must not be the input or inside it", path=out, argument="out")
     if dst in src.parents:
-        raise OutputError("--out must not contain the input", path=str(out))
+        raise OutputError("{argument} must not contain the input", path=out, argument="out")
     if out.exists() or out.is_symlink():
         if not force:
-            raise OutputError("already exists; pass --force to replace it", path=str(out))
+            raise OutputError("already exists", path=str(out), remedy=Remedy("force", note=" to replace it"))
         if out.is_dir() != source.is_dir():
             raise OutputError(f"exists and is not a {'directory' if source.is_dir() else 'file'}", path=str(out))
     if not dst.parent.is_dir():
-        raise OutputError("no such directory for --out", path=str(out.parent))
+        raise OutputError("no such directory for {argument}", path=out.parent, argument="out")
 
 
 def _remove(path: Path) -> None:

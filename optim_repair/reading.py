@@ -78,16 +78,18 @@ def _read_directory(found: Discovery) -> CheckpointInventory:
 
 
 def read_model_weights(path: Path) -> tuple[WeightMap, ...]:
-    """Parameter shapes from ``--model``: a safetensors file, a torch file, or a DCP directory."""
+    """Parameter shapes from model weights: a safetensors file, a torch file, or a DCP directory."""
     if not path.exists():
-        raise InputError("no such file or directory (--model)", path=str(path))
+        raise InputError("no such file or directory (the model weights)", path=str(path))
     if path.is_dir():
         if not is_dcp_directory(path):
-            raise InputError("--model takes a safetensors file, a torch file or a DCP directory", path=str(path))
+            raise InputError(
+                "model weights must be a safetensors file, a torch file or a DCP directory", path=str(path)
+            )
         return read_dcp(path, str(path)).weights
     if path.suffix == SAFETENSORS_SUFFIX:
         return (read_weights(path, str(path)),)
     inventory = read_inventory(path, str(path), str(path))
     if not inventory.weights:
-        raise InputError("holds no mapping of parameter names to tensors (--model)", path=str(path))
+        raise InputError("holds no mapping of parameter names to tensors (the model weights)", path=str(path))
     return inventory.weights

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from optim_repair.diagnose import Diagnosis, OptimizerDiagnosis
-from optim_repair.errors import RepairRefused, UsageError
+from optim_repair.errors import Remedy, RepairRefused, UsageError
 from optim_repair.identify import identify_optimizer
 from optim_repair.inventory import ParamKey, TensorMeta, WeightMap
 from optim_repair.optimizers import OPTIMIZERS, PARAM_SHAPED_KEYS, ParamSpec, fresh_state
@@ -48,7 +48,8 @@ def _shapes(opt: OptimizerDiagnosis, weights: Sequence[WeightMap], where: str) -
     if opt.optimizer.key_style == "index":
         raise RepairRefused(
             f"{where}: an index-keyed optimizer (optimizer.state_dict()) names no parameters, so their "
-            f"shapes cannot be looked up; use --fill empty: optimizer.load_state_dict keeps {{}} entries lazy"
+            "shapes cannot be looked up",
+            remedy=Remedy("fill", "empty", note=": optimizer.load_state_dict keeps {} entries lazy"),
         )
     candidates: list[tuple[str, dict[ParamKey, TensorMeta]]] = []
     for weight_map in weights:
@@ -60,8 +61,8 @@ def _shapes(opt: OptimizerDiagnosis, weights: Sequence[WeightMap], where: str) -
         for other_source, other in candidates[1:]:
             if any((shapes[p].dtype, shapes[p].shape) != (other[p].dtype, other[p].shape) for p in shapes):
                 raise RepairRefused(
-                    f"{where}: {source} and {other_source} give different shapes for the missing parameters; "
-                    f"pass --model with this optimizer's model weights"
+                    f"{where}: {source} and {other_source} give different shapes for the missing parameters",
+                    remedy=Remedy("model", "PATH", placeholder=True, note=" with this optimizer's model weights"),
                 )
         return shapes
     lacking = sorted(str(p) for p in opt.missing if not any(p in w.lookup() for w in weights))
@@ -69,7 +70,13 @@ def _shapes(opt: OptimizerDiagnosis, weights: Sequence[WeightMap], where: str) -
     if not lacking:
         what = "no model weights that match this optimizer's existing state"
     raise RepairRefused(
-        f"{where}: {what}; pass --model with the model's weights (safetensors, torch file or DCP directory)"
+        f"{where}: {what}",
+        remedy=Remedy(
+            "model",
+            "PATH",
+            placeholder=True,
+            note=" with the model's weights (safetensors, torch file or DCP directory)",
+        ),
     )
 
 
@@ -103,9 +110,9 @@ def _check_arguments(fill: str | None, optimizer: str | None) -> None:
     if fill is not None and fill not in ("empty", "fresh"):
         raise UsageError(f"fill must be 'empty' or 'fresh', not {fill!r}")
     if optimizer is not None and fill != "fresh":
-        raise UsageError("--optimizer only applies to --fill fresh")
+        raise UsageError("{argument} only applies to the fresh fill", argument="optimizer", remedy=Remedy("fill", "fresh"))
     if optimizer is not None and optimizer not in OPTIMIZERS:
-        raise UsageError(f"--optimizer {optimizer!r} is not one of: {', '.join(OPTIMIZERS)}")
+        raise UsageError(f"{{argument}} {optimizer!r} is not one of: {', '.join(OPTIMIZERS)}", argument="optimizer")
 
 
 def plan_repair(
@@ -132,8 +139,9 @@ def plan_repair(
         chosen = fill or default_fill(file.format)
         if chosen == "empty" and file.format == "dcp":
             raise RepairRefused(
-                f"{inv.file or diagnosis.inventory.path}: --fill empty cannot be stored in a DCP checkpoint "
-                "(DCP drops empty mappings when it saves); use the default, --fill fresh"
+                "the empty fill cannot be stored in a DCP checkpoint (DCP drops empty mappings when it saves)",
+                path=inv.file or diagnosis.inventory.path,
+                remedy=Remedy("fill", "fresh", note=", the default for DCP"),
             )
         fills.add(chosen)
         if chosen == "empty":

@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from typer.testing import Result
 
+import optim_repair
 from tests import checkpoints as ck
 from tests import models
 from tests.checkpoints import Built
@@ -274,6 +276,28 @@ def test_optimizer_without_fresh_fill_is_a_usage_error(unirl_checkpoint: Built, 
     result = fix_cli(unirl_checkpoint.path, out, "--fill", "empty", "--optimizer", "adamw", code=2)
     one_error_line(result, "--optimizer")
     assert_nothing_written(out)
+
+
+def test_remedies_name_the_flags_library_errors_name_keyword_arguments(root: Path, tmp_path: Path) -> None:
+    """The library says ``pass model=PATH``; the CLI says ``pass --model PATH``, for the same error."""
+    r = models.run()
+    alone = root / "optimizer.pt"
+    torch.save({"optimizer": get_optimizer_state_dict(r.model, r.optimizer)}, alone)
+    hf = ck.hf_trainer(root / "hf")
+    cases = [
+        ([alone, "--out", tmp_path / "a.pt", "--fill", "fresh"], 3, "; pass --model PATH with the model's weights"),
+        ([hf.path, "--out", tmp_path / "b", "--fill", "fresh"], 3, "; pass --fill empty: optimizer.load_state_dict"),
+        ([alone, "--out", tmp_path / "c.pt", "--fill", "fresh", "--optimizer", "lion"], 2, "--optimizer 'lion' is"),
+        ([alone, "--out", alone], 5, "--out must not be the input or inside it"),
+        ([alone, "--out", tmp_path / "absent" / "d.pt"], 5, "no such directory for --out"),
+    ]
+    for args, code, fragment in cases:
+        one_error_line(run_cli(["fix", *args], code=code), fragment)
+    for args, _, _ in cases:
+        with pytest.raises(optim_repair.OptimRepairError) as caught:
+            optim_repair.fix(args[0], args[2], fill=args[4] if len(args) > 4 else None,
+                             optimizer=args[6] if len(args) > 6 else None)
+        assert "--" not in str(caught.value), "library messages name keyword arguments, not flags"
 
 
 # ---------------------------------------------------------------- the installed command

@@ -70,7 +70,7 @@ def test_cold_adamax_is_ambiguous_with_an_old_radam() -> None:
             identify_optimizer(groups, entries, where="optimizer.pt")
     message = str(raised.value)
     assert message.startswith("cannot tell which optimizer wrote optimizer.pt: candidates radam, adamax;")
-    assert "pass --optimizer NAME (one of: adam, adamw, nadam, radam, adamax, rmsprop," in message
+    assert "pass optimizer=NAME (one of: adam, adamw, nadam, radam, adamax, rmsprop," in message
 
 
 def test_adam_and_adamw_are_told_apart_by_decoupled_weight_decay() -> None:
@@ -108,7 +108,7 @@ def test_identify_optimizer_refuses_an_unknown_optimizer() -> None:
     opt = torch.optim.Adagrad(model.parameters())
     groups, entries = inventory(copy.deepcopy(opt.state_dict()))
     with pytest.raises(
-        RepairRefused, match=r"fit no lazily-initializing torch optimizer; pass --optimizer NAME \(one of: adam,"
+        RepairRefused, match=r"fit no lazily-initializing torch optimizer; pass optimizer=NAME \(one of: adam,"
     ):
         identify_optimizer(groups, entries)
 

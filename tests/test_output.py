@@ -53,7 +53,7 @@ def test_existing_out_is_refused_unless_forced(root: Path, tmp_path: Path) -> No
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.txt").write_text("old")
-    with untouched(out), pytest.raises(OutputError, match="already exists; pass --force") as info:
+    with untouched(out), pytest.raises(OutputError, match="already exists; pass force=True to replace it") as info:
         fix(built.path, out)
     assert info.value.exit_code == 5
     fix(built.path, out, force=True)
@@ -79,11 +79,11 @@ def test_out_inside_or_equal_to_or_containing_the_input_is_refused(root: Path) -
     built = ck.unirl_torch(root)
     for out, force in ((built.path / "fixed", False), (built.path / "sub" / "fixed", False), (built.path, True),
                        (built.path / "checkpoint.pt", True), (root, True), (root.parent, True)):
-        with untouched(root), pytest.raises(OutputError, match="--out must not") as info:
+        with untouched(root), pytest.raises(OutputError, match="out must not") as info:
             fix(built.path, out, force=force)
         assert info.value.exit_code == 5
     single = ck.lightning(root / "single")
-    with pytest.raises(OutputError, match="--out must not be the input"):
+    with pytest.raises(OutputError, match="out must not be the input"):
         fix(single.path, single.path, force=True)
 
 

@@ -44,7 +44,7 @@ def test_fresh_takes_shapes_from_the_model_weights_in_the_same_file(root: Path, 
 
 def test_fresh_without_shapes_is_refused_and_says_how_to_provide_them(root: Path, tmp_path: Path) -> None:
     path, _ = _optimizer_only(root)
-    with pytest.raises(RepairRefused, match=r"pass --model"):
+    with pytest.raises(RepairRefused, match=r"pass model=PATH with the model's weights"):
         optim_repair.fix(path, tmp_path / "fixed.pt", fill="fresh")
     assert not (tmp_path / "fixed.pt").exists()
 
@@ -72,7 +72,7 @@ def test_fresh_reads_a_model_safetensors_beside_a_file_argument(root: Path, tmp_
 
 def test_fresh_on_index_keys_is_refused_naming_the_reason_and_the_alternative(root: Path, tmp_path: Path) -> None:
     built = ck.hf_trainer(root)
-    with pytest.raises(RepairRefused, match=r"index-keyed.*--fill empty"):
+    with pytest.raises(RepairRefused, match=r"index-keyed.*pass fill='empty'"):
         optim_repair.fix(built.path, tmp_path / "fixed", fill="fresh")
 
 
@@ -110,9 +110,9 @@ def test_unknown_optimizer_is_refused_listing_the_choices(root: Path, tmp_path: 
     del state["state"]["head_unused.weight"]  # Adagrad creates state eagerly: remove one entry
     path = root / "adagrad.pt"
     torch.save({"model": model.state_dict(), "optimizer": state}, path)
-    with pytest.raises(RepairRefused, match=r"--optimizer NAME.*adamw"):
+    with pytest.raises(RepairRefused, match=r"pass optimizer=NAME.*adamw"):
         optim_repair.fix(path, tmp_path / "fixed.pt", fill="fresh")
-    with pytest.raises(UsageError, match=r"--optimizer 'lion' is not one of: adam, adamw"):
+    with pytest.raises(UsageError, match=r"optimizer 'lion' is not one of: adam, adamw"):
         optim_repair.fix(path, tmp_path / "fixed.pt", fill="fresh", optimizer="lion")
 
 
