@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from optim_repair.discovery import Discovery
-from optim_repair.errors import OutputError, Remedy
+from optim_repair.errors import OutputError, Remedy, VerificationError
 from optim_repair.formats.dcp import write_dcp
 from optim_repair.formats.torchfile import write_torch_file
 from optim_repair.inventory import CheckpointInventory
@@ -114,6 +114,9 @@ def write_copy(
     except OSError as exc:
         _remove(tmp)
         raise OutputError(f"cannot write ({_describe(exc)}); nothing was left behind", path=str(out)) from exc
+    except VerificationError as exc:
+        _remove(tmp)
+        raise VerificationError(f"{exc.reason}; the copy was removed", path=exc.path) from exc
     except BaseException:
         _remove(tmp)
         raise

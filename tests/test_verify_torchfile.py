@@ -69,7 +69,7 @@ def test_a_flipped_storage_byte_is_caught(tricky_copy: tuple[Built, Path, list[A
     key = tensor_storage_key(out, (*OPT, "state", "trunk.weight", "exp_avg"))
     offset, length = storage_ranges(out)[key]
     flip_byte(out, offset + length - 1)
-    with pytest.raises(VerificationError, match=rf"tricky: the bytes of storage {key} changed; the copy was removed"):
+    with pytest.raises(VerificationError, match=rf"tricky: the bytes of storage {key} changed$"):
         verify_torch_file(built.path, out, "tricky", planned)
 
 

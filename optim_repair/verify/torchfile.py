@@ -42,7 +42,7 @@ class _GraphComparison:
 
     def fail(self, path: tuple[Any, ...], what: str) -> None:
         where = describe_address(path) or "the top level"
-        raise VerificationError(f"the copy differs at {where}: {what}; the copy was removed", path=self.source)
+        raise VerificationError(f"the copy differs at {where}: {what}", path=self.source)
 
     def same(self, a: Any, b: Any, path: tuple[Any, ...]) -> None:
         if type(a) is not type(b):
@@ -92,7 +92,7 @@ def _check_additions(copy: TorchFile, copy_stream: BinaryIO, additions: Sequence
             state = state[step]
         where = f"added entry {addition.param!r} at {addition.location or 'the top level'}"
         if not isinstance(state, dict) or list(state) != [key for key, _ in addition.state]:
-            raise VerificationError(f"{where} is not what was planned; the copy was removed", path=source)
+            raise VerificationError(f"{where} is not what was planned", path=source)
         for key, planned in addition.state:
             value = state[key]
             if isinstance(planned, FreshTensor):
@@ -114,7 +114,7 @@ def _same_framing(before: TorchFile, after: TorchFile, a: BinaryIO, b: BinaryIO,
     protocol, ``little_endian``), or the zip records ``byteorder``, ``version``, ``.format_version``, ..."""
 
     def changed(what: str) -> VerificationError:
-        return VerificationError(f"the copy's {what} differs from the original's; the copy was removed", path=source)
+        return VerificationError(f"the copy's {what} differs from the original's", path=source)
 
     if isinstance(before, LegacyTorchFile) or isinstance(after, LegacyTorchFile):
         if not (isinstance(before, LegacyTorchFile) and isinstance(after, LegacyTorchFile)):
@@ -137,12 +137,12 @@ def verify_torch_file(original: Path, copy: Path, source: str, additions: Sequen
     try:
         after = open_torch_file(copy, source)
     except InputError as exc:
-        raise VerificationError(f"the copy cannot be read back ({exc}); the copy was removed") from exc
+        raise VerificationError(f"the copy cannot be read back ({exc})") from exc
     with original.open("rb") as a, copy.open("rb") as b:
         try:
             _same_framing(before, after, a, b, source)
         except ZIP_ERRORS as exc:
-            raise VerificationError(f"the copy cannot be read back ({exc}); the copy was removed", path=source) from exc
+            raise VerificationError(f"the copy cannot be read back ({exc})", path=source) from exc
     comparison = _GraphComparison(source, additions)
     comparison.same(before.graph.root, after.graph.root, ())
     total = 0
@@ -150,10 +150,10 @@ def verify_torch_file(original: Path, copy: Path, source: str, additions: Sequen
         for key, ref in before.graph.storages.items():
             twin = after.graph.storages.get(key)
             if twin is None or twin.nbytes != ref.nbytes:
-                raise VerificationError(f"storage {key} is missing from the copy; the copy was removed", path=source)
+                raise VerificationError(f"storage {key} is missing from the copy", path=source)
             offset, length = before.storage_range(key)
             if not same_range(a, offset, b, after.storage_range(key)[0], length):
-                raise VerificationError(f"the bytes of storage {key} changed; the copy was removed", path=source)
+                raise VerificationError(f"the bytes of storage {key} changed", path=source)
             total += length
         _check_additions(after, b, additions, source)
     return Verification(comparison.tensors, total)
