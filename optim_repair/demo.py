@@ -152,10 +152,11 @@ def _uninterrupted() -> dict[str, Any]:
 
 def run_demo(*, keep: bool = False, progress: Callable[[str], None] = lambda message: None) -> DemoReport:
     """Run the demo in a new temporary directory, removed afterwards unless ``keep``."""
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch's, irrelevant here
     workdir = Path(tempfile.mkdtemp(prefix="optim-repair-demo-"))
     try:
-        return _run_in(workdir, progress)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch's, irrelevant here
+            return _run_in(workdir, progress)
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)

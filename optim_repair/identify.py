@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from optim_repair.errors import RepairRefused, Remedy
+from optim_repair.errors import Remedy, RepairRefused
 from optim_repair.inventory import ParamGroup, StateEntry
 from optim_repair.optimizers import KNOWN_OPTIONS, OPTIMIZERS, SPECS, OptimizerSpec, ParamSpec, fresh_state
 

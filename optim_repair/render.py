@@ -209,12 +209,14 @@ def print_inspect(diagnosis: Diagnosis) -> None:
 
 
 def _human_bytes(count: int) -> str:
-    size = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+    if count < 1024:
+        return f"{count} B"
+    size = count / 1024
+    for unit in ("KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
         size /= 1024
-    return f"{count} B"
+    return f"{size:.1f} GiB"
 
 
 def print_fix(result: FixResult) -> None:

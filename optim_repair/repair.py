@@ -110,7 +110,8 @@ def _check_arguments(fill: str | None, optimizer: str | None) -> None:
     if fill is not None and fill not in ("empty", "fresh"):
         raise UsageError(f"fill must be 'empty' or 'fresh', not {fill!r}")
     if optimizer is not None and fill != "fresh":
-        raise UsageError("{argument} only applies to the fresh fill", argument="optimizer", remedy=Remedy("fill", "fresh"))
+        fresh = Remedy("fill", "fresh")
+        raise UsageError("{argument} only applies to the fresh fill", argument="optimizer", remedy=fresh)
     if optimizer is not None and optimizer not in OPTIMIZERS:
         raise UsageError(f"{{argument}} {optimizer!r} is not one of: {', '.join(OPTIMIZERS)}", argument="optimizer")
 

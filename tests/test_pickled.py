@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from optim_repair.errors import InputError, UnsafeInputError
+from optim_repair.errors import InputError, RepairRefused, UnsafeInputError
 from optim_repair.formats.pickled import (
     GlobalRef,
     Reduced,
@@ -66,7 +66,6 @@ def test_tensor_meta_records_layout_not_data(tmp_path: Path) -> None:
     assert metas["c"] is not None and metas["c"].dtype == "complex64" and metas["c"].nbytes == 16
     assert metas["void"] is not None and metas["void"].shape == (0, 4) and metas["void"].nbytes == 0
     assert len(graph.storages) == 4
-    assert all(ref.byte_offset is None for ref in graph.storages.values()), "no bytes are located by the pickle alone"
 
 
 @pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.float8_e4m3fn, torch.float8_e5m2])
@@ -199,7 +198,7 @@ def test_new_tensor_is_what_torch_would_pickle(tmp_path: Path) -> None:
     data = dump_graph({"t": tensor}, 2)
     loaded = torch_pickle_load(data, {"7": torch.full((6,), 2.0, dtype=torch.bfloat16)})
     assert loaded["t"].dtype == torch.bfloat16 and loaded["t"].shape == (2, 3) and loaded["t"].stride() == (3, 1)
-    with pytest.raises(InputError, match="cannot create a storage of dtype uint16"):
+    with pytest.raises(RepairRefused, match="cannot create a storage of dtype uint16"):
         storage_for("8", "uint16", 1, legacy=False)
 
 

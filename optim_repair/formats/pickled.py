@@ -13,11 +13,11 @@ import collections
 import io
 import pickle
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from optim_repair.dtypes import DTYPES, LEGACY_STORAGES, contiguous_strides, itemsize
-from optim_repair.errors import InputError, UnsafeInputError
+from optim_repair.errors import InputError, RepairRefused, UnsafeInputError
 from optim_repair.formats.unpickling import AllowlistUnpickler
 from optim_repair.inventory import OtherValue, StateValue, TensorMeta
 
@@ -103,7 +103,6 @@ class StorageRef:
     key: str
     location: str
     numel: int
-    byte_offset: int | None = field(default=None)
 
     def __setstate__(self, state: Any) -> None:
         raise pickle.UnpicklingError(f"the pickle sets the state of storage {self.key}")
@@ -338,7 +337,7 @@ def storage_for(key: str, dtype: str, numel: int, *, legacy: bool, location: str
     known = DTYPES.get(dtype)
     cls = known.legacy_storage if known else ""
     if not cls:
-        raise InputError(f"cannot create a storage of dtype {dtype}")
+        raise RepairRefused(f"cannot create a storage of dtype {dtype}: torch pickles name no storage class for it")
     pid: tuple[Any, ...] = ("storage", GlobalRef("torch", cls), key, location, numel)
     if legacy:
         pid = (*pid, None)
