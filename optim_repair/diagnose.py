@@ -40,6 +40,8 @@ class Notice:
 
 @dataclass(frozen=True)
 class OptimizerDiagnosis:
+    """Every finding about one optimizer; its fields and properties are named as in the JSON document."""
+
     optimizer: OptimizerInventory
     missing: tuple[ParamKey, ...]
     empty: tuple[ParamKey, ...]
@@ -47,16 +49,38 @@ class OptimizerDiagnosis:
     warnings: tuple[Notice, ...]
 
     @property
-    def cold(self) -> bool:
-        return all(entry.is_empty for entry in self.optimizer.entries)
+    def file(self) -> str:
+        return self.optimizer.file
+
+    @property
+    def location(self) -> str:
+        return self.optimizer.location
+
+    @property
+    def key_style(self) -> str:
+        return self.optimizer.key_style
+
+    @property
+    def groups(self) -> int:
+        return len(self.optimizer.groups)
 
     @property
     def params(self) -> int:
         return len(set(self.optimizer.params))
 
+    @property
+    def states(self) -> int:
+        return len(self.optimizer.entries)
+
+    @property
+    def cold(self) -> bool:
+        return all(entry.is_empty for entry in self.optimizer.entries)
+
 
 @dataclass(frozen=True)
 class Diagnosis:
+    """Every finding about a checkpoint, and the inventory they were made from."""
+
     inventory: CheckpointInventory
     optimizers: tuple[OptimizerDiagnosis, ...]
     warnings: tuple[Notice, ...]

@@ -85,14 +85,13 @@ class FixDoc(InspectDoc):
 
 
 def _optimizer_doc(opt: OptimizerDiagnosis) -> OptimizerDoc:
-    inv = opt.optimizer
     return {
-        "file": inv.file,
-        "location": inv.location,
-        "key_style": inv.key_style,
-        "groups": len(inv.groups),
+        "file": opt.file,
+        "location": opt.location,
+        "key_style": opt.key_style,
+        "groups": opt.groups,
         "params": opt.params,
-        "states": len(inv.entries),
+        "states": opt.states,
         "missing": list(opt.missing),
         "empty": list(opt.empty),
         "malformed": [{"param": m.param, "code": m.code, "detail": m.detail} for m in opt.malformed],
@@ -152,9 +151,8 @@ def _names(params: tuple[ParamKey, ...]) -> str:
 
 
 def _where(opt: OptimizerDiagnosis) -> str:
-    inv = opt.optimizer
-    location = inv.location or "<root>"
-    return f"{inv.file}:{location}" if inv.file else location
+    location = opt.location or "<root>"
+    return f"{opt.file}:{location}" if opt.file else location
 
 
 _VERDICT_STYLE = {"healthy": "bold green", "repairable": "bold yellow", "malformed": "bold red"}
@@ -169,10 +167,10 @@ def _optimizer_table(diagnosis: Diagnosis) -> Table:
     for opt in diagnosis.optimizers:
         table.add_row(
             Text(_where(opt)),
-            opt.optimizer.key_style,
-            str(len(opt.optimizer.groups)),
+            opt.key_style,
+            str(opt.groups),
             str(opt.params),
-            str(len(opt.optimizer.entries)),
+            str(opt.states),
             Text(str(len(opt.missing)), style="yellow" if opt.missing else ""),
             str(len(opt.empty)),
             Text(str(len(opt.malformed)), style="red" if opt.malformed else ""),

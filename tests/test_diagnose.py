@@ -214,3 +214,16 @@ def test_the_phantom_step_remedy_fits_absent_and_empty_entries(
     assert both in remedy(unirl_checkpoint)
     empty = remedy(empty_entries_checkpoint)
     assert empty.startswith("2 parameter(s) without state") and "--fill fresh fills absent entries only" in empty
+
+
+def test_python_names_are_the_json_names(unirl_checkpoint: Built) -> None:
+    from optim_repair import render
+
+    diagnosis = optim_repair.inspect(unirl_checkpoint.path)
+    (document,) = render.inspect_document(diagnosis)["optimizers"]
+    (opt,) = diagnosis.optimizers
+    for name, value in document.items():
+        python = getattr(opt, name)
+        if name in ("malformed", "warnings"):
+            python = [{key: getattr(item, key) for key in value[0]} for item in python] if value else list(python)
+        assert (list(python) if isinstance(python, tuple) else python) == value, name
