@@ -1,9 +1,9 @@
 """What a checkpoint argument holds: one walk of it, giving each file and directory its role.
 
-Reading and writing both follow this list, so a format, a suffix or a link policy is decided here
-once: torch files are found by suffix, safetensors files give parameter shapes, a directory holding
-``.metadata`` is a DCP checkpoint (handled whole by the DCP reader and writer), and a symbolic link
-is kept as a link when it is copied.
+Reading, writing and verifying all follow this list, so a format, a suffix or a link policy is
+decided here once: torch files are found by suffix, safetensors files give parameter shapes, a
+directory holding ``.metadata`` is a DCP checkpoint whose files are its members (read through its
+metadata, never as torch files), and a symbolic link is never followed: it is copied as a link.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from optim_repair.formats.torchfile import TORCH_SUFFIXES
 
 Role = Literal["torch", "safetensors", "dcp", "file", "directory"]
 """``torch``: may hold optimizers; ``safetensors``: model weights; ``dcp``: a DCP checkpoint directory;
-``file``: anything else, copied as it is; ``directory``: a directory to recreate."""
+``file``: anything else, copied as it is (every member of a DCP checkpoint); ``directory``: a directory
+to recreate."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,12 @@ class Entry:
     role: Role
     link: bool = False
     """Whether it is a symbolic link: copied as a link unless it is rewritten with additions."""
+    dcp: str | None = None
+    """For a member of a DCP checkpoint: that checkpoint's ``rel``."""
+
+    def member_name(self) -> str:
+        """A DCP member's path relative to its checkpoint directory."""
+        return self.rel[len(self.dcp) + 1 :] if self.dcp else self.rel
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,10 @@ class Discovery:
     def with_role(self, role: Role) -> Iterator[Entry]:
         return (entry for entry in self.entries if entry.role == role)
 
+    def members(self, dcp: str) -> tuple[Entry, ...]:
+        """Every file and directory of the DCP checkpoint ``dcp``, in walk order."""
+        return tuple(entry for entry in self.entries if entry.dcp == dcp)
+
 
 def relative(path: Path, root: Path) -> str:
     return "" if path == root else path.relative_to(root).as_posix()
@@ -64,17 +75,24 @@ def _file_role(name: str) -> Role:
 
 
 def _walk(root: Path) -> Iterator[Entry]:
-    for current, subdirectories, files in os.walk(root):
+    inside: dict[str, str] = {}  # a directory inside a DCP checkpoint -> that checkpoint's rel
+    for current, subdirectories, files in os.walk(root):  # never into a linked directory
         directory = Path(current)
+        rel = relative(directory, root)
         subdirectories.sort()
-        if METADATA_FILE in files and is_dcp_directory(directory):
-            subdirectories.clear()  # the DCP reader and writer handle the checkpoint whole
-            yield Entry(relative(directory, root), "dcp")
-            continue
+        dcp = inside.get(rel)
+        if dcp is None and METADATA_FILE in files and is_dcp_directory(directory):
+            yield Entry(rel, "dcp")
+            dcp = rel
         for name in sorted(files):
-            yield Entry(relative(directory / name, root), _file_role(name), (directory / name).is_symlink())
-        for name in subdirectories:  # os.walk does not descend into a linked directory
-            yield Entry(relative(directory / name, root), "directory", (directory / name).is_symlink())
+            path = directory / name
+            role: Role = "file" if dcp is not None else _file_role(name)
+            yield Entry(relative(path, root), role, path.is_symlink(), dcp)
+        for name in subdirectories:
+            path = directory / name
+            if dcp is not None:
+                inside[relative(path, root)] = dcp
+            yield Entry(relative(path, root), "directory", path.is_symlink(), dcp)
 
 
 def discover(path: Path) -> Discovery:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from optim_repair.discovery import Discovery
 from optim_repair.errors import OutputError, Remedy, VerificationError
-from optim_repair.formats.dcp import write_dcp
+from optim_repair.formats.dcp import METADATA_FILE, SHARD_SUFFIX, PlannedEntries, write_dcp
 from optim_repair.formats.torchfile import write_torch_file
 from optim_repair.inventory import CheckpointInventory
 from optim_repair.repair_plan import RepairPlan
@@ -65,11 +65,27 @@ def _write_file(src: Path, dest: Path, rel: str, plan: RepairPlan, inventory: Ch
     return verify_copied_file(src, dest, source)
 
 
+def _copy_member(source: Path, target: Path, *, link: bool) -> None:
+    """Copy one file of a DCP checkpoint, or hard-link it (a shard, with ``link``)."""
+    if not link:
+        shutil.copyfile(source, target)
+        return
+    try:
+        os.link(source, target)
+    except OSError as exc:
+        raise OutputError(
+            f"cannot hard-link {source} ({exc.strerror or exc}); "
+            "write the copy on the same file system, or copy instead of linking",
+            path=target,
+        ) from exc
+
+
 def _write_directory(
     found: Discovery, tmp: Path, plan: RepairPlan, inventory: CheckpointInventory, *, link: bool, progress: Progress
 ) -> Verification:
     total = NOTHING
     optimizer_files = {f.file for f in inventory.files}
+    planned: dict[str, PlannedEntries] = {}
     for entry in found.entries:
         source, target = found.path(entry), tmp / entry.rel if entry.rel else tmp
         if entry.link and entry.rel not in optimizer_files:
@@ -79,12 +95,18 @@ def _write_directory(
         elif entry.role == "dcp":
             target.mkdir(exist_ok=True)
             progress(f"writing {entry.rel or 'DCP checkpoint'}")
-            planned = write_dcp(source, plan.for_file(entry.rel), target, link=link)
-            total += verify_planned_dcp(source, target, planned)
+            planned[entry.rel] = write_dcp(source, plan.for_file(entry.rel), target)
+        elif entry.dcp is not None:
+            if entry.member_name() == METADATA_FILE and planned[entry.dcp].entries:
+                continue  # replaced by the metadata write_dcp wrote
+            _copy_member(source, target, link=link and entry.rel.endswith(SHARD_SUFFIX))
         else:
             if plan.for_file(entry.rel):
                 progress(f"writing {entry.rel}")
             total += _write_file(source, target, entry.rel, plan, inventory)
+    for rel, entries in planned.items():
+        directory = found.root / rel if rel else found.root
+        total += verify_planned_dcp(directory, tmp / rel if rel else tmp, entries, found.members(rel))
     return total
 
 

@@ -44,9 +44,12 @@ from torch.distributed.checkpoint.state_dict_saver import save
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LinearLR
 
-from optim_repair.formats.dcp import read_dcp, write_dcp
+from optim_repair.discovery import discover
+from optim_repair.formats.dcp import read_dcp
 from optim_repair.inventory import FileInventory, OptimizerInventory
-from optim_repair.repair_plan import Addition, FreshTensor
+from optim_repair.output import write_copy
+from optim_repair.reading import read_checkpoint
+from optim_repair.repair_plan import Addition, FreshTensor, RepairPlan
 from tests.checkpoints import Built, Site
 from tests.models import Net, make_optimizer, train
 
@@ -354,10 +357,10 @@ def files(path: Path) -> dict[str, bytes]:
 
 
 def repaired(built: Built, kinds: dict[str, str], dest: Path, *, link: bool = False) -> tuple[Addition, ...]:
-    """Write ``built`` repaired with hand-written fresh state into ``dest``; returns the additions."""
+    """Write ``built`` repaired with hand-written fresh state to ``dest`` (the tool's own atomic, verified copy);
+    returns the additions."""
     additions = additions_for(read_dcp(built.path, ""), kinds)
-    dest.mkdir()
-    write_dcp(built.path, additions, dest, link=link)
+    write_copy(discover(built.path), read_checkpoint(built.path), RepairPlan("fresh", additions), dest, link=link)
     return additions
 
 

@@ -154,7 +154,7 @@ def test_refuses_a_metadata_pickle_that_runs_code(tmp_path: Path) -> None:
         read_dcp(path, "")
     assert caught.value.exit_code == 4
     with pytest.raises(UnsafeInputError, match=UNSAFE_OPEN):
-        write_dcp(path, [], dest, link=False)
+        write_dcp(path, [], dest)
     assert not marker.exists()
     assert list(dest.iterdir()) == []
     with (path / ".metadata").open("rb") as stream:

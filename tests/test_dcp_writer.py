@@ -13,9 +13,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from optim_repair.errors import OutputError, RepairRefused
+from optim_repair.discovery import discover
+from optim_repair.errors import RepairRefused
 from optim_repair.formats.dcp import DcpBytes, DcpChunk, DcpTensor, read_dcp, read_metadata, write_dcp
-from optim_repair.repair_plan import Addition, FreshTensor
+from optim_repair.output import write_copy
+from optim_repair.reading import read_checkpoint
+from optim_repair.repair_plan import Addition, FreshTensor, RepairPlan
 from optim_repair.verify import verify_dcp
 from tests import dcp_checkpoints as dk
 from tests.dcp_checkpoints import by_name, files, only, repaired
@@ -130,17 +133,13 @@ def test_refuses_additions_it_cannot_write(tmp_path: Path) -> None:
     }
     for message, addition in cases.items():
         with pytest.raises(RepairRefused, match=message):
-            write_dcp(built.path, [addition], dest, link=False)
+            write_dcp(built.path, [addition], dest)
         assert list(dest.iterdir()) == []
-    (dest / "stray").write_text("")
-    with pytest.raises(OutputError, match="existing empty directory"):
-        write_dcp(built.path, [], dest, link=False)
 
 
 def test_no_additions_copy_everything_as_is(tmp_path: Path) -> None:
     built = dk.unirl_dcp(tmp_path / "in")
     dest = tmp_path / "out"
-    dest.mkdir()
-    write_dcp(built.path, [], dest, link=False)
+    write_copy(discover(built.path), read_checkpoint(built.path), RepairPlan("fresh", ()), dest)
     assert files(dest) == files(built.path)
     assert verify_dcp(built.path, dest, []).bytes > 0

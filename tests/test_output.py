@@ -17,9 +17,12 @@ from typing import Any
 import pytest
 import torch
 
+import optim_repair
 from optim_repair import output
 from optim_repair.errors import OutputError, RepairRefused, VerificationError
+from optim_repair.verify import verify_dcp
 from tests import checkpoints as ck
+from tests import dcp_checkpoints as dk
 from tests.checkpoints import Built
 from tests.support import (
     assert_fixed_copy,
@@ -255,3 +258,32 @@ def test_directory_mode_keeps_symlinks_as_links(unirl_checkpoint: Built, tmp_pat
         assert (out / name).is_symlink() and os.readlink(out / name) == os.readlink(built.path / name), name
     assert (out / "linked-dir" / "data.txt").read_text() == "data\n"
     assert load(out / "checkpoint.pt")["optimizer_state_dict"]["state"]["head_unused.weight"] == {}
+
+
+def test_dcp_checkpoints_keep_symlinks_as_links_too(tmp_path: Path) -> None:
+    """One link policy for every format: inside a DCP checkpoint a link is copied as a link, never followed."""
+    built = dk.unirl_dcp(tmp_path / "in")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("not part of the checkpoint\n")
+    (built.path / "notes.txt").symlink_to(outside / "secret.txt")
+    (built.path / "zeros").symlink_to("/dev/zero")  # followed, it would fill the disk
+    (built.path / "shared").symlink_to(outside)
+    (built.path / "dangling").symlink_to(tmp_path / "absent")
+    out = tmp_path / "out"
+    result = fix(built.path, out)
+    assert result.plan.additions
+    for name in ("notes.txt", "zeros", "shared", "dangling"):
+        assert (out / name).is_symlink() and os.readlink(out / name) == os.readlink(built.path / name), name
+    assert optim_repair.inspect(out).verdict == "healthy"
+
+
+def test_dcp_verification_catches_a_link_that_became_a_file(tmp_path: Path) -> None:
+    built = dk.unirl_dcp(tmp_path / "in")
+    (built.path / "notes.txt").symlink_to(tmp_path / "absent")
+    dest = tmp_path / "out"
+    additions = dk.repaired(built, {"optim": "adamw"}, dest)
+    (dest / "notes.txt").unlink()
+    (dest / "notes.txt").write_text("")
+    with pytest.raises(VerificationError, match=r"notes\.txt: is not the link"):
+        verify_dcp(built.path, dest, additions)

@@ -6,6 +6,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from optim_repair.discovery import Entry, discover
 from optim_repair.errors import InputError, VerificationError
 from optim_repair.formats.dcp.layout import NewEntry, PlannedEntries, plan_entries
 from optim_repair.formats.dcp.metadata import (
@@ -67,18 +68,43 @@ def verify_dcp(src: Path, dest: Path, additions: Sequence[Addition]) -> Verifica
     Counts the original tensor entries and the bytes of every original entry compared.
     """
     source = display_path(str(src), METADATA_FILE)
-    return verify_planned_dcp(src, dest, plan_entries(read_metadata(src, str(src)), additions, source))
+    planned = plan_entries(read_metadata(src, str(src)), additions, source)
+    return verify_planned_dcp(src, dest, planned, discover(src).members(""))
 
 
-def verify_planned_dcp(src: Path, dest: Path, planned: PlannedEntries) -> Verification:
-    """``verify_dcp`` for the entries the writer planned, without planning them again."""
+def verify_planned_dcp(src: Path, dest: Path, planned: PlannedEntries, members: Sequence[Entry]) -> Verification:
+    """``verify_dcp`` for the entries the writer planned and the files discovery listed, found anew by neither."""
     try:
-        return _verify(src, dest, planned.original, planned.entries)
+        verification = _verify_entries(src, dest, planned.original, planned.entries)
+        _verify_members(src, dest, planned.original, members)
     except (InputError, OSError) as exc:
         raise VerificationError(f"the copy cannot be read back ({exc})", path=str(dest)) from exc
+    return verification
 
 
-def _verify(src: Path, dest: Path, original: DcpMetadata, entries: Sequence[NewEntry]) -> Verification:
+def _verify_members(src: Path, dest: Path, original: DcpMetadata, members: Sequence[Entry]) -> None:
+    """Every file of the checkpoint is in the copy: links as the same links, shards as long, the rest byte-identical.
+
+    The bytes of every stored entry are compared through the metadata; ``.metadata`` itself is compared there.
+    """
+    shards = {info.relative_path for info in original.storage.values()}
+    for member in members:
+        name = member.member_name()
+        source, target = src / name, dest / name
+        if member.link:
+            if not target.is_symlink() or os.readlink(target) != os.readlink(source):
+                raise VerificationError(f"is not the link {source} is", path=target)
+        elif member.role == "directory":
+            if not target.is_dir() or target.is_symlink():
+                raise VerificationError("is not a directory", path=target)
+        elif name in shards:
+            if not target.is_file() or target.stat().st_size != source.stat().st_size:
+                raise VerificationError("the shard's size differs from the original's", path=target)
+        elif name != METADATA_FILE and not same_file(source, target):
+            raise VerificationError(f"differs from {source}", path=target)
+
+
+def _verify_entries(src: Path, dest: Path, original: DcpMetadata, entries: Sequence[NewEntry]) -> Verification:
     copy = read_metadata(dest, str(dest))
     expected = set(original.items) | {entry.key for entry in entries}
     if set(copy.items) != expected:
@@ -93,17 +119,6 @@ def _verify(src: Path, dest: Path, original: DcpMetadata, entries: Sequence[NewE
         if copied is None or copied.transforms != info.transforms or not _same_range(src, dest, info, copied):
             raise VerificationError(f"the bytes of {index[0]} differ from the original's", path=dest)
         compared += info.length
-    shards = {info.relative_path for info in original.storage.values()}
-    for source in sorted(src.rglob("*")):
-        relative = source.relative_to(src).as_posix()
-        if not source.is_file() or relative == METADATA_FILE:
-            continue
-        target = dest / relative
-        if relative in shards:
-            if not target.is_file() or target.stat().st_size != source.stat().st_size:
-                raise VerificationError("the shard's size differs from the original's", path=target)
-        elif not same_file(source, target):
-            raise VerificationError(f"differs from {source}", path=target)
     for entry in entries:
         _check_addition(dest, copy, entry)
     tensors = sum(isinstance(item, DcpTensor) for item in original.items.values())

@@ -1,15 +1,14 @@
-"""Writing a repaired copy of a DCP checkpoint that stock ``dcp.load`` accepts; the one part that imports torch.
+"""Writing what a repair adds to a DCP checkpoint: one new shard and a new ``.metadata``; imports torch.
 
-A repair never rewrites a shard: the copy keeps every original file, adds one shard holding the new
-entries and a new ``.metadata`` describing old and new entries.
+A repair never rewrites a shard: the copy keeps every original file (copied by ``optim_repair.output``,
+which follows the discovery list), and gains one shard holding the new entries and a new
+``.metadata`` describing old and new entries, so that stock ``dcp.load`` accepts it.
 """
 
 from __future__ import annotations
 
 import io
-import os
 import pickle
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,40 +17,6 @@ from optim_repair.formats.dcp.layout import PlannedEntries, plan_entries
 from optim_repair.formats.dcp.metadata import METADATA_FILE, SHARD_SUFFIX, display_path
 from optim_repair.formats.dcp.metadata_reader import read_metadata, unpickle_metadata
 from optim_repair.repair_plan import AddedValue, Addition, FreshTensor
-
-
-def _check_empty_destination(src: Path, dest: Path) -> None:
-    if not dest.is_dir() or any(dest.iterdir()):
-        raise OutputError("the destination must be an existing empty directory", path=str(dest))
-    if dest.resolve().is_relative_to(src.resolve()):
-        raise OutputError(f"the destination lies inside the checkpoint {src}", path=str(dest))
-
-
-def _copy_tree(src: Path, dest: Path, *, link: bool, skip_metadata: bool) -> None:
-    """Copy every file of ``src`` into ``dest``; shards hard-linked when ``link``."""
-
-    def copy(source: str, target: str) -> None:
-        if link and source.endswith(SHARD_SUFFIX):
-            try:
-                os.link(source, target)
-            except OSError as exc:
-                raise OutputError(
-                    f"cannot hard-link {source} ({exc.strerror or exc}); "
-                    "write the copy on the same file system, or copy instead of linking",
-                    path=target,
-                ) from exc
-        else:
-            shutil.copy2(source, target)
-
-    def ignore(directory: str, names: list[str]) -> list[str]:
-        return [METADATA_FILE] if skip_metadata and directory == os.fspath(src) else []
-
-    try:
-        shutil.copytree(src, dest, dirs_exist_ok=True, copy_function=copy, ignore=ignore)
-    except shutil.Error as exc:
-        raise OutputError(f"copying {src} failed ({exc})", path=str(dest)) from exc
-    except OSError as exc:
-        raise OutputError(f"copying {src} failed ({exc.strerror or exc})", path=str(dest)) from exc
 
 
 def _shard_name(src: Path) -> str:
@@ -78,18 +43,16 @@ def _serialized(value: AddedValue, key: str) -> bytes:
     return buffer.getvalue()
 
 
-def write_dcp(src: Path, additions: Sequence[Addition], dest: Path, *, link: bool) -> PlannedEntries:
-    """Write into the empty directory ``dest`` a copy of the DCP directory ``src`` with ``additions``.
+def write_dcp(src: Path, additions: Sequence[Addition], dest: Path) -> PlannedEntries:
+    """Write into the directory ``dest`` the shard and ``.metadata`` that add ``additions`` to ``src``.
 
-    Every file of ``src`` is copied byte-identical (shards hard-linked when ``link``); the new entries
-    go into one new shard, and a new ``.metadata`` lists old and new entries. The original metadata
-    is checked by the safe reader before torch unpickles it, with the same allowlist, into the real
-    DCP classes that stock ``dcp.load`` expects. Returns the planned entries, for verification.
+    Writes nothing when there is nothing to add; every original file but ``.metadata`` is the
+    caller's to copy. The original metadata is checked by the safe reader before torch unpickles it,
+    with the same allowlist, into the real DCP classes that stock ``dcp.load`` expects. Returns the
+    planned entries, for verification.
     """
     source = display_path(str(src), METADATA_FILE)
     planned = plan_entries(read_metadata(src, str(src)), additions, source)
-    _check_empty_destination(src, dest)
-    _copy_tree(src, dest, link=link, skip_metadata=bool(planned.entries))
     if planned.entries:
         _write_entries(src, planned, dest, source)
     return planned
