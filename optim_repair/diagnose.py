@@ -94,7 +94,7 @@ class Diagnosis:
         return "healthy"
 
 
-def _duplicates(optimizer: OptimizerInventory) -> list[Malformed]:
+def _duplicate_params(optimizer: OptimizerInventory) -> list[Malformed]:
     where: dict[ParamKey, list[int]] = {}
     for index, group in enumerate(optimizer.groups):
         for param in group.params:
@@ -110,7 +110,7 @@ def _bad_entries(entry: StateEntry) -> list[Malformed]:
     if not entry.is_mapping:
         return [Malformed(entry.param, "bad-entry", f"the entry is a {entry.type_name}, not a mapping")]
     return [
-        Malformed(entry.param, "bad-entry", f"{key} is {_kind(value)}, not a tensor")
+        Malformed(entry.param, "bad-entry", f"{key} is {_value_kind(value)}, not a tensor")
         for key, value in entry.values or ()
         if key in PARAM_SHAPED_KEYS
         and not isinstance(value, TensorMeta)
@@ -118,13 +118,13 @@ def _bad_entries(entry: StateEntry) -> list[Malformed]:
     ]
 
 
-def _kind(value: object) -> str:
+def _value_kind(value: object) -> str:
     if value is None:
         return "None"
     return f"a {getattr(value, 'type_name', type(value).__name__)}"
 
 
-def _partial(optimizer: OptimizerInventory) -> list[Malformed]:
+def _partial_entries(optimizer: OptimizerInventory) -> list[Malformed]:
     found = []
     for index, group in enumerate(optimizer.groups):
         members = set(group.params)
@@ -236,7 +236,7 @@ def diagnose_optimizer(optimizer: OptimizerInventory, weights: Iterable[WeightMa
     listed = set(optimizer.params)
     present = {entry.param for entry in optimizer.entries}
     missing = tuple(dict.fromkeys(param for param in optimizer.params if param not in present))
-    malformed = _duplicates(optimizer)
+    malformed = _duplicate_params(optimizer)
     malformed += [
         Malformed(entry.param, "orphan-state", "has a state entry but is in no param group")
         for entry in optimizer.entries
@@ -245,7 +245,7 @@ def diagnose_optimizer(optimizer: OptimizerInventory, weights: Iterable[WeightMa
     for entry in optimizer.entries:
         malformed += _bad_entries(entry)
         malformed += _shape_mismatches(entry, shapes)
-    malformed += _partial(optimizer)
+    malformed += _partial_entries(optimizer)
     warnings = []
     if all(entry.is_empty for entry in optimizer.entries):
         warnings.append(Notice("cold", "no parameter has optimizer state yet: the optimizer never stepped"))

@@ -110,7 +110,7 @@ def _bfloat16(value: float) -> bytes:
     return struct.pack("<H", rounded & 0xFFFF)
 
 
-def _real(value: float | int | bool | complex) -> float:
+def _real_part(value: float | int | bool | complex) -> float:
     return float(value.real if isinstance(value, complex) else value)
 
 
@@ -121,7 +121,7 @@ def _complex_code(dtype: str) -> str:
 def element_bytes(dtype: str, value: float | int | bool | complex) -> bytes:
     """One little-endian element of ``dtype`` holding ``value``."""
     if dtype == "bfloat16":
-        return _bfloat16(_real(value))
+        return _bfloat16(_real_part(value))
     if dtype in ("complex64", "complex128"):
         number = complex(value)
         return struct.pack(_complex_code(dtype), number.real) + struct.pack(_complex_code(dtype), number.imag)
@@ -129,7 +129,7 @@ def element_bytes(dtype: str, value: float | int | bool | complex) -> bytes:
     if known is None or not known.struct_code:
         raise RepairRefused(f"cannot create a {dtype} tensor holding {value!r}")
     if dtype.startswith("float"):
-        return struct.pack(known.struct_code, _real(value))
+        return struct.pack(known.struct_code, _real_part(value))
     return struct.pack(known.struct_code, value)
 
 

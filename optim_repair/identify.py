@@ -49,7 +49,7 @@ def _candidates(groups: Sequence[ParamGroup], entries: Sequence[StateEntry]) -> 
     ]
 
 
-def _resolve(candidates: Sequence[str], groups: Sequence[ParamGroup]) -> str | None:
+def _one_candidate(candidates: Sequence[str], groups: Sequence[ParamGroup]) -> str | None:
     """The one candidate to fill for, or None when their fresh states would differ."""
     if len(candidates) == 1:
         return candidates[0]
@@ -63,7 +63,7 @@ def _resolve(candidates: Sequence[str], groups: Sequence[ParamGroup]) -> str | N
 
 def guess_optimizer(groups: Sequence[ParamGroup], entries: Sequence[StateEntry]) -> str | None:
     """The registry name of the optimizer that wrote ``groups`` and ``entries``, or None when unsure."""
-    return _resolve(_candidates(groups, entries), groups)
+    return _one_candidate(_candidates(groups, entries), groups)
 
 
 def identify_optimizer(
@@ -90,7 +90,7 @@ def identify_optimizer(
     Raises ``RepairRefused`` listing the candidates and the accepted names otherwise.
     """
     candidates = _candidates(groups, entries)
-    chosen = _resolve(candidates, groups)
+    chosen = _one_candidate(candidates, groups)
     if chosen is not None:
         return chosen
     remedy = Remedy("optimizer", "NAME", placeholder=True, note=f" (one of: {', '.join(OPTIMIZERS)})")

@@ -69,7 +69,7 @@ SCALAR_DTYPES = ("float32", "float64")
 _MISSING = object()
 
 
-def _option(group: ParamGroup, key: str, optimizer: str, default: object) -> object:
+def _group_option(group: ParamGroup, key: str, optimizer: str, default: object) -> object:
     """``group[key]`` as the optimizer sees it after ``__setstate__`` filled its defaults."""
     if key not in group.option_keys:
         if default is _MISSING:
@@ -86,7 +86,7 @@ def _option(group: ParamGroup, key: str, optimizer: str, default: object) -> obj
 
 def _flag(group: ParamGroup, key: str, optimizer: str, default: bool) -> bool:
     """A boolean option, tested for truth as ``_init_group`` does (``None`` is false)."""
-    value = _option(group, key, optimizer, default)
+    value = _group_option(group, key, optimizer, default)
     if value is None or isinstance(value, (bool, int, float)):
         return bool(value)
     raise RepairRefused(f"cannot build fresh {optimizer} state: option {key!r} is {value!r}, not a bool")
@@ -94,7 +94,7 @@ def _flag(group: ParamGroup, key: str, optimizer: str, default: bool) -> bool:
 
 def _number(group: ParamGroup, key: str, optimizer: str, default: object = _MISSING) -> float:
     """A numeric option (``lr``, ``momentum``), as a Python number."""
-    value = _option(group, key, optimizer, default)
+    value = _group_option(group, key, optimizer, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RepairRefused(f"cannot build fresh {optimizer} state: option {key!r} is {value!r}, not a number")
     return value
@@ -363,7 +363,7 @@ PARAM_SHAPED_KEYS = frozenset().union(_OTHER_OPTIMIZER_STATE, *(_param_shaped(sp
 """State keys that hold a tensor shaped like the parameter (SGD's ``momentum_buffer`` may also be None)."""
 
 
-def _spec(optimizer: str) -> OptimizerSpec:
+def _spec_named(optimizer: str) -> OptimizerSpec:
     spec = OPTIMIZERS.get(optimizer.lower())
     if spec is None:
         raise RepairRefused(f"unknown optimizer {optimizer!r}; one of: {', '.join(OPTIMIZERS)}")
@@ -384,7 +384,7 @@ def fresh_state(optimizer: str, group: ParamGroup, param: ParamSpec, *, scalar_d
     Raises ``RepairRefused`` for an unknown optimizer name, or when a hyperparameter the entry
     depends on is missing (and torch has no default for it), is a tensor, or is not a number.
     """
-    spec = _spec(optimizer)
+    spec = _spec_named(optimizer)
     if scalar_dtype not in SCALAR_DTYPES:
         raise RepairRefused(
             f"scalar dtype {scalar_dtype!r} is not one torch uses for 'step'; one of: {', '.join(SCALAR_DTYPES)}"

@@ -42,14 +42,14 @@ def check_output(source: Path, out: Path, *, force: bool) -> None:
         raise OutputError("no such directory for {argument}", path=out.parent, argument="out")
 
 
-def _remove(path: Path) -> None:
+def _remove_path(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
 
 
-def _describe(exc: OSError) -> str:
+def _os_error_reason(exc: OSError) -> str:
     if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
         return "the disk is full"
     return exc.strerror or str(exc)
@@ -134,13 +134,13 @@ def write_copy(
             verification = _write_file(source, tmp, "", plan, inventory)
         _move_into_place(tmp, out)
     except OSError as exc:
-        _remove(tmp)
-        raise OutputError(f"cannot write ({_describe(exc)}); nothing was left behind", path=str(out)) from exc
+        _remove_path(tmp)
+        raise OutputError(f"cannot write ({_os_error_reason(exc)}); nothing was left behind", path=str(out)) from exc
     except VerificationError as exc:
-        _remove(tmp)
+        _remove_path(tmp)
         raise VerificationError(f"{exc.reason}; the copy was removed", path=exc.path) from exc
     except BaseException:
-        _remove(tmp)
+        _remove_path(tmp)
         raise
     return verification
 
@@ -161,7 +161,7 @@ def _temporary_sibling(parent: Path, prefix: str, *, directory: bool) -> Path:
         except FileExistsError:
             continue
         except OSError as exc:
-            raise OutputError(f"cannot write ({_describe(exc)})", path=str(parent)) from exc
+            raise OutputError(f"cannot write ({_os_error_reason(exc)})", path=str(parent)) from exc
         return tmp
     raise OutputError("cannot find an unused temporary name", path=str(parent))
 
@@ -179,4 +179,4 @@ def _move_into_place(tmp: Path, out: Path) -> None:
         os.replace(displaced, out)
         raise
     finally:
-        _remove(backup)
+        _remove_path(backup)

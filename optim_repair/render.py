@@ -145,12 +145,12 @@ def _stderr() -> Console:
     return Console(file=sys.stderr, highlight=False, soft_wrap=True)
 
 
-def _names(params: tuple[ParamKey, ...]) -> str:
+def _shown_names(params: tuple[ParamKey, ...]) -> str:
     shown = ", ".join(str(p) for p in params[:_SHOWN])
     return shown + (f", … (+{len(params) - _SHOWN} more)" if len(params) > _SHOWN else "")
 
 
-def _where(opt: OptimizerDiagnosis) -> str:
+def _optimizer_label(opt: OptimizerDiagnosis) -> str:
     location = opt.location or "<root>"
     return f"{opt.file}:{location}" if opt.file else location
 
@@ -166,7 +166,7 @@ def _optimizer_table(diagnosis: Diagnosis) -> Table:
         )
     for opt in diagnosis.optimizers:
         table.add_row(
-            Text(_where(opt)),
+            Text(_optimizer_label(opt)),
             opt.key_style,
             str(opt.groups),
             str(opt.params),
@@ -180,9 +180,9 @@ def _optimizer_table(diagnosis: Diagnosis) -> Table:
 
 def _print_details(console: Console, diagnosis: Diagnosis) -> None:
     for opt in diagnosis.optimizers:
-        where = _where(opt)
+        where = _optimizer_label(opt)
         if opt.missing:
-            console.print(Text.assemble("  ", ("missing", "yellow"), f" in {where}: {_names(opt.missing)}"))
+            console.print(Text.assemble("  ", ("missing", "yellow"), f" in {where}: {_shown_names(opt.missing)}"))
         for finding in opt.malformed:
             detail = f" in {where}: {finding.param!r}: {finding.detail}"
             console.print(Text.assemble("  ", (finding.code, "red"), detail))
@@ -235,8 +235,8 @@ def print_fix(result: FixResult) -> None:
         keys = sorted({key for a in added for key, _ in a.state})
         what = "{}" if not keys else ", ".join(keys)
         kind = kinds.get((inv.file, inv.location))
-        label = _where(opt) + (f" ({kind})" if kind else "")
-        entries = f"{what} for {_names(tuple(a.param for a in added))}" if added else "—"
+        label = _optimizer_label(opt) + (f" ({kind})" if kind else "")
+        entries = f"{what} for {_shown_names(tuple(a.param for a in added))}" if added else "—"
         table.add_row(Text(label), str(len(added)), Text(entries))
     console.print(table)
     v = result.verification

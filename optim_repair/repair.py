@@ -27,7 +27,7 @@ def _refuse_malformed(diagnosis: Diagnosis) -> None:
             )
 
 
-def _fits(opt: OptimizerDiagnosis, lookup: dict[str, TensorMeta]) -> bool:
+def _agrees_with_moments(opt: OptimizerDiagnosis, lookup: dict[str, TensorMeta]) -> bool:
     """Whether a weight map agrees with the shapes of the optimizer's existing moments."""
     for entry in opt.optimizer.entries:
         param = lookup.get(entry.param) if isinstance(entry.param, str) else None
@@ -39,7 +39,7 @@ def _fits(opt: OptimizerDiagnosis, lookup: dict[str, TensorMeta]) -> bool:
     return True
 
 
-def _shapes(opt: OptimizerDiagnosis, weights: Sequence[WeightMap], where: str) -> dict[ParamKey, TensorMeta]:
+def _missing_shapes(opt: OptimizerDiagnosis, weights: Sequence[WeightMap], where: str) -> dict[ParamKey, TensorMeta]:
     """Shapes and dtypes of the missing params, from the one model the optimizer belongs to.
 
     A weight map must name every missing parameter and agree with the optimizer's existing
@@ -54,7 +54,7 @@ def _shapes(opt: OptimizerDiagnosis, weights: Sequence[WeightMap], where: str) -
     candidates: list[tuple[str, dict[ParamKey, TensorMeta]]] = []
     for weight_map in weights:
         lookup = weight_map.lookup()
-        if all(param in lookup for param in opt.missing) and _fits(opt, lookup):
+        if all(param in lookup for param in opt.missing) and _agrees_with_moments(opt, lookup):
             candidates.append((weight_map.source, {p: lookup[p] for p in opt.missing if isinstance(p, str)}))
     if candidates:
         source, shapes = candidates[0]
@@ -93,7 +93,7 @@ def _fresh_additions(
 ) -> tuple[str, list[Addition]]:
     optimizer = opt.optimizer
     chosen = kind or identify_optimizer(optimizer.groups, optimizer.entries, where=where)
-    shapes = _shapes(opt, weights, where)
+    shapes = _missing_shapes(opt, weights, where)
     additions = []
     for param in opt.missing:
         group = optimizer.group_of(param)

@@ -23,7 +23,7 @@ from optim_repair.repair_plan import Addition, FreshTensor
 from optim_repair.verify.files import Verification
 
 
-def _bits(value: float | complex) -> bytes:
+def _float_bits(value: float | complex) -> bytes:
     if isinstance(value, complex):
         return struct.pack("<dd", value.real, value.imag)
     return struct.pack("<d", value)
@@ -69,7 +69,7 @@ class _GraphComparison:
         elif isinstance(a, StorageRef):
             self.same(a.pid, b.pid, path)
         elif isinstance(a, (float, complex)):
-            if _bits(a) != _bits(b):
+            if _float_bits(a) != _float_bits(b):
                 self.fail(path, f"{a!r} became {b!r}")
         elif isinstance(a, (GlobalRef, int, str, bytes, bytearray, set, frozenset)) or a is None:
             if a != b:

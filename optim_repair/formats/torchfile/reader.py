@@ -63,7 +63,7 @@ def _is_optimizer(node: Any) -> bool:
     )
 
 
-def _entry(param: ParamKey, value: Any, reads: _SmallReads) -> StateEntry:
+def _state_entry(param: ParamKey, value: Any, reads: _SmallReads) -> StateEntry:
     if not isinstance(value, dict):
         return StateEntry(param, None, "tensor" if is_tensor(value) else type(value).__name__)
     items: list[tuple[str, StateValue]] = []
@@ -105,7 +105,7 @@ def _optimizer_inventory(
         )
         for group in node["param_groups"]
     )
-    entries = _probe_phantom([_entry(param, value, reads) for param, value in node["state"].items()], reads)
+    entries = _probe_phantom([_state_entry(param, value, reads) for param, value in node["state"].items()], reads)
     keys = [param for group in groups for param in group.params] + [entry.param for entry in entries]
     return OptimizerInventory(
         file=file,

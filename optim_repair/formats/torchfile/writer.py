@@ -25,7 +25,7 @@ def _sibling_location(state: dict[Any, Any], key: str) -> str:
     return "cpu"
 
 
-def _apply(torch_file: TorchFile, additions: Sequence[Addition]) -> list[tuple[StorageRef, bytes]]:
+def _add_entries(torch_file: TorchFile, additions: Sequence[Addition]) -> list[tuple[StorageRef, bytes]]:
     """Add the planned entries to the graph; return the new storages and their bytes."""
     legacy = isinstance(torch_file, LegacyTorchFile)
     taken = set(torch_file.graph.storages)
@@ -52,7 +52,7 @@ def _apply(torch_file: TorchFile, additions: Sequence[Addition]) -> list[tuple[S
 def write_torch_file(src: Path, source: str, additions: Sequence[Addition], dest: Path) -> None:
     """Write ``src`` with ``additions`` applied to ``dest``: every other byte of meaning unchanged."""
     torch_file = open_torch_file(src, source)
-    created = _apply(torch_file, additions)
+    created = _add_entries(torch_file, additions)
     data = dump_graph(torch_file.graph.root, torch_file.graph.protocol)
     # An OSError (a full disk, ...) is the writer's to report: it names --out, not the temporary file.
     try:
