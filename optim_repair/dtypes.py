@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from optim_repair.errors import RepairRefused
+from optim_repair.errors import RepairRefused, shown
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def element_bytes(dtype: str, value: float | int | bool | complex) -> bytes:
         return struct.pack(_complex_code(dtype), number.real) + struct.pack(_complex_code(dtype), number.imag)
     known = DTYPES.get(dtype)
     if known is None or not known.struct_code:
-        raise RepairRefused(f"cannot create a {dtype} tensor holding {value!r}")
+        raise RepairRefused(f"cannot create a {dtype} tensor holding {shown(value)}")
     if dtype.startswith("float"):
         return struct.pack(known.struct_code, _real_part(value))
     return struct.pack(known.struct_code, value)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import enum
 import os
+import reprlib
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 class ExitCode(enum.IntEnum):
@@ -53,6 +54,32 @@ class Remedy:
         return f"pass {self.option}={value}{self.note}"
 
 
+class _Bounded(reprlib.Repr):
+    """``repr`` that stops after a few levels and items, and names objects of other types by type alone
+    (their own ``repr`` could expand a structure of 2**60 shared parts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother, self.maxlong = 3, 80, 80, 40
+        self.maxtuple = self.maxlist = self.maxdict = self.maxset = self.maxfrozenset = 6
+
+    def repr_instance(self, x: Any, level: int) -> str:
+        if x is None or isinstance(x, (bool, float, complex)):
+            return repr(x)
+        if isinstance(x, (bytes, bytearray)):
+            return repr(x[: self.maxstring]) + ("..." if len(x) > self.maxstring else "")
+        return f"<{type(x).__name__}>"
+
+
+_BOUNDED = _Bounded()
+
+
+def shown(value: object) -> str:
+    """A value from the input, for a message: ``repr``, bounded in length and work, on one line."""
+    text = _BOUNDED.repr(value)
+    return text if text.isprintable() else text.encode("ascii", "backslashreplace").decode("ascii")
+
+
 class OptimRepairError(Exception):
     """Base of every error optim-repair reports to a user."""
 
@@ -80,7 +107,8 @@ class OptimRepairError(Exception):
         """The one-line message, with the argument's name and the remedy already worded."""
         text = self.reason.replace("{argument}", argument) if self.argument else self.reason
         text = f"{self.path}: {text}" if self.path else text
-        return f"{text}; {remedy}" if remedy else text
+        text = f"{text}; {remedy}" if remedy else text
+        return " ".join(text.splitlines())
 
 
 class UsageError(OptimRepairError):

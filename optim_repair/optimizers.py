@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from optim_repair.errors import RepairRefused
+from optim_repair.errors import RepairRefused, shown
 from optim_repair.inventory import ParamGroup, TensorMeta
 from optim_repair.repair_plan import FreshTensor
 
@@ -73,12 +73,12 @@ def _group_option(group: ParamGroup, key: str, optimizer: str, default: object) 
     """``group[key]`` as the optimizer sees it after ``__setstate__`` filled its defaults."""
     if key not in group.option_keys:
         if default is _MISSING:
-            raise RepairRefused(f"cannot build fresh {optimizer} state: its param group has no {key!r} option")
+            raise RepairRefused(f"cannot build fresh {optimizer} state: its param group has no {shown(key)} option")
         return default
     value = group.option(key)
     if isinstance(value, TensorMeta):
         raise RepairRefused(
-            f"cannot build fresh {optimizer} state: option {key!r} is a tensor "
+            f"cannot build fresh {optimizer} state: option {shown(key)} is a tensor "
             f"({value.dtype}{list(value.shape)}) whose value is not read; pass a plain number"
         )
     return value
@@ -89,14 +89,16 @@ def _flag(group: ParamGroup, key: str, optimizer: str, default: bool) -> bool:
     value = _group_option(group, key, optimizer, default)
     if value is None or isinstance(value, (bool, int, float)):
         return bool(value)
-    raise RepairRefused(f"cannot build fresh {optimizer} state: option {key!r} is {value!r}, not a bool")
+    raise RepairRefused(f"cannot build fresh {optimizer} state: option {shown(key)} is {shown(value)}, not a bool")
 
 
 def _number(group: ParamGroup, key: str, optimizer: str, default: object = _MISSING) -> float:
     """A numeric option (``lr``, ``momentum``), as a Python number."""
     value = _group_option(group, key, optimizer, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RepairRefused(f"cannot build fresh {optimizer} state: option {key!r} is {value!r}, not a number")
+        raise RepairRefused(
+            f"cannot build fresh {optimizer} state: option {shown(key)} is {shown(value)}, not a number"
+        )
     return value
 
 
@@ -366,7 +368,7 @@ PARAM_SHAPED_KEYS = frozenset().union(_OTHER_OPTIMIZER_STATE, *(_param_shaped(sp
 def _spec_named(optimizer: str) -> OptimizerSpec:
     spec = OPTIMIZERS.get(optimizer.lower())
     if spec is None:
-        raise RepairRefused(f"unknown optimizer {optimizer!r}; one of: {', '.join(OPTIMIZERS)}")
+        raise RepairRefused(f"unknown optimizer {shown(optimizer)}; one of: {', '.join(OPTIMIZERS)}")
     return spec
 
 
@@ -387,6 +389,6 @@ def fresh_state(optimizer: str, group: ParamGroup, param: ParamSpec, *, scalar_d
     spec = _spec_named(optimizer)
     if scalar_dtype not in SCALAR_DTYPES:
         raise RepairRefused(
-            f"scalar dtype {scalar_dtype!r} is not one torch uses for 'step'; one of: {', '.join(SCALAR_DTYPES)}"
+            f"scalar dtype {shown(scalar_dtype)} is not one torch uses for 'step'; one of: {', '.join(SCALAR_DTYPES)}"
         )
     return spec.fresh(group, param, scalar_dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from optim_repair.diagnose import Diagnosis, OptimizerDiagnosis
-from optim_repair.errors import Remedy, RepairRefused, UsageError
+from optim_repair.errors import Remedy, RepairRefused, UsageError, shown
 from optim_repair.identify import identify_optimizer
 from optim_repair.inventory import ParamKey, TensorMeta, WeightMap
 from optim_repair.optimizers import OPTIMIZERS, PARAM_SHAPED_KEYS, ParamSpec, fresh_state
@@ -22,7 +22,7 @@ def _refuse_malformed(diagnosis: Diagnosis) -> None:
         for finding in opt.malformed:
             where = f"{opt.optimizer.file or diagnosis.inventory.path}:{opt.optimizer.location or '<root>'}"
             raise RepairRefused(
-                f"{where}: {finding.code} for {finding.param!r} ({finding.detail}); refusing to write a copy "
+                f"{where}: {finding.code} for {shown(finding.param)} ({finding.detail}); refusing to write a copy "
                 f"of a malformed checkpoint (run inspect for every finding)"
             )
 
@@ -108,12 +108,13 @@ def _fresh_additions(
 
 def _check_arguments(fill: str | None, optimizer: str | None) -> None:
     if fill is not None and fill not in ("empty", "fresh"):
-        raise UsageError(f"fill must be 'empty' or 'fresh', not {fill!r}")
+        raise UsageError(f"fill must be 'empty' or 'fresh', not {shown(fill)}")
     if optimizer is not None and fill != "fresh":
         fresh = Remedy("fill", "fresh")
         raise UsageError("{argument} only applies to the fresh fill", argument="optimizer", remedy=fresh)
     if optimizer is not None and optimizer not in OPTIMIZERS:
-        raise UsageError(f"{{argument}} {optimizer!r} is not one of: {', '.join(OPTIMIZERS)}", argument="optimizer")
+        choices = ", ".join(OPTIMIZERS)
+        raise UsageError(f"{{argument}} {shown(optimizer)} is not one of: {choices}", argument="optimizer")
 
 
 def plan_repair(

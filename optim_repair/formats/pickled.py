@@ -12,12 +12,13 @@ from __future__ import annotations
 import collections
 import io
 import pickle
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from optim_repair.dtypes import DTYPES, LEGACY_STORAGES, contiguous_strides, itemsize
-from optim_repair.errors import InputError, RepairRefused, UnsafeInputError
+from optim_repair.errors import InputError, RepairRefused, UnsafeInputError, shown
+from optim_repair.formats.pickle_limits import MAX_DEPTH
 from optim_repair.formats.unpickling import AllowlistUnpickler
 from optim_repair.inventory import OtherValue, StateValue, TensorMeta
 
@@ -48,7 +49,6 @@ _REAL_GLOBALS: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
-    ("builtins", "bytearray"): bytearray,
     ("builtins", "complex"): complex,
 }
 
@@ -115,13 +115,27 @@ class StorageRef:
 def _encode(text: str, encoding: str = "latin1") -> bytes:
     """``_codecs.encode`` as protocol-2 pickles use it for bytes, limited to latin-1."""
     if encoding != "latin1":
-        raise UnsafeInputError(f"refuses _codecs.encode with encoding {encoding!r}")
+        raise UnsafeInputError(f"refuses _codecs.encode with encoding {shown(encoding)}")
     return text.encode("latin1")
+
+
+def _bytearray(*args: Any) -> bytearray:
+    """``bytearray`` as pickles use it: empty, or a copy of bytes; never ``bytearray(2**32)``."""
+    if not args or (len(args) == 1 and isinstance(args[0], bytes)):
+        return bytearray(*args)
+    raise InputError(f"refuses bytearray called with {shown(args)}; pickles call it with bytes only")
+
+
+_STAND_INS: dict[Any, GlobalRef] = {
+    _encode: GlobalRef("_codecs", "encode"),
+    _bytearray: GlobalRef("builtins", "bytearray"),
+}
+"""The functions that stand in for globals a pickle may call, and the globals they are pickled back as."""
 
 
 def _storage_dtype(ref: object, source: str) -> str:
     if not isinstance(ref, GlobalRef):
-        raise InputError(f"a storage names {ref!r} as its type", path=source)
+        raise InputError(f"a storage names {shown(ref)} as its type", path=source)
     if ref.name in LEGACY_STORAGES:
         return LEGACY_STORAGES[ref.name]
     if ref.name == "UntypedStorage":
@@ -133,8 +147,9 @@ def _allowed_global(module: str, name: str) -> Any:
     """The stand-in for a global a torch pickle names: a real harmless builtin, or a ``GlobalRef``."""
     if (module, name) in _REAL_GLOBALS:
         return _REAL_GLOBALS[(module, name)]
-    if (module, name) == ("_codecs", "encode"):
-        return _encode
+    for stand_in, ref in _STAND_INS.items():
+        if (module, name) == (ref.module, ref.name):
+            return stand_in
     allowed = (
         (module == "torch._utils" and (name in TENSOR_REBUILDERS or name in _OTHER_REBUILDERS))
         or (module == "torch._tensor" and name == "_rebuild_from_type_v2")
@@ -155,7 +170,7 @@ class _GraphUnpickler(AllowlistUnpickler):
 
     def persistent_load(self, pid: Any) -> StorageRef:
         if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage"):
-            raise InputError(f"unexpected persistent id {pid!r}", path=self.source)
+            raise InputError(f"unexpected persistent id {shown(pid)}", path=self.source)
         key = str(pid[2])
         ref = self.storages.get(key)
         if ref is None:
@@ -173,6 +188,41 @@ class PickleGraph:
     protocol: int
 
 
+
+
+def _children(node: Any) -> Iterable[Any]:
+    if isinstance(node, dict):
+        return [*node.keys(), *node.values()]
+    if isinstance(node, (list, tuple, set, frozenset)):
+        return node
+    if isinstance(node, Reduced):
+        return (node.args, node.state)
+    return ()
+
+
+def check_depth(root: Any, source: str) -> None:
+    """Refuse a graph whose containers nest deeper than ``MAX_DEPTH``, walking it without recursion.
+
+    For the graphs whose nesting ``check_pickle`` could not measure from the opcodes alone.
+
+    The depth is the longest chain of containers (a structure shared by memo references counts on
+    every path through it, once computed); a reference back to a container being walked adds nothing.
+    """
+    depth: dict[int, int] = {}
+    pending: list[tuple[Any, bool]] = [(root, False)]
+    while pending:
+        node, expanded = pending.pop()
+        key = id(node)
+        if expanded:
+            depth[key] = 1 + max((depth.get(id(child), 0) for child in _children(node)), default=0)
+            if depth[key] > MAX_DEPTH:
+                raise InputError(f"its containers nest more than {MAX_DEPTH} deep", path=source)
+        elif key not in depth:
+            depth[key] = 0  # walking: a reference back here adds nothing
+            pending.append((node, True))
+            pending.extend((child, False) for child in _children(node) if _children(child) != ())
+
+
 def load_graph(data: bytes | BinaryIO, source: str) -> PickleGraph:
     """Unpickle ``data`` safely into a graph of plain values and stand-ins; no tensor bytes are read."""
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
@@ -182,6 +232,8 @@ def load_graph(data: bytes | BinaryIO, source: str) -> PickleGraph:
     protocol = head[1] if len(head) == 2 and head[0] == pickle.PROTO[0] else 2
     unpickler = _GraphUnpickler(stream, source)
     root = unpickler.load_safely("torch pickle")
+    if unpickler.depth_unchecked:
+        check_depth(root, source)
     return PickleGraph(root, unpickler.storages, protocol)
 
 
@@ -197,8 +249,8 @@ class _GraphPickler(pickle._Pickler):
         # The pure-Python pickler's internals (save, write, memoize, proto) are not in typeshed.
         this: Any = self
         if not isinstance(obj, GlobalRef):
-            if obj is _encode:
-                obj = GlobalRef("_codecs", "encode")
+            if obj in _STAND_INS:
+                obj = _STAND_INS[obj]
             else:
                 base: Any = super()
                 base.save_global(obj, name)

@@ -7,7 +7,7 @@ import struct
 from pathlib import Path
 
 from optim_repair.dtypes import SAFETENSORS_NAMES, contiguous_strides
-from optim_repair.errors import InputError
+from optim_repair.errors import InputError, shown
 from optim_repair.inventory import TensorMeta, WeightMap
 
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -40,7 +40,7 @@ def read_weights(path: Path, source: str) -> WeightMap:
             start, end = (int(x) for x in info["data_offsets"])
             dtype = SAFETENSORS_NAMES.get(info["dtype"], str(info["dtype"]).lower())
         except (KeyError, TypeError, ValueError) as exc:
-            raise InputError(f"not a safetensors file (bad entry {name!r})", path=source) from exc
+            raise InputError(f"not a safetensors file (bad entry {shown(name)})", path=source) from exc
         meta = TensorMeta(dtype, shape, contiguous_strides(shape), name, 0, end - start)
         tensors.append((name, meta))
     return WeightMap(source, tuple(tensors))

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError
+from optim_repair.formats.pickle_limits import check_pickle
 
 UNPICKLING_ERRORS = (
     pickle.UnpicklingError,
@@ -59,7 +60,10 @@ class AllowlistUnpickler(pickle.Unpickler):
     def __init__(self, file: BinaryIO, source: str, allowlist: Allowlist) -> None:
         super().__init__(file)
         self.source = source
+        self._file = file
         self._allowlist = allowlist
+        self.depth_unchecked = False
+        """Whether the pickle grew a container after using it, so that its nesting was not measured."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _compat_pickle.NAME_MAPPING:
@@ -69,7 +73,9 @@ class AllowlistUnpickler(pickle.Unpickler):
         return self._allowlist(module, name)
 
     def load_safely(self, what: str) -> Any:
-        """Unpickle, translating every error of a damaged pickle into an ``InputError`` about ``what``."""
+        """Unpickle once ``check_pickle`` has bounded the work, translating every error of a damaged
+        pickle into an ``InputError`` about ``what``."""
+        self.depth_unchecked = check_pickle(self._file, self.source, what)
         try:
             return self.load()
         except InputError as exc:  # raised by the allowlist or a stand-in: name the file

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from optim_repair.discovery import Entry, discover
-from optim_repair.errors import InputError, VerificationError
+from optim_repair.errors import InputError, VerificationError, shown
 from optim_repair.formats.dcp.layout import NewEntry, PlannedEntries, plan_entries
 from optim_repair.formats.dcp.metadata import (
     METADATA_FILE,
@@ -56,9 +56,9 @@ def _check_addition(dest: Path, copy: DcpMetadata, entry: NewEntry) -> None:
             raise VerificationError(f"{entry.key} is not a {value.dtype} tensor of shape {value.shape}", path=dest)
         storage = saved.graph.storages[meta.storage]
         if saved.archive.read(f"{saved.prefix}data/{storage.key}") != value.data():
-            raise VerificationError(f"{entry.key} does not hold {value.fill!r} everywhere", path=dest)
+            raise VerificationError(f"{entry.key} does not hold {shown(value.fill)} everywhere", path=dest)
     elif item != DcpBytes() or type(saved.graph.root) is not type(value) or saved.graph.root != value:
-        raise VerificationError(f"{entry.key} does not hold {value!r}", path=dest)
+        raise VerificationError(f"{entry.key} does not hold {shown(value)}", path=dest)
 
 
 def verify_dcp(src: Path, dest: Path, additions: Sequence[Addition]) -> Verification:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from optim_repair.errors import InputError, VerificationError
+from optim_repair.errors import InputError, VerificationError, shown
 from optim_repair.formats.pickled import GlobalRef, Reduced, StorageRef, describe_address, tensor_meta
 from optim_repair.formats.ranges import same_range
 from optim_repair.formats.torchfile import LegacyTorchFile, TorchFile, open_torch_file
@@ -70,17 +70,17 @@ class _GraphComparison:
             self.same(a.pid, b.pid, path)
         elif isinstance(a, (float, complex)):
             if _float_bits(a) != _float_bits(b):
-                self.fail(path, f"{a!r} became {b!r}")
+                self.fail(path, f"{shown(a)} became {shown(b)}")
         elif isinstance(a, (GlobalRef, int, str, bytes, bytearray, set, frozenset)) or a is None:
             if a != b:
-                self.fail(path, f"{a!r} became {b!r}")
+                self.fail(path, f"{shown(a)} became {shown(b)}")
         else:
             self.fail(path, f"cannot compare a {type(a).__name__}")
 
     def _same_dict(self, a: dict[Any, Any], b: dict[Any, Any], path: tuple[Any, ...]) -> None:
         expected = list(a) + self.added.get(path, [])
         if list(b) != expected:
-            self.fail(path, f"keys {list(a)!r} became {list(b)!r}")
+            self.fail(path, f"keys {shown(list(a))} became {shown(list(b))}")
         for key in a:
             self.same(a[key], b[key], (*path, key))
 
@@ -90,7 +90,7 @@ def _check_additions(copy: TorchFile, copy_stream: BinaryIO, additions: Sequence
         state = copy.graph.root
         for step in (*addition.address, "state", addition.param):
             state = state[step]
-        where = f"added entry {addition.param!r} at {addition.location or 'the top level'}"
+        where = f"added entry {shown(addition.param)} at {addition.location or 'the top level'}"
         if not isinstance(state, dict) or list(state) != [key for key, _ in addition.state]:
             raise VerificationError(f"{where} is not what was planned", path=source)
         for key, planned in addition.state:
@@ -106,7 +106,7 @@ def _check_additions(copy: TorchFile, copy_stream: BinaryIO, additions: Sequence
                 if copy_stream.read(length) != planned.data():
                     raise VerificationError(f"{where}: {key} does not hold the planned values", path=source)
             elif value != planned:
-                raise VerificationError(f"{where}: {key} is {value!r}, planned {planned!r}", path=source)
+                raise VerificationError(f"{where}: {key} is {shown(value)}, planned {shown(planned)}", path=source)
 
 
 def _same_framing(before: TorchFile, after: TorchFile, a: BinaryIO, b: BinaryIO, source: str) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from optim_repair.errors import InputError, RepairRefused
+from optim_repair.errors import InputError, RepairRefused, shown
 from optim_repair.formats.dcp.metadata import DcpMetadata, DcpTensor, KeyPath
 from optim_repair.inventory import ParamKey, TensorMeta
 from optim_repair.repair_plan import AddedValue, Addition
@@ -120,10 +120,10 @@ def plan_entries(meta: DcpMetadata, additions: Sequence[Addition], source: str) 
     for addition in additions:
         layout = layouts.get(addition.address)
         if layout is None:
-            raise RepairRefused(f"holds no optimizer at {addition.location!r}", path=source)
+            raise RepairRefused(f"holds no optimizer at {shown(addition.location)}", path=source)
         if not addition.state:
             raise RepairRefused(
-                f"cannot add an empty state entry for {addition.param!r}: "
+                f"cannot add an empty state entry for {shown(addition.param)}: "
                 "DCP stores no empty mappings; use the fresh fill",
                 path=source,
             )

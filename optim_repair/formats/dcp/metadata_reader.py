@@ -12,7 +12,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
 
 from optim_repair.dtypes import DTYPES
-from optim_repair.errors import InputError, UnsafeInputError
+from optim_repair.errors import InputError, UnsafeInputError, shown
 from optim_repair.formats.dcp.metadata import (
     METADATA_FILE,
     DcpBytes,
@@ -54,13 +54,13 @@ def _torch_size(*args: Any) -> tuple[int, ...]:
 
 def _layout(name: Any) -> str:
     if not isinstance(name, str):
-        raise InputError(f"a layout is named by {name!r}")
+        raise InputError(f"a layout is named by {shown(name)}")
     return name
 
 
 def _enum_value(value: Any) -> int:
     if not isinstance(value, int):
-        raise InputError(f"a memory-format code is {value!r}")
+        raise InputError(f"a memory-format code is {shown(value)}")
     return value
 
 
@@ -125,7 +125,7 @@ def unpickle_metadata(path: Path, source: str, *, real: bool) -> Any:
 
 def _int_tuple(value: Any, what: str, source: str | None = None) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise InputError(f"{what} is {value!r}, not a tuple of integers", path=source)
+        raise InputError(f"{what} is {shown(value)}, not a tuple of integers", path=source)
     return tuple(value)
 
 
@@ -165,10 +165,10 @@ def _tensor_item(value: Any, key: str, source: str) -> DcpTensor:
 
 def _relative_path(value: Any, source: str) -> str:
     if not isinstance(value, str) or not value:
-        raise InputError(f"a storage entry names the file {value!r}", path=source)
+        raise InputError(f"a storage entry names the file {shown(value)}", path=source)
     pure = PurePosixPath(value)
     if pure.is_absolute() or ".." in pure.parts or "\\" in value:
-        raise InputError(f"a storage entry points outside the checkpoint directory ({value!r})", path=source)
+        raise InputError(f"a storage entry points outside the checkpoint directory ({shown(value)})", path=source)
     return value
 
 
@@ -178,16 +178,16 @@ def _storage_entry(
     index = _record_fields(key_record, "MetadataIndex", source)
     fqn = index.get("fqn")
     if not isinstance(fqn, str):
-        raise InputError(f"a storage entry has the key {fqn!r}", path=source)
+        raise InputError(f"a storage entry has the key {shown(fqn)}", path=source)
     offset = index.get("offset")
     offsets = None if offset is None else _int_tuple(offset, f"the chunk offset of {fqn}", source)
     info = _record_fields(info_record, "_StorageInfo", source)
     start, length = info.get("offset"), info.get("length")
     if not (isinstance(start, int) and isinstance(length, int) and start >= 0 and length >= 0):
-        raise InputError(f"{fqn} has the byte range {start!r}+{length!r}", path=source)
+        raise InputError(f"{fqn} has the byte range {shown(start)}+{shown(length)}", path=source)
     transforms = info.get("transform_descriptors") or ()
     if not isinstance(transforms, (list, tuple)) or not all(isinstance(t, str) for t in transforms):
-        raise InputError(f"{fqn} has the stream transforms {transforms!r}", path=source)
+        raise InputError(f"{fqn} has the stream transforms {shown(transforms)}", path=source)
     relative = info.get("relative_path")
     if not (isinstance(relative, str) and relative in checked):
         relative = _relative_path(relative, source)
@@ -203,7 +203,7 @@ def _parse_metadata(root: Any, source: str) -> DcpMetadata:
     items: dict[str, DcpItem] = {}
     for key, value in entries.items():
         if not isinstance(key, str):
-            raise InputError(f"has the key {key!r}", path=source)
+            raise InputError(f"has the key {shown(key)}", path=source)
         if isinstance(value, MetadataRecord) and value.kind == "BytesStorageMetadata":
             items[key] = DcpBytes()
         else:
@@ -222,7 +222,7 @@ def _parse_metadata(root: Any, source: str) -> DcpMetadata:
             and isinstance(path, (tuple, list))
             and all(isinstance(part, (str, int)) and not isinstance(part, bool) for part in path)
         ):
-            raise InputError(f"planner_data maps {key!r} to {path!r}", path=source)
+            raise InputError(f"planner_data maps {shown(key)} to {shown(path)}", path=source)
         paths[key] = tuple(path)
     storage_data = fields.get("storage_data")
     if not isinstance(storage_data, dict):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from optim_repair.errors import InputError
+from optim_repair.errors import InputError, shown
 from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpMetadata, DcpStorage, display_path
 from optim_repair.formats.pickled import PickleGraph, load_graph
 from optim_repair.formats.unpickling import ZIP_ERRORS
@@ -46,7 +46,7 @@ def untransform(data: bytes, transforms: tuple[str, ...], source: str) -> bytes:
     for descriptor in transforms:
         name, _, version = descriptor.partition("/")
         if name != "stream.zstd" or version.partition(".")[0] != "1":
-            raise InputError(f"unknown stream transform {descriptor!r}", path=source)
+            raise InputError(f"unknown stream transform {shown(descriptor)}", path=source)
         data = _zstd_decompress(data, source)
     return data
 
