@@ -9,6 +9,7 @@ metadata, never as torch files), and a symbolic link is never followed: it is co
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,13 +17,14 @@ from typing import Literal
 
 from optim_repair.errors import InputError
 from optim_repair.formats.dcp import METADATA_FILE, SHARD_SUFFIX, is_dcp_directory
+from optim_repair.formats.inputs import kind_of
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX
 from optim_repair.formats.torchfile import TORCH_SUFFIXES
 
-Role = Literal["torch", "safetensors", "dcp", "file", "directory"]
+Role = Literal["torch", "safetensors", "dcp", "file", "directory", "special"]
 """``torch``: may hold optimizers; ``safetensors``: model weights; ``dcp``: a DCP checkpoint directory;
 ``file``: anything else, copied as it is (every member of a DCP checkpoint); ``directory``: a directory
-to recreate."""
+to recreate; ``special``: a FIFO, socket or device, which is never opened."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class Entry:
     """Whether it is a symbolic link: copied as a link unless it is rewritten with additions."""
     dcp: str | None = None
     """For a member of a DCP checkpoint: that checkpoint's ``rel``."""
+    kind: str = ""
+    """For a ``special`` entry: what it is (``a FIFO``)."""
 
     def member_name(self) -> str:
         """A DCP member's path relative to its checkpoint directory."""
@@ -47,13 +51,16 @@ class Discovery:
     """Everything under one checkpoint argument, in a stable order, with its role."""
 
     root: Path
+    """The argument as given, for messages."""
+    target: Path
+    """The argument with a link resolved: the one link optim-repair follows is the argument itself."""
     is_directory: bool
     entries: tuple[Entry, ...]
     neighbours: tuple[Path, ...] = ()
     """For a file argument: the safetensors files beside it (HF's ``model.safetensors``), for shapes."""
 
     def path(self, entry: Entry) -> Path:
-        return self.root / entry.rel if entry.rel else self.root
+        return self.target / entry.rel if entry.rel else self.target
 
     def with_role(self, role: Role) -> Iterator[Entry]:
         return (entry for entry in self.entries if entry.role == role)
@@ -86,8 +93,12 @@ def _walk(root: Path) -> Iterator[Entry]:
             dcp = rel
         for name in sorted(files):
             path = directory / name
+            mode = os.lstat(path).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+                yield Entry(relative(path, root), "special", False, dcp, kind_of(mode))
+                continue
             role: Role = "file" if dcp is not None else _file_role(name)
-            yield Entry(relative(path, root), role, path.is_symlink(), dcp)
+            yield Entry(relative(path, root), role, stat.S_ISLNK(mode), dcp)
         for name in subdirectories:
             path = directory / name
             if dcp is not None:
@@ -97,13 +108,18 @@ def _walk(root: Path) -> Iterator[Entry]:
 
 def discover(path: Path) -> Discovery:
     """The role of everything under ``path``: a torch file, a checkpoint directory or a DCP directory."""
-    if not path.exists():
-        raise InputError("no such file or directory", path=str(path))
-    if path.is_file():
+    try:
+        target = Path(os.path.realpath(path)) if path.is_symlink() else path
+        mode = os.stat(target).st_mode
+    except FileNotFoundError as exc:
+        raise InputError("no such file or directory", path=path) from exc
+    except OSError as exc:
+        raise InputError(f"cannot read ({exc.strerror or exc})", path=path) from exc
+    if stat.S_ISREG(mode):
         if path.name == METADATA_FILE or path.suffix == SHARD_SUFFIX:
-            raise InputError(f"part of a DCP checkpoint; pass its directory, {path.parent}", path=str(path))
-        neighbours = tuple(sorted(path.parent.glob(f"*{SAFETENSORS_SUFFIX}")))
-        return Discovery(path, False, (Entry("", "torch"),), neighbours)
-    if not path.is_dir():
-        raise InputError("not a file or directory", path=str(path))
-    return Discovery(path, True, tuple(_walk(path)))
+            raise InputError(f"part of a DCP checkpoint; pass its directory, {path.parent}", path=path)
+        neighbours = tuple(sorted(target.parent.glob(f"*{SAFETENSORS_SUFFIX}")))
+        return Discovery(path, target, False, (Entry("", "torch"),), neighbours)
+    if not stat.S_ISDIR(mode):
+        raise InputError(f"is {kind_of(mode)}, not a file or directory", path=path)
+    return Discovery(path, target, True, tuple(_walk(target)))

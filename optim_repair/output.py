@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from optim_repair.discovery import Discovery
-from optim_repair.errors import OutputError, Remedy, VerificationError
+from optim_repair.errors import InputError, OutputError, Remedy, VerificationError
 from optim_repair.formats.dcp import METADATA_FILE, SHARD_SUFFIX, PlannedEntries, write_dcp
 from optim_repair.formats.torchfile import write_torch_file
 from optim_repair.inventory import CheckpointInventory
@@ -84,11 +84,10 @@ def _write_directory(
     found: Discovery, tmp: Path, plan: RepairPlan, inventory: CheckpointInventory, *, link: bool, progress: Progress
 ) -> Verification:
     total = NOTHING
-    optimizer_files = {f.file for f in inventory.files}
     planned: dict[str, PlannedEntries] = {}
     for entry in found.entries:
         source, target = found.path(entry), tmp / entry.rel if entry.rel else tmp
-        if entry.link and entry.rel not in optimizer_files:
+        if entry.link:
             os.symlink(os.readlink(source), target)  # a link (even a dangling one) stays a link, as cp -R does
         elif entry.role == "directory":
             target.mkdir()
@@ -105,7 +104,7 @@ def _write_directory(
                 progress(f"writing {entry.rel}")
             total += _write_file(source, target, entry.rel, plan, inventory)
     for rel, entries in planned.items():
-        directory = found.root / rel if rel else found.root
+        directory = found.target / rel if rel else found.target
         total += verify_planned_dcp(directory, tmp / rel if rel else tmp, entries, found.members(rel))
     return total
 
@@ -121,8 +120,14 @@ def write_copy(
     progress: Progress = lambda message: None,
 ) -> Verification:
     """Write the repaired copy of what ``found`` lists to ``out`` and verify it; return what was proven."""
-    source = found.root
-    check_output(source, out, force=force)
+    source = found.target
+    check_output(found.root, out, force=force)
+    special = [entry for entry in found.entries if entry.role == "special"]
+    if special:
+        raise InputError(
+            f"is {special[0].kind}; optim-repair copies only regular files, directories and links",
+            path=found.root / special[0].rel,
+        )
     parent = out.resolve().parent
     prefix = f".{out.name}.optim-repair-"
     tmp = _temporary_sibling(parent, prefix, directory=found.is_directory)

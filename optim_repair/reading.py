@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -21,7 +22,7 @@ def read_checkpoint(path: Path) -> CheckpointInventory:
 def read_discovered(found: Discovery) -> CheckpointInventory:
     """The inventory of every optimizer in what ``discover`` found."""
     if not found.is_directory:
-        inventory = read_inventory(found.root, "", str(found.root))
+        inventory = read_inventory(found.target, "", str(found.root))
         if not inventory.optimizers:
             raise InputError("holds no optimizer state (no dict with 'state' and 'param_groups')", path=str(found.root))
         return CheckpointInventory(
@@ -55,6 +56,10 @@ def _read_directory(found: Discovery) -> CheckpointInventory:
                 weights.append(read_weights(found.path(entry), entry.rel))
             except InputError as exc:
                 skipped.append(Skipped(entry.rel, exc.reason))
+        elif entry.role == "special":
+            skipped.append(Skipped(entry.rel, f"is {entry.kind}, not a regular file"))
+        elif entry.link and entry.role in ("torch", "safetensors"):
+            skipped.append(Skipped(entry.rel, "is a symbolic link; optim-repair reads no file through a link"))
         elif entry.role == "torch":
             try:
                 inventory = read_inventory(found.path(entry), entry.rel, entry.rel)
@@ -81,15 +86,16 @@ def read_model_weights(path: Path) -> tuple[WeightMap, ...]:
     """Parameter shapes from model weights: a safetensors file, a torch file, or a DCP directory."""
     if not path.exists():
         raise InputError("no such file or directory (the model weights)", path=str(path))
-    if path.is_dir():
-        if not is_dcp_directory(path):
+    target = Path(os.path.realpath(path))  # the argument is the one link that is followed
+    if target.is_dir():
+        if not is_dcp_directory(target):
             raise InputError(
                 "model weights must be a safetensors file, a torch file or a DCP directory", path=str(path)
             )
-        return read_dcp(path, str(path)).weights
+        return read_dcp(target, str(path)).weights
     if path.suffix == SAFETENSORS_SUFFIX:
-        return (read_weights(path, str(path)),)
-    inventory = read_inventory(path, str(path), str(path))
+        return (read_weights(target, str(path)),)
+    inventory = read_inventory(target, str(path), str(path))
     if not inventory.weights:
         raise InputError("holds no mapping of parameter names to tensors (the model weights)", path=str(path))
     return inventory.weights

@@ -6,13 +6,22 @@ time limit and an address-space limit, so that a regression fails the test inste
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
 import resource
+import struct
 import subprocess
+import warnings
+import zipfile
 from pathlib import Path
 
 import pytest
 
+from tests import checkpoints as ck
+from tests import dcp_checkpoints as dk
 from tests import hostile
+from tests.conftest import run_cli
 from tests.support import installed_command
 
 LIMIT_BYTES = 3 << 30
@@ -50,3 +59,97 @@ def test_crafted_pickles_are_refused_in_bounded_time_and_memory(tmp_path: Path, 
     path = hostile.torch_zip(tmp_path / "crafted.pt", CRAFTED[name])
     line = refused("inspect", path, codes=(4,))
     assert "crafted.pt: " in line
+
+
+def test_a_fifo_is_never_opened(tmp_path: Path) -> None:
+    """A FIFO would block open() forever: as the argument, in a directory, as --model or as a DCP shard."""
+    built = ck.hf_trainer(tmp_path / "hf")
+    fifo = tmp_path / "fifo.pt"
+    os.mkfifo(fifo)
+    assert "fifo.pt: is a FIFO, not a file or directory" in refused("inspect", fifo, timeout=20)
+    os.mkfifo(built.path / "extra.pt")
+    os.mkfifo(built.path / "extra.safetensors")
+    document = json.loads(run_cli(["inspect", built.path, "--json"], code=None).stdout)
+    assert {"file": "extra.pt", "reason": "is a FIFO, not a regular file"} in document["skipped"]
+    assert "extra.pt: is a FIFO; optim-repair copies only" in refused("fix", built.path, "--out", tmp_path / "o")
+    alone = ck.unirl_torch(tmp_path / "u").path / "checkpoint.pt"
+    line = refused("fix", alone, "--out", tmp_path / "f.pt", "--fill", "fresh", "--model", fifo, timeout=20)
+    assert "is a FIFO" in line
+    dcp = dk.unirl_dcp(tmp_path / "d").path
+    (dcp / "__0_0.distcp").unlink()
+    os.mkfifo(dcp / "__0_0.distcp")
+    assert "__0_0.distcp: is a FIFO, not a regular file" in refused("inspect", dcp, timeout=20)
+
+
+def test_no_file_is_read_through_a_link(tmp_path: Path) -> None:
+    """One link policy: a link is copied as a link and never followed, except the argument itself."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    dcp = dk.unirl_dcp(tmp_path / "d").path
+    (dcp / "__0_0.distcp").rename(outside / "shard.distcp")
+    (dcp / "__0_0.distcp").symlink_to(outside / "shard.distcp")
+    assert "__0_0.distcp: is a symbolic link; optim-repair reads no file through a link" in refused("inspect", dcp)
+    built = ck.hf_trainer(tmp_path / "hf")
+    (built.path / "optimizer.pt").rename(outside / "optimizer.pt")
+    (built.path / "optimizer.pt").symlink_to(outside / "optimizer.pt")
+    assert "no optimizer state found in any file" in refused("inspect", built.path)
+    link = tmp_path / "link.pt"
+    link.symlink_to(outside / "optimizer.pt")
+    assert run_cli(["inspect", link], code=None).exit_code == 1, "the argument itself may be a link"
+
+
+def test_a_link_loop_is_a_short_error(tmp_path: Path) -> None:
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    line = refused("inspect", loop)
+    assert "loop: cannot read (Too many levels of symbolic links)" in line and len(line) < 200
+
+
+def _zip_with(path: Path, name: str, data: bytes, compress: int = zipfile.ZIP_DEFLATED) -> Path:
+    """A copy of a real torch file with one more record (or a replaced one), written with ``compress``."""
+    source = ck.healthy(path.parent / "seed").path
+    with zipfile.ZipFile(source) as original, zipfile.ZipFile(path, "w") as archive:
+        for info in original.infolist():
+            if not info.filename.endswith(name):
+                archive.writestr(info, original.read(info), compress_type=info.compress_type)
+        prefix = original.infolist()[0].filename.split("/")[0]
+        archive.writestr(f"{prefix}/{name}", data, compress_type=compress)
+    return path
+
+
+def test_compressed_records_cannot_expand_without_bound(tmp_path: Path) -> None:
+    """A deflated pickle or framing record is read only up to a cap, and never written out expanded."""
+    pickle_bomb = _zip_with(tmp_path / "pickle.pt", "data.pkl", b"\x80\x02" + b"N0" * 1000 + b"N.")
+    data = bytearray(pickle_bomb.read_bytes())
+    entry = data.rindex(b"PK\x01\x02", 0, data.rindex(b"data.pkl"))  # its central directory entry
+    data[entry + 24 : entry + 28] = struct.pack("<I", 3 << 30)  # claims to expand to 3 GiB
+    pickle_bomb.write_bytes(bytes(data))
+    assert "its pickle holds 3221225472 bytes" in refused("inspect", pickle_bomb, codes=(4,))
+    framing_bomb = _zip_with(tmp_path / "framing.pt", "extra", bytes(2 << 20))
+    assert "record" in refused("fix", framing_bomb, "--out", tmp_path / "out.pt", codes=(4,))
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_duplicate_record_names_are_refused(tmp_path: Path) -> None:
+    path = _zip_with(tmp_path / "twice.pt", "byteorder", b"little", zipfile.ZIP_STORED)
+    with zipfile.ZipFile(path, "a") as archive, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        archive.writestr(archive.infolist()[0].filename.rsplit("/", 1)[0] + "/byteorder", b"big")
+    assert "two records are named" in refused("inspect", path, codes=(4,))
+
+
+def test_a_zstd_entry_is_decompressed_only_up_to_a_cap(tmp_path: Path) -> None:
+    import zstandard
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    path = dk.unirl_dcp(tmp_path).path
+    bomb = zstandard.ZstdCompressor().compress(bytes(600 << 20))
+    (path / "bomb.distcp").write_bytes(bomb)
+    with (path / ".metadata").open("rb") as stream:
+        metadata = pickle.load(stream)
+    info = metadata.storage_data[MetadataIndex("optim.param_groups.0.lr")]
+    info.relative_path, info.offset, info.length = "bomb.distcp", 0, len(bomb)
+    info.transform_descriptors = ["stream.zstd/1"]
+    with (path / ".metadata").open("wb") as stream:
+        pickle.dump(metadata, stream)
+    assert "decompresses to more than" in refused("inspect", path, codes=(4,))

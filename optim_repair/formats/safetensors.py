@@ -8,6 +8,7 @@ from pathlib import Path
 
 from optim_repair.dtypes import SAFETENSORS_NAMES, contiguous_strides
 from optim_repair.errors import InputError, shown
+from optim_repair.formats.inputs import open_regular
 from optim_repair.inventory import TensorMeta, WeightMap
 
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -17,7 +18,7 @@ _MAX_HEADER = 100 * 1024 * 1024
 def read_weights(path: Path, source: str) -> WeightMap:
     """The tensors a safetensors file describes, from its JSON header alone."""
     try:
-        with path.open("rb") as stream:
+        with open_regular(path, source) as stream:
             head = stream.read(8)
             if len(head) != 8:
                 raise InputError("not a safetensors file (too short)", path=source)

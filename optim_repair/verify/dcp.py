@@ -21,6 +21,7 @@ from optim_repair.formats.dcp.metadata import (
 )
 from optim_repair.formats.dcp.metadata_reader import read_metadata
 from optim_repair.formats.dcp.storage import read_ranges, read_saved_object, untransform
+from optim_repair.formats.inputs import open_beneath
 from optim_repair.formats.pickled import tensor_meta
 from optim_repair.formats.ranges import same_range
 from optim_repair.repair_plan import Addition, FreshTensor
@@ -33,7 +34,7 @@ def _same_range(src: Path, dest: Path, original: DcpStorage, copy: DcpStorage) -
         return False
     if original.offset == copy.offset and os.path.samefile(source, target):
         return True
-    with source.open("rb") as first, target.open("rb") as second:
+    with open_beneath(src, original.relative_path, str(source)) as first, target.open("rb") as second:
         return same_range(first, original.offset, second, copy.offset, original.length)
 
 
@@ -47,7 +48,7 @@ def _check_addition(dest: Path, copy: DcpMetadata, entry: NewEntry) -> None:
     if info is None:
         raise VerificationError(f"{entry.key} is stored nowhere", path=dest)
     where = f"{display_path(str(dest), info.relative_path)}:{entry.key}"
-    data = dict(read_ranges(dest, {entry.key: info}, str(dest)))[entry.key]
+    data = dict(read_ranges(dest, {entry.key: info}, str(dest), limit=None))[entry.key]
     saved = read_saved_object(untransform(data, info.transforms, where), where)
     if isinstance(value, FreshTensor):
         meta = tensor_meta(saved.graph.root)

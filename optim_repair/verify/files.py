@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from optim_repair.errors import VerificationError
+from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.ranges import same_range
 
 
@@ -26,19 +27,17 @@ NOTHING = Verification(0, 0)
 
 def same_file(original: Path, copy: Path) -> bool:
     """Whether ``copy`` is a regular file with the bytes of ``original`` (or the same file, hard-linked)."""
-    if not copy.is_file():
+    if copy.is_symlink() or not copy.is_file():
         return False
-    if os.path.samefile(original, copy):
-        return True
-    size = original.stat().st_size
-    if copy.stat().st_size != size:
-        return False
-    with original.open("rb") as a, copy.open("rb") as b:
-        return same_range(a, 0, b, 0, size)
+    with open_regular(original, str(original)) as a, open_regular(copy, str(copy)) as b:
+        first, second = os.fstat(a.fileno()), os.fstat(b.fileno())
+        if (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino):
+            return True
+        return first.st_size == second.st_size and same_range(a, 0, b, 0, first.st_size)
 
 
 def verify_copied_file(original: Path, copy: Path, source: str) -> Verification:
     """Prove a file copied as-is is byte-identical."""
     if not same_file(original, copy):
         raise VerificationError("the copy differs from the original", path=source)
-    return Verification(0, original.stat().st_size)
+    return Verification(0, os.lstat(original).st_size)

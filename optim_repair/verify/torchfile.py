@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, VerificationError, shown
+from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickled import GlobalRef, Reduced, StorageRef, describe_address, tensor_meta
 from optim_repair.formats.ranges import same_range
 from optim_repair.formats.torchfile import LegacyTorchFile, TorchFile, open_torch_file
@@ -138,7 +139,7 @@ def verify_torch_file(original: Path, copy: Path, source: str, additions: Sequen
         after = open_torch_file(copy, source)
     except InputError as exc:
         raise VerificationError(f"the copy cannot be read back ({exc})") from exc
-    with original.open("rb") as a, copy.open("rb") as b:
+    with open_regular(original, source) as a, open_regular(copy, source) as b:
         try:
             _same_framing(before, after, a, b, source)
         except ZIP_ERRORS as exc:
@@ -146,7 +147,7 @@ def verify_torch_file(original: Path, copy: Path, source: str, additions: Sequen
     comparison = _GraphComparison(source, additions)
     comparison.same(before.graph.root, after.graph.root, ())
     total = 0
-    with original.open("rb") as a, copy.open("rb") as b:
+    with open_regular(original, source) as a, open_regular(copy, source) as b:
         for key, ref in before.graph.storages.items():
             twin = after.graph.storages.get(key)
             if twin is None or twin.nbytes != ref.nbytes:

@@ -25,6 +25,7 @@ from optim_repair.formats.dcp.metadata import (
     StorageIndex,
     display_path,
 )
+from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.unpickling import Allowlist, AllowlistUnpickler
 
 
@@ -117,7 +118,7 @@ def _allowlist(*, real: bool) -> Allowlist:
 def unpickle_metadata(path: Path, source: str, *, real: bool) -> Any:
     """The objects of a ``.metadata``: stand-ins, or (``real``) torch's own classes, under the same allowlist."""
     try:
-        with path.open("rb") as stream:
+        with open_regular(path, source) as stream:
             return AllowlistUnpickler(stream, source, _allowlist(real=real)).load_safely("DCP metadata pickle")
     except OSError as exc:
         raise InputError(f"cannot read ({exc.strerror or exc})", path=source) from exc

@@ -16,14 +16,13 @@ from typing import Any
 
 from optim_repair.errors import InputError, shown
 from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpMetadata, DcpStorage, display_path
+from optim_repair.formats.inputs import open_beneath, size_of
 from optim_repair.formats.pickled import PickleGraph, load_graph
-from optim_repair.formats.unpickling import ZIP_ERRORS
-
-MAX_PICKLE_BYTES = 256 << 20
-"""The most a bytes entry's pickle may unpack to: a guard against compressed zip bombs."""
+from optim_repair.formats.unpickling import MAX_PICKLE_BYTES, ZIP_ERRORS
 
 
 def _zstd_decompress(data: bytes, source: str) -> bytes:
+    """Decompress a zstd frame, stopping past ``MAX_PICKLE_BYTES`` whatever the frame claims."""
     for module_name in ("compression.zstd", "zstandard"):
         try:
             module = importlib.import_module(module_name)
@@ -31,10 +30,15 @@ def _zstd_decompress(data: bytes, source: str) -> bytes:
             continue
         try:
             if module_name == "compression.zstd":
-                return bytes(module.decompress(data))
-            return bytes(module.ZstdDecompressor().stream_reader(io.BytesIO(data)).read())
+                result = bytes(module.ZstdDecompressor().decompress(data, max_length=MAX_PICKLE_BYTES + 1))
+            else:
+                reader = module.ZstdDecompressor().stream_reader(io.BytesIO(data))
+                result = bytes(reader.read(MAX_PICKLE_BYTES + 1))
         except Exception as exc:  # each zstd module raises its own error class
-            raise InputError(f"corrupt zstd stream ({exc})", path=source) from exc
+            raise InputError(f"corrupt zstd stream ({' '.join(str(exc).split())})", path=source) from exc
+        if len(result) > MAX_PICKLE_BYTES:
+            raise InputError(f"decompresses to more than {MAX_PICKLE_BYTES} bytes", path=source)
+        return result
     raise InputError(
         "is zstd-compressed (stream.zstd/1); install the 'zstandard' package (or use Python 3.14+) to read it",
         path=source,
@@ -75,22 +79,27 @@ def read_saved_object(data: bytes, source: str) -> SavedObject:
     return SavedObject(load_graph(pickle_bytes, source), archive, pickles[0][: -len("data.pkl")])
 
 
-def read_ranges(directory: Path, wanted: Mapping[str, DcpStorage], display: str) -> Iterator[tuple[str, bytes]]:
-    """The bytes of each wanted entry, reading each file once, in offset order."""
+def read_ranges(
+    directory: Path, wanted: Mapping[str, DcpStorage], display: str, *, limit: int | None = MAX_PICKLE_BYTES
+) -> Iterator[tuple[str, bytes]]:
+    """The bytes of each wanted entry, reading each file once, in offset order; none longer than ``limit``."""
     by_file: dict[str, list[tuple[str, DcpStorage]]] = {}
     for key, info in wanted.items():
         by_file.setdefault(info.relative_path, []).append((key, info))
     for relative, reads in by_file.items():
+        where = display_path(display, relative)
         try:
-            with (directory / relative).open("rb") as stream:
+            with open_beneath(directory, relative, where) as stream:
+                size = size_of(stream)
                 for key, info in sorted(reads, key=lambda read: read[1].offset):
+                    if info.offset + info.length > size:
+                        raise InputError(f"truncated; {shown(key)} lies past its end", path=where)
+                    if limit is not None and info.length > limit:
+                        raise InputError(f"{shown(key)} holds {info.length} bytes, more than {limit}", path=where)
                     stream.seek(info.offset)
-                    data = stream.read(info.length)
-                    if len(data) != info.length:
-                        raise InputError(f"truncated; {key} lies past its end", path=display_path(display, relative))
-                    yield key, data
+                    yield key, stream.read(info.length)
         except OSError as exc:
-            raise InputError(f"cannot read ({exc.strerror or exc})", path=display_path(display, relative)) from exc
+            raise InputError(f"cannot read ({exc.strerror or exc})", path=where) from exc
 
 
 def _bytes_entry_storage(meta: DcpMetadata, key: str, source: str) -> DcpStorage:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from optim_repair.errors import InputError
+from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile, open_legacy
-from optim_repair.formats.torchfile.zipformat import ZipTorchFile, is_zip, open_zip
+from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, ZipTorchFile, open_zip
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 """Names of the torch files a directory argument reads (UniRL, HF Trainer, Accelerate, Lightning)."""
@@ -18,8 +19,10 @@ TorchFile = ZipTorchFile | LegacyTorchFile
 def open_torch_file(path: Path, source: str) -> TorchFile:
     """Parse ``path`` without reading tensor bytes. Raises InputError / UnsafeInputError."""
     try:
-        if is_zip(path):
-            return open_zip(path, source)
-        return open_legacy(path, source)
+        with open_regular(path, source) as stream:
+            if stream.read(len(ZIP_MAGIC)) == ZIP_MAGIC:
+                return open_zip(stream, path, source)
+            stream.seek(0)
+            return open_legacy(stream, path, source)
     except OSError as exc:
         raise InputError(f"cannot read ({exc.strerror or exc})", path=source) from exc

@@ -11,9 +11,10 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import BinaryIO, ClassVar, Literal
 
-from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError
+from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError, shown
+from optim_repair.formats.inputs import open_regular, size_of
 from optim_repair.formats.pickled import PickleGraph, StorageRef, load_graph
 from optim_repair.formats.ranges import copy_range
 
@@ -42,44 +43,44 @@ class LegacyTorchFile:
         return self.offsets[key], self.graph.storages[key].nbytes
 
 
-def open_legacy(path: Path, source: str) -> LegacyTorchFile:
-    """Parse a legacy-format torch file: its pickles and the element count before each storage."""
-    size = path.stat().st_size
+def open_legacy(stream: BinaryIO, path: Path, source: str) -> LegacyTorchFile:
+    """Parse a legacy-format torch file from its open ``stream``: its pickles and the element count
+    before each storage."""
+    size = size_of(stream)
     if size == 0:
         raise InputError("empty file", path=source)
-    with path.open("rb") as stream:
-        try:
-            magic = load_graph(stream, source).root
-        except UnsafeInputError:
-            raise
-        except InputError:
-            magic = None
-        if magic != LEGACY_MAGIC:
-            raise NotATorchFile("not a torch file (no zip archive, no legacy magic number)", path=source)
-        load_graph(stream, source)
-        load_graph(stream, source)
-        main_start = stream.tell()
-        graph = load_graph(stream, source)
-        keys = load_graph(stream, source).root
-        storage_start = stream.tell()
-        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-            raise InputError("damaged legacy torch file (bad storage key list)", path=source)
-        offsets = {}
-        for key in keys:
-            ref = graph.storages.get(key)
-            header = stream.read(8)
-            if ref is None or len(header) != 8:
-                raise InputError(f"damaged legacy torch file (storage {key})", path=source)
-            numel = struct.unpack("<q", header)[0]
-            offsets[key] = stream.tell()
-            end = offsets[key] + ref.nbytes
-            if numel != ref.numel or end > size:
-                raise InputError(f"truncated legacy torch file (storage {key})", path=source)
-            stream.seek(end)
-        missing = set(graph.storages) - set(keys)
-        if missing:
-            raise InputError(f"damaged legacy torch file (no bytes for storage {min(missing)})", path=source)
-        return LegacyTorchFile(path, graph, offsets, main_start, storage_start, stream.tell(), tuple(keys))
+    try:
+        magic = load_graph(stream, source).root
+    except UnsafeInputError:
+        raise
+    except InputError:
+        magic = None
+    if magic != LEGACY_MAGIC:
+        raise NotATorchFile("not a torch file (no zip archive, no legacy magic number)", path=source)
+    load_graph(stream, source)
+    load_graph(stream, source)
+    main_start = stream.tell()
+    graph = load_graph(stream, source)
+    keys = load_graph(stream, source).root
+    storage_start = stream.tell()
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise InputError("damaged legacy torch file (bad storage key list)", path=source)
+    offsets = {}
+    for key in keys:
+        ref = graph.storages.get(key)
+        header = stream.read(8)
+        if ref is None or len(header) != 8:
+            raise InputError(f"damaged legacy torch file (storage {shown(key)})", path=source)
+        numel = struct.unpack("<q", header)[0]
+        offsets[key] = stream.tell()
+        end = offsets[key] + ref.nbytes
+        if numel != ref.numel or end > size:
+            raise InputError(f"truncated legacy torch file (storage {shown(key)})", path=source)
+        stream.seek(end)
+    missing = set(graph.storages) - set(keys)
+    if missing:
+        raise InputError(f"damaged legacy torch file (no bytes for storage {shown(min(missing))})", path=source)
+    return LegacyTorchFile(path, graph, offsets, main_start, storage_start, stream.tell(), tuple(keys))
 
 
 def write_legacy(
@@ -87,7 +88,7 @@ def write_legacy(
 ) -> None:
     """Write ``torch_file`` to ``dest`` with ``data`` as its main pickle and the ``created`` storages added."""
     keys = [*torch_file.keys, *(ref.key for ref, _ in created)]
-    with torch_file.path.open("rb") as source, dest.open("wb") as target:
+    with open_regular(torch_file.path, str(torch_file.path)) as source, dest.open("wb") as target:
         copy_range(source, target, 0, torch_file.main_start)
         target.write(data)
         target.write(pickle.dumps(keys, protocol=2))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from optim_repair.dtypes import decode_element, itemsize
+from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickled import describe_address, is_tensor, option_value, state_value, tensor_meta, walk
 from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
 from optim_repair.inventory import (
@@ -144,7 +145,7 @@ def read_inventory(path: Path, file: str, source: str) -> FileInventory:
     """Everything inspect needs from one torch file, reading no tensor bytes but ``step`` values."""
     torch_file = open_torch_file(path, source)
     found = find_optimizers(torch_file.graph.root)
-    with path.open("rb") as stream:
+    with open_regular(path, source) as stream:
         reads = _SmallReads(torch_file, stream)
         optimizers = tuple(_optimizer_inventory(node, file, address, reads) for address, node in found)
     weights = []

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, ClassVar, Literal
 
-from optim_repair.errors import InputError, NotATorchFile
+from optim_repair.errors import InputError, NotATorchFile, shown
+from optim_repair.formats.inputs import open_regular, size_of
 from optim_repair.formats.pickled import PickleGraph, StorageRef, load_graph
 from optim_repair.formats.ranges import CHUNK
-from optim_repair.formats.unpickling import ZIP_ERRORS
+from optim_repair.formats.unpickling import MAX_PICKLE_BYTES, ZIP_ERRORS
 
 ALIGNMENT = 64
 """torch aligns every record's data on 64 bytes, so that storages can be memory-mapped."""
@@ -43,9 +44,9 @@ class ZipTorchFile:
         return {name: info for name, info in names.items() if name != "data.pkl" and not name.startswith("data/")}
 
 
-def is_zip(path: Path) -> bool:
-    with path.open("rb") as stream:
-        return stream.read(4) == b"PK\x03\x04"
+ZIP_MAGIC = b"PK\x03\x04"
+MAX_FRAMING_BYTES = 1 << 20
+"""The most a record other than the pickle and the storages may hold: torch writes a few bytes in each."""
 
 
 def _data_offset(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> int:
@@ -57,10 +58,43 @@ def _data_offset(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> int:
     return info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
 
 
-def open_zip(path: Path, source: str) -> ZipTorchFile:
-    """Parse a zip-format torch file: its pickle and its directory, no storage bytes."""
+def _check_records(records: list[zipfile.ZipInfo], prefix: str, source: str) -> None:
+    """Refuse what torch never writes and a reader could be fooled by: one name twice, an encrypted
+    record, or a record besides the pickle and the storages that is large (a zip bomb)."""
+    names: set[str] = set()
+    for info in records:
+        if info.filename in names:
+            raise InputError(f"damaged zip archive (two records are named {shown(info.filename)})", path=source)
+        names.add(info.filename)
+        if info.flag_bits & 0x1:
+            raise InputError(f"damaged zip archive (record {shown(info.filename)} is marked encrypted)", path=source)
+        name = info.filename[len(prefix) :]
+        framing = name != "data.pkl" and not name.startswith("data/")
+        if framing and max(info.file_size, info.compress_size) > MAX_FRAMING_BYTES:
+            raise InputError(
+                f"record {shown(info.filename)} holds {info.file_size} bytes; torch writes only a few bytes there",
+                path=source,
+            )
+
+
+def _read_pickle(archive: zipfile.ZipFile, info: zipfile.ZipInfo, source: str) -> bytes:
+    """The pickle record, read only up to ``MAX_PICKLE_BYTES`` whatever its header claims."""
+    if info.file_size > MAX_PICKLE_BYTES:
+        raise InputError(f"its pickle holds {info.file_size} bytes, more than {MAX_PICKLE_BYTES}", path=source)
     try:
-        archive = zipfile.ZipFile(path)
+        with archive.open(info) as record:
+            data = record.read(MAX_PICKLE_BYTES + 1)
+    except (*ZIP_ERRORS, OSError) as exc:
+        raise InputError(f"damaged zip archive ({exc})", path=source) from exc
+    if len(data) > MAX_PICKLE_BYTES:
+        raise InputError(f"its pickle holds more than {MAX_PICKLE_BYTES} bytes", path=source)
+    return data
+
+
+def open_zip(stream: BinaryIO, path: Path, source: str) -> ZipTorchFile:
+    """Parse a zip-format torch file from its open ``stream``: its pickle and its directory, no storage bytes."""
+    try:
+        archive = zipfile.ZipFile(stream)
     except ZIP_ERRORS as exc:
         raise InputError(f"damaged zip archive ({exc})", path=source) from exc
     with archive:
@@ -68,28 +102,24 @@ def open_zip(path: Path, source: str) -> ZipTorchFile:
         pickles = [info for info in records if info.filename.endswith("/data.pkl")]
         if not pickles:
             raise NotATorchFile("a zip archive without data.pkl is not a torch.save file", path=source)
-        encrypted = [info.filename for info in records if info.flag_bits & 0x1]
-        if encrypted:
-            raise InputError(f"damaged zip archive (record {encrypted[0]} is marked encrypted)", path=source)
         prefix = pickles[0].filename[: -len("data.pkl")]
-        try:
-            data = archive.read(pickles[0])
-        except (*ZIP_ERRORS, OSError) as exc:
-            raise InputError(f"damaged zip archive ({exc})", path=source) from exc
-        graph = load_graph(data, source)
+        _check_records(records, prefix, source)
+        graph = load_graph(_read_pickle(archive, pickles[0], source), source)
         by_name = {info.filename: info for info in records}
         offsets = {}
-        with path.open("rb") as stream:
-            for key, ref in graph.storages.items():
-                info = by_name.get(f"{prefix}data/{key}")
-                if info is None:
-                    raise InputError(f"storage {key} has no record in the archive", path=source)
-                if info.compress_type != zipfile.ZIP_STORED or info.file_size != ref.nbytes:
-                    raise InputError(
-                        f"storage record {info.filename} holds {info.file_size} bytes, expected {ref.nbytes}",
-                        path=source,
-                    )
-                offsets[key] = _data_offset(stream, info, source)
+        size = size_of(stream)
+        for key, ref in graph.storages.items():
+            info = by_name.get(f"{prefix}data/{key}")
+            if info is None:
+                raise InputError(f"storage {key} has no record in the archive", path=source)
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size != ref.nbytes:
+                raise InputError(
+                    f"storage record {shown(info.filename)} holds {info.file_size} bytes, expected {ref.nbytes}",
+                    path=source,
+                )
+            offsets[key] = _data_offset(stream, info, source)
+            if offsets[key] + ref.nbytes > size:
+                raise InputError(f"storage record {shown(info.filename)} lies past the end of the file", path=source)
     return ZipTorchFile(path, graph, offsets, tuple(records), prefix)
 
 
@@ -116,7 +146,11 @@ def _record_chunks(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> Iterator[
 
 def write_zip(torch_file: ZipTorchFile, data: bytes, created: Sequence[tuple[StorageRef, bytes]], dest: Path) -> None:
     """Write ``torch_file`` to ``dest`` with ``data`` as its pickle and the ``created`` storages added."""
-    with zipfile.ZipFile(torch_file.path) as source, zipfile.ZipFile(dest, "w", allowZip64=True) as target:
+    with (
+        open_regular(torch_file.path, str(torch_file.path)) as raw,
+        zipfile.ZipFile(raw) as source,
+        zipfile.ZipFile(dest, "w", allowZip64=True) as target,
+    ):
         last_storage = max(
             (i for i, info in enumerate(torch_file.records) if info.filename.startswith(f"{torch_file.prefix}data/")),
             default=len(torch_file.records) - 1,
