@@ -13,28 +13,45 @@ Library use::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-from optim_repair.api import FixResult, fix, inspect, plan
-from optim_repair.diagnose import Diagnosis, Malformed, Notice, OptimizerDiagnosis
-from optim_repair.errors import (
-    ExitCode,
-    InputError,
-    OptimRepairError,
-    OutputError,
-    Remedy,
-    RepairRefused,
-    UnsafeInputError,
-    UsageError,
-    VerificationError,
-)
-from optim_repair.repair_plan import Addition, FilledOptimizer, FreshTensor, RepairPlan
-from optim_repair.verify import Verification
-
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing would slow the console's start-up
 if TYPE_CHECKING:
+    from typing import Any
+
+    from optim_repair.api import FixResult, fix, inspect, plan
+    from optim_repair.diagnose import Diagnosis, Malformed, Notice, OptimizerDiagnosis
+    from optim_repair.errors import (
+        ExitCode,
+        InputError,
+        OptimRepairError,
+        OutputError,
+        Remedy,
+        RepairRefused,
+        UnsafeInputError,
+        UsageError,
+        VerificationError,
+    )
+    from optim_repair.repair_plan import Addition, FilledOptimizer, FreshTensor, RepairPlan
     from optim_repair.torch_loader import set_optimizer_state_dict
+    from optim_repair.verify import Verification
 
 __version__ = "0.1.0"
+
+_HOMES = {
+    **dict.fromkeys(("FixResult", "fix", "inspect", "plan"), "optim_repair.api"),
+    **dict.fromkeys(("Diagnosis", "Malformed", "Notice", "OptimizerDiagnosis"), "optim_repair.diagnose"),
+    **dict.fromkeys(
+        (
+            "ExitCode", "InputError", "OptimRepairError", "OutputError", "Remedy", "RepairRefused",
+            "UnsafeInputError", "UsageError", "VerificationError",
+        ),
+        "optim_repair.errors",
+    ),
+    **dict.fromkeys(("Addition", "FilledOptimizer", "FreshTensor", "RepairPlan"), "optim_repair.repair_plan"),
+    "Verification": "optim_repair.verify",
+    "set_optimizer_state_dict": "optim_repair.torch_loader",
+}  # fmt: skip
+"""Where each public name lives. Imported on first use, so that ``import optim_repair`` is instant and
+the console entry point can handle an interrupt before anything heavy loads (the loader imports torch)."""
 
 __all__ = [
     "Addition",
@@ -64,9 +81,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # The loader imports torch; load it only when a trainer asks for it.
-    if name == "set_optimizer_state_dict":
-        from optim_repair.torch_loader import set_optimizer_state_dict
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'optim_repair' has no attribute {name!r}")
+    import importlib
 
-        return set_optimizer_state_dict
-    raise AttributeError(f"module 'optim_repair' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

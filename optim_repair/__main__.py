@@ -1,5 +1,5 @@
 """``python -m optim_repair``: the same command as ``optim-repair``."""
 
-from optim_repair.cli import main
+from optim_repair.console import main
 
 main()

@@ -6,12 +6,12 @@ import enum
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 import typer
 
 from optim_repair import api, render
-from optim_repair.errors import ExitCode, OptimRepairError, Remedy
+from optim_repair.errors import ExitCode, OptimRepairError, Remedy, Terminated
 
 app = typer.Typer(
     help="Find and repair missing optimizer state in PyTorch checkpoints, without touching the original.",
@@ -21,7 +21,6 @@ app = typer.Typer(
     rich_markup_mode=None,  # plain click help and one-line usage errors
 )
 
-T = TypeVar("T")
 
 
 class FillChoice(str, enum.Enum):
@@ -43,20 +42,26 @@ def _as_flag(remedy: Remedy) -> str:
     return f"pass {flag}{f' {remedy.value}' if remedy.value else ''}{remedy.note}"
 
 
-def _run(call: Callable[[], T]) -> T:
-    """The one place library errors become a message on stderr and an exit code."""
+def _run(command: Callable[[], int]) -> None:
+    """The boundary around everything a command does, rendering included: the one place library errors
+    become a message on stderr and an exit code."""
     try:
-        return call()
+        code = command()
     except OptimRepairError as exc:
         argument = "--" + exc.argument.replace("_", "-") if exc.argument else ""
-        render.print_error(exc.describe(argument, _as_flag(exc.remedy) if exc.remedy else ""))
-        raise typer.Exit(exc.exit_code) from None
+        code = _fail(exc.describe(argument, _as_flag(exc.remedy) if exc.remedy else ""), exc.exit_code)
     except KeyboardInterrupt:
-        render.print_error("interrupted; nothing was written")
-        raise typer.Exit(ExitCode.INTERRUPTED) from None
+        code = _fail("interrupted; nothing was written", ExitCode.INTERRUPTED)
+    except Terminated:
+        code = _fail("terminated; nothing was written", ExitCode.TERMINATED)
     except Exception as exc:  # a bug, not an input problem: one line, its own exit code
-        render.print_error(f"internal error ({type(exc).__name__}: {exc}); please report it")
-        raise typer.Exit(ExitCode.INTERNAL) from None
+        code = _fail(f"internal error ({type(exc).__name__}: {exc}); please report it", ExitCode.INTERNAL)
+    raise typer.Exit(code)
+
+
+def _fail(message: str, code: int) -> int:
+    render.print_error(" ".join(message.split()) if "\n" in message else message)
+    return code
 
 
 @app.command()
@@ -65,12 +70,17 @@ def inspect(checkpoint: Checkpoint, json: JsonFlag = False) -> None:
 
     Exit 0 healthy, 1 missing entries (repairable), 2 usage error, 3 malformed, 4 nothing readable.
     """
-    diagnosis = _run(lambda: api.inspect(checkpoint))
-    if json:
-        render.print_json(render.inspect_document(diagnosis))
-    else:
-        render.print_inspect(diagnosis)
-    raise typer.Exit(_VERDICT_EXIT[diagnosis.verdict])
+
+
+    def command() -> int:
+        diagnosis = api.inspect(checkpoint)
+        if json:
+            render.print_json(render.inspect_document(diagnosis))
+        else:
+            render.print_inspect(diagnosis)
+        return _VERDICT_EXIT[diagnosis.verdict]
+
+    _run(command)
 
 
 @app.command()
@@ -99,8 +109,10 @@ def fix(
     Exit 0 written and verified, 2 usage error, 3 malformed or not repairable as asked (nothing written),
     4 bad input, 5 output refused or failed.
     """
-    result = _run(
-        lambda: api.fix(
+
+
+    def command() -> int:
+        result = api.fix(
             checkpoint,
             out,
             fill=fill.value if fill else None,
@@ -110,11 +122,13 @@ def fix(
             link=link,
             progress=render.print_message,
         )
-    )
-    if json:
-        render.print_json(render.fix_document(result))
-    else:
-        render.print_fix(result)
+        if json:
+            render.print_json(render.fix_document(result))
+        else:
+            render.print_fix(result)
+        return ExitCode.OK
+
+    _run(command)
 
 
 @app.command()
@@ -122,17 +136,23 @@ def demo(
     keep: Annotated[bool, typer.Option("--keep", help="Keep the demo's files instead of removing them.")] = False,
 ) -> None:
     """Train a tiny model whose aux head never gets a gradient, then inspect, fix and resume it."""
-    from optim_repair.demo import run_demo
-
-    report = _run(lambda: run_demo(keep=keep, progress=render.print_message))
-    render.print_demo(report, kept=keep)
-    fresh = [outcome for outcome in report.outcomes if outcome.fill == "fresh"]
-    if not all(outcome.identical for outcome in fresh):
-        render.print_error("the fresh-state copy did not continue bit-identically; please report it")
-        raise typer.Exit(ExitCode.INTERNAL)
 
 
-def main() -> None:
+    def command() -> int:
+        from optim_repair.demo import run_demo
+
+        report = run_demo(keep=keep, progress=render.print_message)
+        render.print_demo(report, kept=keep)
+        fresh = [outcome for outcome in report.outcomes if outcome.fill == "fresh"]
+        if not all(outcome.identical for outcome in fresh):
+            return _fail("the fresh-state copy did not continue bit-identically; please report it", ExitCode.INTERNAL)
+        return ExitCode.OK
+
+    _run(command)
+
+
+def run() -> None:
+    """Run the command line; ``optim_repair.console.main`` calls it once interrupts are handled."""
     # torch warns on import when numpy is absent; nothing optim-repair does needs numpy.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     app(prog_name="optim-repair")

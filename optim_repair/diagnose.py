@@ -109,7 +109,12 @@ def _duplicate_params(optimizer: OptimizerInventory) -> list[Malformed]:
 def _bad_entries(entry: StateEntry) -> list[Malformed]:
     if not entry.is_mapping:
         return [Malformed(entry.param, "bad-entry", f"the entry is a {entry.type_name}, not a mapping")]
-    return [
+    outside = [
+        Malformed(entry.param, "bad-entry", f"{key} lies outside its storage (a damaged tensor record)")
+        for key, value in entry.values or ()
+        if isinstance(value, TensorMeta) and not value.in_bounds
+    ]
+    return outside + [
         Malformed(entry.param, "bad-entry", f"{key} is {_value_kind(value)}, not a tensor")
         for key, value in entry.values or ()
         if key in PARAM_SHAPED_KEYS

@@ -30,6 +30,8 @@ class ExitCode(enum.IntEnum):
     """A bug in optim-repair (EX_SOFTWARE), never an input problem."""
     INTERRUPTED = 130
     """Interrupted (Ctrl-C); nothing was written."""
+    TERMINATED = 143
+    """Terminated (SIGTERM); nothing was written."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,10 @@ def shown(value: object) -> str:
     """A value from the input, for a message: ``repr``, bounded in length and work, on one line."""
     text = _BOUNDED.repr(value)
     return text if text.isprintable() else text.encode("ascii", "backslashreplace").decode("ascii")
+
+
+class Terminated(BaseException):
+    """The process got SIGTERM: raised like ``KeyboardInterrupt``, so that a temporary copy is removed."""
 
 
 class OptimRepairError(Exception):

@@ -48,6 +48,19 @@ class TensorMeta:
     def nbytes(self) -> int:
         return self.numel * itemsize(self.dtype)
 
+    @property
+    def in_bounds(self) -> bool:
+        """Whether every element lies inside the storage, as torch requires to rebuild the tensor."""
+        if len(self.stride) != len(self.shape) or self.storage_offset < 0:
+            return False
+        if any(size < 0 for size in self.shape) or any(stride < 0 for stride in self.stride):
+            return False
+        if self.numel == 0:
+            return True
+        spans = zip(self.shape, self.stride, strict=True)
+        last = self.storage_offset + sum((size - 1) * stride for size, stride in spans)
+        return (last + 1) * itemsize(self.dtype) <= self.storage_nbytes
+
 
 @dataclass(frozen=True)
 class OtherValue:

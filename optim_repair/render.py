@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import TypedDict
+from typing import IO, TextIO, TypedDict, cast
 
 from rich.console import Console
 from rich.table import Table
@@ -132,17 +132,37 @@ def fix_document(result: FixResult) -> FixDoc:
 
 
 def print_json(document: InspectDoc | FixDoc) -> None:
-    sys.stdout.write(json.dumps(document, indent=2) + "\n")
+    # ASCII with escapes (a name may hold a lone surrogate), and never NaN, which JSON does not have.
+    sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
+
+
+class _Escaping:
+    """A text stream that writes what its encoding cannot hold (a lone surrogate in a parameter name,
+    an undecodable file name) as backslash escapes instead of failing."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self.encoding = getattr(stream, "encoding", None) or "utf-8"
+
+    def write(self, text: str) -> int:
+        return self._stream.write(text.encode(self.encoding, "backslashreplace").decode(self.encoding))
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
 
 
 def _stdout() -> Console:
     # Piped reports are not cut at rich's default 80 columns, so that names stay greppable.
     piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-    return Console(file=sys.stdout, highlight=False, soft_wrap=True, width=200 if piped else None)
+    stream = cast("IO[str]", _Escaping(sys.stdout))
+    return Console(file=stream, highlight=False, soft_wrap=True, width=200 if piped else None)
 
 
 def _stderr() -> Console:
-    return Console(file=sys.stderr, highlight=False, soft_wrap=True)
+    return Console(file=cast("IO[str]", _Escaping(sys.stderr)), highlight=False, soft_wrap=True)
 
 
 def _shown_names(params: tuple[ParamKey, ...]) -> str:

@@ -43,8 +43,16 @@ def billion_laughs(levels: int = 60) -> bytes:
 def optimizer_with_key(key_ops: bytes) -> bytes:
     """A pickle of ``{"state": {KEY: {}}, "param_groups": []}``, the key given as opcodes."""
     return (
-        PROTO2 + b"}" + b"\x8c\x05state" + b"}" + key_ops + b"}" + b"s"
+        PROTO2 + b"}" + b"\x8c\x05state" + b"}" + key_ops + b"}" + b"s" + b"s"
         + b"\x8c\x0cparam_groups" + b"]" + b"s."
+    )  # fmt: skip
+
+
+def optimizer_with_param(param_ops: bytes) -> bytes:
+    """A pickle of ``{"state": {}, "param_groups": [{"params": [PARAM]}]}``, the param given as opcodes."""
+    return (
+        PROTO2 + b"}" + b"\x8c\x05state" + b"}" + b"s"
+        + b"\x8c\x0cparam_groups" + b"]" + b"}" + b"\x8c\x06params" + b"]" + param_ops + b"a" + b"s" + b"a" + b"s."
     )  # fmt: skip
 
 

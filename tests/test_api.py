@@ -35,3 +35,7 @@ def test_fix_takes_the_diagnosis_inspect_returned(unirl_checkpoint: Built, tmp_p
     assert result.diagnosis is diagnosis
     assert isinstance(result.verification, optim_repair.Verification) and result.verification.tensors > 0
     assert optim_repair.inspect(tmp_path / "fixed").verdict == "healthy"
+
+
+def test_the_public_names_are_the_ones_listed() -> None:
+    assert sorted(optim_repair.__all__) == sorted(optim_repair._HOMES)

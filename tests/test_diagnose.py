@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -133,7 +134,8 @@ def test_shape_mismatch_detail_names_both_shapes(root: Path) -> None:
 
 def tensor(shape: tuple[int, ...], *, value: float | None = None, zero: bool | None = None) -> TensorMeta:
     stride = tuple(1 for _ in shape)
-    return TensorMeta("float32", shape, stride, f"s{shape}{value}", 0, 4, value=value, zero_head=zero)
+    nbytes = 4 * math.prod(shape)
+    return TensorMeta("float32", shape, stride, f"s{shape}{value}", 0, nbytes, value=value, zero_head=zero)
 
 
 def adam_entry(param: ParamKey, shape: tuple[int, ...], step: float = 3.0, zero: bool = False) -> StateEntry:

@@ -10,8 +10,10 @@ import json
 import os
 import pickle
 import resource
+import signal
 import struct
 import subprocess
+import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -153,3 +155,51 @@ def test_a_zstd_entry_is_decompressed_only_up_to_a_cap(tmp_path: Path) -> None:
     with (path / ".metadata").open("wb") as stream:
         pickle.dump(metadata, stream)
     assert "decompresses to more than" in refused("inspect", path, codes=(4,))
+
+
+def test_odd_parameter_keys_are_refused_or_shown_escaped(tmp_path: Path) -> None:
+    """bytes and NaN keys are damage (exit 4); a lone surrogate in a name is a name, shown escaped."""
+    odd = {"bytes": b"\x43\x03abc", "nan": b"G\x7f\xf8\x00\x00\x00\x00\x00\x00", "list": b"]", "dict": b"}"}
+    for name, key in odd.items():
+        path = hostile.torch_zip(tmp_path / f"{name}.pt", hostile.optimizer_with_param(key))
+        assert "neither a name nor an index" in refused("inspect", path, "--json", codes=(4,)), name
+        if name in ("bytes", "nan"):  # hashable: a state key too
+            path = hostile.torch_zip(tmp_path / f"{name}-key.pt", hostile.optimizer_with_key(key))
+            assert "neither a name nor an index" in refused("inspect", path, codes=(4,)), name
+    surrogate = b"X\x03\x00\x00\x00\xed\xa0\x80"  # BINUNICODE of '\ud800', which pickle allows (surrogatepass)
+    path = hostile.torch_zip(tmp_path / "surrogate.pt", hostile.optimizer_with_key(surrogate))
+    for extra in ((), ("--json",)):
+        result = subprocess.run([*installed_command(), "inspect", str(path), *extra], capture_output=True, text=True)
+        assert result.returncode == 3 and "Traceback" not in result.stderr, result.stderr  # orphan-state
+        assert "\\ud800" in result.stdout
+
+
+def test_sigterm_removes_the_temporary_copy(tmp_path: Path) -> None:
+    built = ck.unirl_torch(tmp_path / "u", steps=2)
+    big = built.path / "big.bin"
+    big.write_bytes(os.urandom(64 << 20))  # copied and compared: long enough to be caught mid-way
+    out = tmp_path / "out"
+    process = subprocess.Popen([*installed_command(), "fix", str(built.path), "--out", str(out)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not list(tmp_path.glob(".out.optim-repair-*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode in (143, 0), stderr
+    if process.returncode == 143:
+        assert stderr.strip() == "optim-repair: error: terminated; nothing was written"
+        assert not out.exists()
+    assert not list(tmp_path.glob(".out.optim-repair-*"))
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.1, 0.15, 0.2, 0.3])
+def test_ctrl_c_at_any_moment_of_start_up_is_one_line(tmp_path: Path, delay: float) -> None:
+    built = ck.healthy(tmp_path)
+    process = subprocess.Popen([*installed_command(), "inspect", str(built.path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=30)
+    assert "Traceback" not in stderr, stderr
+    assert process.returncode in (0, 130), stderr

@@ -171,11 +171,15 @@ class _GraphUnpickler(AllowlistUnpickler):
     def persistent_load(self, pid: Any) -> StorageRef:
         if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage"):
             raise InputError(f"unexpected persistent id {shown(pid)}", path=self.source)
-        key = str(pid[2])
-        ref = self.storages.get(key)
+        key, location, numel = pid[2], pid[3], pid[4]
+        if isinstance(key, bool) or not isinstance(key, (str, int)) or not isinstance(location, str):
+            raise InputError(f"a storage is named {shown(key)} at {shown(location)}", path=self.source)
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise InputError(f"storage {shown(key)} holds {shown(numel)} elements", path=self.source)
+        ref = self.storages.get(str(key))
         if ref is None:
-            ref = StorageRef(pid, _storage_dtype(pid[1], self.source), key, str(pid[3]), int(pid[4]))
-            self.storages[key] = ref
+            ref = StorageRef(pid, _storage_dtype(pid[1], self.source), str(key), location, numel)
+            self.storages[str(key)] = ref
         return ref
 
 

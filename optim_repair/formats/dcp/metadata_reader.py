@@ -59,10 +59,17 @@ def _layout(name: Any) -> str:
     return name
 
 
-def _enum_value(value: Any) -> int:
-    if not isinstance(value, int):
-        raise InputError(f"a memory-format code is {shown(value)}")
-    return value
+@dataclass(frozen=True)
+class _MemoryFormat:
+    """What ``_MEM_FORMAT_ENCODING(code)`` gives: one of torch's three memory-format codes."""
+
+    code: int
+
+
+def _enum_value(value: Any) -> _MemoryFormat:
+    if isinstance(value, bool) or value not in (0, 1, 2):
+        raise InputError(f"a memory-format code is {shown(value)}; torch knows 0, 1 and 2")
+    return _MemoryFormat(value)
 
 
 def _pure_path(*parts: Any) -> str:
@@ -146,28 +153,39 @@ def _tensor_item(value: Any, key: str, source: str) -> DcpTensor:
     if not (isinstance(properties, MetadataRecord) and properties.kind == "TensorProperties"):
         raise InputError(f"{key} has no tensor properties", path=source)
     state = properties.state
-    dtype = state[0] if isinstance(state, tuple) and state else state.get("dtype") if isinstance(state, dict) else None
+    # As torch's TensorProperties.__setstate__ takes it: (dtype, layout, requires_grad, memory format, pin_memory).
+    if not (isinstance(state, tuple) and len(state) == 5 and isinstance(state[3], _MemoryFormat)):
+        raise InputError(f"{key} has tensor properties {shown(state)}, not what torch writes", path=source)
+    dtype = state[0]
     if not isinstance(dtype, _DType):
         raise InputError(f"{key} names no dtype", path=source)
+    size = _int_tuple(fields.get("size"), f"the size of {key}", source)
+    if any(dimension < 0 for dimension in size):
+        raise InputError(f"{key} has the size {shown(size)}", path=source)
     chunks = fields.get("chunks")
     if not isinstance(chunks, list):
         raise InputError(f"{key} lists no chunks", path=source)
     parsed = []
     for chunk in chunks:
         chunk_fields = _record_fields(chunk, "ChunkStorageMetadata", source)
-        parsed.append(
-            DcpChunk(
-                _int_tuple(chunk_fields.get("offsets"), f"a chunk offset of {key}", source),
-                _int_tuple(chunk_fields.get("sizes"), f"a chunk size of {key}", source),
-            )
+        offsets = _int_tuple(chunk_fields.get("offsets"), f"a chunk offset of {key}", source)
+        sizes = _int_tuple(chunk_fields.get("sizes"), f"a chunk size of {key}", source)
+        inside = len(offsets) == len(sizes) == len(size) and all(
+            start >= 0 and length >= 0 and start + length <= whole
+            for start, length, whole in zip(offsets, sizes, size, strict=True)
         )
-    return DcpTensor(dtype.name, _int_tuple(fields.get("size"), f"the size of {key}", source), tuple(parsed))
+        if not inside:
+            raise InputError(f"a chunk of {key} lies outside it ({shown(offsets)} + {shown(sizes)})", path=source)
+        parsed.append(DcpChunk(offsets, sizes))
+    return DcpTensor(dtype.name, size, tuple(parsed))
 
 
 def _relative_path(value: Any, source: str) -> str:
     if not isinstance(value, str) or not value:
         raise InputError(f"a storage entry names the file {shown(value)}", path=source)
     pure = PurePosixPath(value)
+    if "\x00" in value:
+        raise InputError(f"a storage entry names the file {shown(value)}, which holds a NUL byte", path=source)
     if pure.is_absolute() or ".." in pure.parts or "\\" in value:
         raise InputError(f"a storage entry points outside the checkpoint directory ({shown(value)})", path=source)
     return value

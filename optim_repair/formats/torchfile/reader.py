@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from optim_repair.dtypes import decode_element, itemsize
+from optim_repair.errors import InputError, shown
 from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickled import describe_address, is_tensor, option_value, state_value, tensor_meta, walk
 from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
@@ -38,16 +39,19 @@ class _SmallReads:
         self._stream = stream
 
     def read(self, meta: TensorMeta, limit: int) -> bytes:
+        """The tensor's first bytes, at most ``limit``; only ever called for a tensor inside its storage."""
         offset, _ = self._file.storage_range(meta.storage)
         self._stream.seek(offset + meta.storage_offset * itemsize(meta.dtype))
         return self._stream.read(min(meta.nbytes, limit))
 
     def scalar(self, meta: TensorMeta) -> TensorMeta:
-        if meta.numel != 1 or meta.nbytes > 16:
+        if meta.numel != 1 or meta.nbytes > 16 or not meta.in_bounds:
             return meta
         return replace(meta, value=decode_element(meta.dtype, self.read(meta, meta.nbytes)))
 
     def zero_head(self, meta: TensorMeta) -> TensorMeta:
+        if not meta.in_bounds:
+            return meta
         if meta.numel == 0:
             return replace(meta, zero_head=True)
         return replace(meta, zero_head=not any(self.read(meta, PHANTOM_PROBE_BYTES)))
@@ -72,8 +76,19 @@ def _state_entry(param: ParamKey, value: Any, reads: _SmallReads) -> StateEntry:
         converted = state_value(item)
         if isinstance(converted, TensorMeta):
             converted = reads.scalar(converted)
-        items.append((str(key), converted))
+        items.append((key if isinstance(key, str) else shown(key), converted))
     return StateEntry(param, tuple(items))
+
+
+def _check_keys(node: dict[Any, Any], source: str, location: str) -> None:
+    """Parameter keys are names or indices; anything else (a list, a float NaN, bytes) is damage."""
+    for key in [*(param for group in node["param_groups"] for param in group["params"]), *node["state"]]:
+        if isinstance(key, bool) or not isinstance(key, (str, int)):
+            raise InputError(
+                f"the optimizer at {location or 'the top level'} has the parameter key {shown(key)}, "
+                "neither a name nor an index",
+                path=source,
+            )
 
 
 def _probe_phantom(entries: list[StateEntry], reads: _SmallReads) -> list[StateEntry]:
@@ -97,12 +112,17 @@ def _probe_phantom(entries: list[StateEntry], reads: _SmallReads) -> list[StateE
 
 
 def _optimizer_inventory(
-    node: dict[Any, Any], file: str, address: tuple[Any, ...], reads: _SmallReads
+    node: dict[Any, Any], file: str, address: tuple[Any, ...], reads: _SmallReads, source: str
 ) -> OptimizerInventory:
+    _check_keys(node, source, describe_address(address))
     groups = tuple(
         ParamGroup(
             params=tuple(group["params"]),
-            options=tuple((str(k), option_value(v)) for k, v in group.items() if k != "params"),
+            options=tuple(
+                (key if isinstance(key, str) else shown(key), option_value(value))
+                for key, value in group.items()
+                if key != "params"
+            ),
         )
         for group in node["param_groups"]
     )
@@ -147,7 +167,7 @@ def read_inventory(path: Path, file: str, source: str) -> FileInventory:
     found = find_optimizers(torch_file.graph.root)
     with open_regular(path, source) as stream:
         reads = _SmallReads(torch_file, stream)
-        optimizers = tuple(_optimizer_inventory(node, file, address, reads) for address, node in found)
+        optimizers = tuple(_optimizer_inventory(node, file, address, reads, source) for address, node in found)
     weights = []
     for address, node in walk(torch_file.graph.root):
         if isinstance(node, dict) and not any(address[: len(outer)] == outer for outer, _ in found):
