@@ -155,4 +155,10 @@ def run() -> None:
     """Run the command line; ``optim_repair.console.main`` calls it once interrupts are handled."""
     # torch warns on import when numpy is absent; nothing optim-repair does needs numpy.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    app(prog_name="optim-repair")
+    try:
+        app(prog_name="optim-repair")
+    except SystemExit as exc:
+        # Ctrl-C while typer still parses the command line: it exits 130 silently (Exit from KeyboardInterrupt).
+        if isinstance(exc.__context__, typer.Exit) and isinstance(exc.__context__.__cause__, KeyboardInterrupt):
+            _fail("interrupted; nothing was written", ExitCode.INTERRUPTED)
+        raise

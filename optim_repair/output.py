@@ -1,17 +1,14 @@
 """The atomic copy: a repaired, verified copy written beside the original, following the discovery list.
 
-Everything is written into a temporary sibling of ``--out``, verified from disk, and only then
-renamed into place. Any failure, an interrupt or a full disk included, removes the temporary
-copy; the input is only ever opened for reading.
+Everything is written into a temporary sibling of ``--out`` (``staging``), verified from disk, and
+only then renamed into place. Any failure, an interrupt or a full disk included, removes the
+temporary copy; the input is only ever opened for reading.
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import secrets
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +18,7 @@ from optim_repair.formats.dcp import METADATA_FILE, SHARD_SUFFIX, PlannedEntries
 from optim_repair.formats.torchfile import write_torch_file
 from optim_repair.inventory import CheckpointInventory
 from optim_repair.repair_plan import RepairPlan
+from optim_repair.staging import move_into_place, os_error_reason, remove_stale, temporary_sibling
 from optim_repair.verify import NOTHING, Verification, verify_copied_file, verify_planned_dcp, verify_torch_file
 
 Progress = Callable[[str], None]
@@ -38,21 +36,8 @@ def check_output(source: Path, out: Path, *, force: bool) -> None:
             raise OutputError("already exists", path=str(out), remedy=Remedy("force", note=" to replace it"))
         if out.is_dir() != source.is_dir():
             raise OutputError(f"exists and is not a {'directory' if source.is_dir() else 'file'}", path=str(out))
-    if not dst.parent.is_dir():
+    if not Path(os.path.abspath(out)).parent.is_dir():  # beside a link named out, wherever it points
         raise OutputError("no such directory for {argument}", path=out.parent, argument="out")
-
-
-def _remove_path(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def _os_error_reason(exc: OSError) -> str:
-    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-        return "the disk is full"
-    return exc.strerror or str(exc)
 
 
 def _write_file(src: Path, dest: Path, rel: str, plan: RepairPlan, inventory: CheckpointInventory) -> Verification:
@@ -128,60 +113,18 @@ def write_copy(
             f"is {special[0].kind}; optim-repair copies only regular files, directories and links",
             path=found.root / special[0].rel,
         )
-    parent = out.resolve().parent
-    prefix = f".{out.name}.optim-repair-"
-    tmp = _temporary_sibling(parent, prefix, directory=found.is_directory)
-    try:
-        if found.is_directory:
-            verification = _write_directory(found, tmp, plan, inventory, link=link, progress=progress)
-        else:
-            progress(f"writing {out}")
-            verification = _write_file(source, tmp, "", plan, inventory)
-        _move_into_place(tmp, out)
-    except OSError as exc:
-        _remove_path(tmp)
-        raise OutputError(f"cannot write ({_os_error_reason(exc)}); nothing was left behind", path=str(out)) from exc
-    except VerificationError as exc:
-        _remove_path(tmp)
-        raise VerificationError(f"{exc.reason}; the copy was removed", path=exc.path) from exc
-    except BaseException:
-        _remove_path(tmp)
-        raise
-    return verification
-
-
-def _temporary_sibling(parent: Path, prefix: str, *, directory: bool) -> Path:
-    """A new temporary path beside ``--out``, with the permissions a plain create would give.
-
-    Created with mode 0o666 (0o777 for a directory), so that the process umask applies as it
-    would to any new file; ``tempfile.mkstemp`` would give 0o600.
-    """
-    for _ in range(100):
-        tmp = parent / f"{prefix}{secrets.token_hex(4)}"
+    remove_stale(out, progress)
+    with temporary_sibling(out, directory=found.is_directory) as tmp:
         try:
-            if directory:
-                tmp.mkdir(0o777)
+            if found.is_directory:
+                verification = _write_directory(found, tmp, plan, inventory, link=link, progress=progress)
             else:
-                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        except FileExistsError:
-            continue
+                progress(f"writing {out}")
+                verification = _write_file(source, tmp, "", plan, inventory)
+            move_into_place(tmp, out, force=force)
         except OSError as exc:
-            raise OutputError(f"cannot write ({_os_error_reason(exc)})", path=str(parent)) from exc
-        return tmp
-    raise OutputError("cannot find an unused temporary name", path=str(parent))
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    if not (out.exists() or out.is_symlink()):
-        os.replace(tmp, out)
-        return
-    backup = Path(tempfile.mkdtemp(dir=out.resolve().parent, prefix=f".{out.name}.optim-repair-old-"))
-    displaced = backup / out.name
-    os.replace(out, displaced)
-    try:
-        os.replace(tmp, out)
-    except OSError:
-        os.replace(displaced, out)
-        raise
-    finally:
-        _remove_path(backup)
+            reason = f"cannot write ({os_error_reason(exc)}); nothing was left behind"
+            raise OutputError(reason, path=out) from exc
+        except VerificationError as exc:
+            raise VerificationError(f"{exc.reason}; the copy was removed", path=exc.path) from exc
+    return verification

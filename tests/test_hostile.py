@@ -202,4 +202,6 @@ def test_ctrl_c_at_any_moment_of_start_up_is_one_line(tmp_path: Path, delay: flo
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=30)
     assert "Traceback" not in stderr, stderr
-    assert process.returncode in (0, 130), stderr
+    # 130 with one line; or killed by the signal before Python installed its handler, saying nothing
+    assert process.returncode in (0, 130, -signal.SIGINT), stderr
+    assert process.returncode != 130 or stderr == "optim-repair: error: interrupted; nothing was written\n"

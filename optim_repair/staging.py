@@ -1,0 +1,153 @@
+"""The temporary sibling of ``--out``: made, locked while its run lives, moved into place, or removed.
+
+A copy is written into ``.NAME.optim-repair-tmp-XXXXXXXX`` beside ``NAME`` and renamed into place only
+once verified, so that ``NAME`` is never incomplete. The run holds an ``flock`` on its temporary for
+its whole life; a later run that finds a temporary nobody holds (its run was killed) removes it and
+says so. Without ``force`` the rename refuses to replace anything (``renameat2(RENAME_NOREPLACE)``),
+so that of two runs racing to one ``--out`` the later fails instead of silently replacing the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from optim_repair.errors import OutputError, Remedy
+
+STALE_AFTER_SECONDS = 10
+"""A temporary nobody holds is left alone this long after its last change (its run may be starting)."""
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+
+def os_error_reason(exc: OSError) -> str:
+    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return "the disk is full"
+    return exc.strerror or str(exc)
+
+
+def remove(path: Path) -> None:
+    """Remove a file, link or directory tree, whatever is there; never follows a link."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _prefix(out: Path) -> str:
+    return f".{out.name}.optim-repair-tmp-"
+
+
+def _locked(path: Path) -> int | None:
+    """A descriptor holding an exclusive lock on ``path``, or None when another process holds one."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        return None
+    return descriptor
+
+
+def remove_stale(out: Path, progress: Callable[[str], None]) -> None:
+    """Remove the temporaries beside ``out`` that runs killed before they could clean up left behind."""
+    parent = Path(os.path.abspath(out)).parent
+    for path in sorted(parent.glob(f"{_prefix(out)}*")):
+        try:
+            if path.is_symlink() or time.time() - path.lstat().st_mtime < STALE_AFTER_SECONDS:
+                continue
+            descriptor = _locked(path)
+        except OSError:
+            continue
+        if descriptor is None:
+            continue  # a live run's
+        try:
+            remove(path)
+            progress(f"removed {path}, a temporary copy left by a run that was killed")
+        finally:
+            os.close(descriptor)
+
+
+@contextlib.contextmanager
+def temporary_sibling(out: Path, *, directory: bool) -> Iterator[Path]:
+    """A new, locked temporary path beside ``out``, removed on the way out unless moved into place.
+
+    Created with mode 0o666 (0o777 for a directory), so that the process umask applies as it would
+    to any new file (``tempfile.mkstemp`` would give 0o600).
+    """
+    parent = Path(os.path.abspath(out)).parent  # beside a link named out, not beside its target
+    for _ in range(100):
+        tmp = parent / f"{_prefix(out)}{secrets.token_hex(4)}"
+        try:
+            if directory:
+                tmp.mkdir(0o777)
+            else:
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            lock = _locked(tmp)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise OutputError(f"cannot write ({os_error_reason(exc)})", path=parent) from exc
+        break
+    else:
+        raise OutputError("cannot find an unused temporary name", path=parent)
+    try:
+        yield tmp
+    finally:
+        if lock is not None:
+            os.close(lock)
+        remove(tmp)
+
+
+def _rename_no_replace(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``, atomically failing with FileExistsError if ``out`` exists."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is not None:
+        if renameat2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(out), _RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+            raise OSError(code, os.strerror(code), str(out))
+    if tmp.is_dir():  # no renameat2 here: claim the name with mkdir, then replace the empty placeholder
+        os.mkdir(out)
+        os.replace(tmp, out)
+    else:
+        os.link(tmp, out)
+        os.unlink(tmp)
+
+
+def move_into_place(tmp: Path, out: Path, *, force: bool) -> None:
+    """Make ``tmp`` be ``out``: without ``force`` only if nothing is there; with it, replacing what is."""
+    if not force:
+        try:
+            _rename_no_replace(tmp, out)
+        except FileExistsError:
+            remedy = Remedy("force", note=" to replace it")
+            raise OutputError("appeared while the copy was written", path=out, remedy=remedy) from None
+        return
+    if not (out.exists() or out.is_symlink()):
+        os.replace(tmp, out)
+        return
+    parent = Path(os.path.abspath(out)).parent
+    backup = parent / f".{out.name}.optim-repair-old-{secrets.token_hex(4)}"
+    backup.mkdir()
+    displaced = backup / out.name
+    os.replace(out, displaced)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        os.replace(displaced, out)
+        raise
+    finally:
+        remove(backup)
