@@ -19,18 +19,38 @@ def _terminate(signum: int, frame: object) -> None:
     raise Terminated
 
 
+_swallowed: list[BaseException] = []
+
+
+def _interrupted_while_importing(unraisable: sys.UnraisableHookArgs) -> None:
+    """Python swallows, and prints with its traceback, a KeyboardInterrupt that lands in one of its
+    import-lock callbacks; remember it instead, and honour it once the imports are done."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        _swallowed.append(unraisable.exc_value)
+    else:
+        sys.__unraisablehook__(unraisable)
+
+
+def _exit(message: str, code: int) -> None:
+    sys.stderr.write(f"optim-repair: error: {message}\n")
+    sys.exit(code)
+
+
 def main() -> None:
     signal.signal(signal.SIGTERM, _terminate)
+    sys.unraisablehook = _interrupted_while_importing
     try:
         from optim_repair.cli import run
         from optim_repair.errors import Terminated
     except KeyboardInterrupt:
-        sys.stderr.write("optim-repair: error: interrupted; nothing was written\n")
-        sys.exit(INTERRUPTED)
+        _exit("interrupted; nothing was written", INTERRUPTED)
     except BaseException as exc:  # Terminated, while its class was being imported
         if type(exc).__name__ != "Terminated":
             raise
-        sys.stderr.write("optim-repair: error: terminated; nothing was written\n")
-        sys.exit(TERMINATED)
+        _exit("terminated; nothing was written", TERMINATED)
+    finally:
+        sys.unraisablehook = sys.__unraisablehook__
+    if _swallowed:
+        _exit("interrupted; nothing was written", INTERRUPTED)
     del Terminated  # imported above only so that the handler's own import is instant
     run()

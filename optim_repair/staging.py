@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import fcntl
 import os
@@ -111,7 +110,7 @@ def temporary_sibling(out: Path, *, directory: bool) -> Iterator[Path]:
 
 def _rename_no_replace(tmp: Path, out: Path) -> None:
     """Rename ``tmp`` to ``out``, atomically failing with FileExistsError if ``out`` exists."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)  # the C library already loaded; find_library would run ldconfig
     renameat2 = getattr(libc, "renameat2", None)
     if renameat2 is not None:
         if renameat2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(out), _RENAME_NOREPLACE) == 0:

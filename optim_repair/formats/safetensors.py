@@ -6,9 +6,9 @@ import json
 import struct
 from pathlib import Path
 
-from optim_repair.dtypes import SAFETENSORS_NAMES, contiguous_strides
+from optim_repair.dtypes import DTYPES, SAFETENSORS_NAMES, contiguous_strides, itemsize, numel
 from optim_repair.errors import InputError, shown
-from optim_repair.formats.inputs import open_regular
+from optim_repair.formats.inputs import open_regular, size_of
 from optim_repair.inventory import TensorMeta, WeightMap
 
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -26,9 +26,10 @@ def read_weights(path: Path, source: str) -> WeightMap:
             if length > _MAX_HEADER:
                 raise InputError(f"not a safetensors file (header of {length} bytes)", path=source)
             header = json.loads(stream.read(length))
+            data_size = size_of(stream) - 8 - length
     except OSError as exc:
         raise InputError(f"cannot read ({exc.strerror or exc})", path=source) from exc
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise InputError("not a safetensors file (bad header)", path=source) from exc
     if not isinstance(header, dict):
         raise InputError("not a safetensors file (bad header)", path=source)
@@ -42,6 +43,9 @@ def read_weights(path: Path, source: str) -> WeightMap:
             dtype = SAFETENSORS_NAMES.get(info["dtype"], str(info["dtype"]).lower())
         except (KeyError, TypeError, ValueError) as exc:
             raise InputError(f"not a safetensors file (bad entry {shown(name)})", path=source) from exc
+        sized = dtype not in DTYPES or end - start == numel(shape) * itemsize(dtype)
+        if min(shape, default=0) < 0 or not 0 <= start <= end <= data_size or not sized:
+            raise InputError(f"not a safetensors file (entry {shown(name)} does not fit its bytes)", path=source)
         meta = TensorMeta(dtype, shape, contiguous_strides(shape), name, 0, end - start)
         tensors.append((name, meta))
     return WeightMap(source, tuple(tensors))

@@ -7,11 +7,12 @@ only the DCP metadata classes and plain data, so a crafted file is refused befor
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
 
-from optim_repair.dtypes import DTYPES
+from optim_repair.dtypes import DTYPES, itemsize, numel
 from optim_repair.errors import InputError, UnsafeInputError, shown
 from optim_repair.formats.dcp.metadata import (
     METADATA_FILE,
@@ -250,8 +251,21 @@ def _parse_metadata(root: Any, source: str) -> DcpMetadata:
     storage = dict(_storage_entry(index, info, source, checked) for index, info in storage_data.items())
     for index in storage:
         if index[0] not in items:
-            raise InputError(f"stores {index[0]}, which its state_dict_metadata does not list", path=source)
+            raise InputError(f"stores {shown(index[0])}, which its state_dict_metadata does not list", path=source)
+    _check_chunk_lengths(items, storage, source)
     return DcpMetadata(items, paths, storage)
+
+
+def _check_chunk_lengths(items: Mapping[str, DcpItem], storage: Mapping[StorageIndex, DcpStorage], source: str) -> None:
+    """A chunk stored without a transform takes at least its elements' bytes: the sizes the metadata
+    claims are bounded by the shards' own (and a fresh fill sized by them by the input's size)."""
+    for key, item in items.items():
+        if not isinstance(item, DcpTensor) or item.dtype not in DTYPES:
+            continue
+        for chunk in item.chunks:
+            info = storage.get((key, chunk.offsets))
+            if info is not None and not info.transforms and info.length < numel(chunk.sizes) * itemsize(item.dtype):
+                raise InputError(f"a chunk of {shown(key)} is stored in fewer bytes than it holds", path=source)
 
 
 def read_metadata(path: Path, rel: str = "") -> DcpMetadata:

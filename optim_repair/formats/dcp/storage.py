@@ -18,11 +18,15 @@ from optim_repair.errors import InputError, shown
 from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpMetadata, DcpStorage, display_path
 from optim_repair.formats.inputs import open_beneath, size_of
 from optim_repair.formats.pickled import PickleGraph, load_graph
-from optim_repair.formats.unpickling import MAX_PICKLE_BYTES, ZIP_ERRORS
+from optim_repair.formats.unpickling import ZIP_ERRORS
+
+MAX_BYTES_ENTRY = 64 << 20
+"""The most one bytes entry (a ``torch.save``'d object: a param group, a ``params`` list, non-tensor
+state) may hold, compressed or not: far beyond the list of a million parameter names."""
 
 
 def _zstd_decompress(data: bytes, source: str) -> bytes:
-    """Decompress a zstd frame, stopping past ``MAX_PICKLE_BYTES`` whatever the frame claims."""
+    """Decompress a zstd frame, stopping past ``MAX_BYTES_ENTRY`` whatever the frame claims."""
     for module_name in ("compression.zstd", "zstandard"):
         try:
             module = importlib.import_module(module_name)
@@ -30,14 +34,14 @@ def _zstd_decompress(data: bytes, source: str) -> bytes:
             continue
         try:
             if module_name == "compression.zstd":
-                result = bytes(module.ZstdDecompressor().decompress(data, max_length=MAX_PICKLE_BYTES + 1))
+                result = bytes(module.ZstdDecompressor().decompress(data, max_length=MAX_BYTES_ENTRY + 1))
             else:
                 reader = module.ZstdDecompressor().stream_reader(io.BytesIO(data))
-                result = bytes(reader.read(MAX_PICKLE_BYTES + 1))
+                result = bytes(reader.read(MAX_BYTES_ENTRY + 1))
         except Exception as exc:  # each zstd module raises its own error class
             raise InputError(f"corrupt zstd stream ({' '.join(str(exc).split())})", path=source) from exc
-        if len(result) > MAX_PICKLE_BYTES:
-            raise InputError(f"decompresses to more than {MAX_PICKLE_BYTES} bytes", path=source)
+        if len(result) > MAX_BYTES_ENTRY:
+            raise InputError(f"decompresses to more than {MAX_BYTES_ENTRY} bytes", path=source)
         return result
     raise InputError(
         "is zstd-compressed (stream.zstd/1); install the 'zstandard' package (or use Python 3.14+) to read it",
@@ -71,8 +75,8 @@ def read_saved_object(data: bytes, source: str) -> SavedObject:
         pickles = [name for name in archive.namelist() if name.endswith("/data.pkl")]
         if len(pickles) != 1:
             raise InputError("not a torch.save archive (no single data.pkl)", path=source)
-        if archive.getinfo(pickles[0]).file_size > MAX_PICKLE_BYTES:
-            raise InputError(f"its pickle claims more than {MAX_PICKLE_BYTES} bytes", path=source)
+        if archive.getinfo(pickles[0]).file_size > MAX_BYTES_ENTRY:
+            raise InputError(f"its pickle claims more than {MAX_BYTES_ENTRY} bytes", path=source)
         pickle_bytes = archive.read(pickles[0])
     except (*ZIP_ERRORS, OSError) as exc:
         raise InputError(f"not a torch.save archive ({exc})", path=source) from None
@@ -80,7 +84,7 @@ def read_saved_object(data: bytes, source: str) -> SavedObject:
 
 
 def read_ranges(
-    directory: Path, wanted: Mapping[str, DcpStorage], display: str, *, limit: int | None = MAX_PICKLE_BYTES
+    directory: Path, wanted: Mapping[str, DcpStorage], display: str, *, limit: int | None = MAX_BYTES_ENTRY
 ) -> Iterator[tuple[str, bytes]]:
     """The bytes of each wanted entry, reading each file once, in offset order; none longer than ``limit``."""
     by_file: dict[str, list[tuple[str, DcpStorage]]] = {}
