@@ -239,3 +239,18 @@ def test_a_dcp_chunk_stored_in_fewer_bytes_than_it_holds_is_refused(tmp_path: Pa
     with (path / ".metadata").open("wb") as stream:
         pickle.dump(metadata, stream)
     assert "is stored in fewer bytes than it holds" in refused("inspect", path, codes=(4,))
+
+
+def test_a_dcp_range_past_its_shard_is_refused_when_read_not_when_verified(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    path = dk.unirl_dcp(tmp_path).path
+    with (path / ".metadata").open("rb") as stream:
+        metadata = pickle.load(stream)
+    key = next(index for index in metadata.storage_data if index.fqn.endswith(".exp_avg"))
+    assert isinstance(key, MetadataIndex)
+    metadata.storage_data[key].offset = 1 << 64
+    with (path / ".metadata").open("wb") as stream:
+        pickle.dump(metadata, stream)
+    assert "lies past its end" in refused("inspect", path, codes=(4,))
+    assert "lies past its end" in refused("fix", path, "--out", tmp_path / "out", codes=(4,))

@@ -14,7 +14,7 @@ from optim_repair.errors import InputError
 from optim_repair.formats.dcp.layout import MODEL_KEY, DcpOptimizer, dotted, find_optimizers, model_weights
 from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpBytes, DcpMetadata, DcpTensor, display_path
 from optim_repair.formats.dcp.metadata_reader import read_metadata
-from optim_repair.formats.dcp.storage import read_bytes_entries
+from optim_repair.formats.dcp.storage import check_ranges, read_bytes_entries
 from optim_repair.formats.pickled import option_value, state_value
 from optim_repair.inventory import (
     FileInventory,
@@ -136,6 +136,7 @@ def read_dcp(path: Path, rel: str) -> FileInventory:
     wanted = [
         slot.key for optimizer in optimizers for slot in optimizer.slots if isinstance(meta.items[slot.key], DcpBytes)
     ]
+    check_ranges(path, meta, rel)
     values = read_bytes_entries(path, meta, wanted, rel)
     weights = model_weights(meta)
     known = [name for name, _ in weights]

@@ -106,6 +106,20 @@ def read_ranges(
             raise InputError(f"cannot read ({exc.strerror or exc})", path=where) from exc
 
 
+def check_ranges(directory: Path, meta: DcpMetadata, display: str) -> None:
+    """Every stored range lies inside its shard (each shard is opened once, as a regular file)."""
+    by_file: dict[str, list[tuple[str, DcpStorage]]] = {}
+    for (key, _), info in meta.storage.items():
+        by_file.setdefault(info.relative_path, []).append((key, info))
+    for relative, entries in by_file.items():
+        where = display_path(display, relative)
+        with open_beneath(directory, relative, where) as stream:
+            size = size_of(stream)
+        for key, info in entries:
+            if info.offset + info.length > size:
+                raise InputError(f"truncated; {shown(key)} lies past its end", path=where)
+
+
 def _bytes_entry_storage(meta: DcpMetadata, key: str, source: str) -> DcpStorage:
     info = meta.storage.get((key, None))
     if info is None:

@@ -144,7 +144,7 @@ def _weight_map(node: dict[Any, Any], source: str) -> WeightMap | None:
     tensors = []
     for key, value in node.items():
         meta = tensor_meta(value)
-        if meta is None:
+        if meta is None or not meta.in_bounds:  # a damaged record is no source of shapes
             return None
         tensors.append((key, meta))
     return WeightMap(source, tuple(tensors))
