@@ -60,7 +60,8 @@ def _data_offset(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> int:
 
 def _check_records(records: list[zipfile.ZipInfo], prefix: str, source: str) -> None:
     """Refuse what torch never writes and a reader could be fooled by: one name twice, an encrypted
-    record, or a record besides the pickle and the storages that is large (a zip bomb)."""
+    record, a compression method other than deflate, or a record besides the pickle and the storages
+    that is large (a zip bomb)."""
     names: set[str] = set()
     for info in records:
         if info.filename in names:
@@ -68,6 +69,10 @@ def _check_records(records: list[zipfile.ZipInfo], prefix: str, source: str) -> 
         names.add(info.filename)
         if info.flag_bits & 0x1:
             raise InputError(f"damaged zip archive (record {shown(info.filename)} is marked encrypted)", path=source)
+        if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+            method = {zipfile.ZIP_BZIP2: "bzip2", zipfile.ZIP_LZMA: "lzma"}.get(info.compress_type, info.compress_type)
+            reason = f"record {shown(info.filename)} is compressed with method {method}; torch never does that"
+            raise InputError(reason, path=source)
         name = info.filename[len(prefix) :]
         framing = name != "data.pkl" and not name.startswith("data/")
         if framing and max(info.file_size, info.compress_size) > MAX_FRAMING_BYTES:
