@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 from optim_repair.dtypes import itemsize, numel
@@ -40,7 +41,7 @@ class TensorMeta:
     zero_head: bool | None = None
     """Whether the tensor's leading bytes are all zero, when the reader probed them."""
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return numel(self.shape)
 
@@ -48,15 +49,15 @@ class TensorMeta:
     def nbytes(self) -> int:
         return self.numel * itemsize(self.dtype)
 
-    @property
+    @cached_property
     def in_bounds(self) -> bool:
         """Whether every element lies inside the storage, as torch requires to rebuild the tensor."""
         if len(self.stride) != len(self.shape) or self.storage_offset < 0:
             return False
-        if any(size < 0 for size in self.shape) or any(stride < 0 for stride in self.stride):
+        if min(self.shape, default=0) < 0 or min(self.stride, default=0) < 0:
             return False
-        if self.numel == 0:
-            return True
+        if 0 in self.shape:
+            return True  # no element: nothing to lie outside
         spans = zip(self.shape, self.stride, strict=True)
         last = self.storage_offset + sum((size - 1) * stride for size, stride in spans)
         return (last + 1) * itemsize(self.dtype) <= self.storage_nbytes

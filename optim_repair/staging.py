@@ -10,11 +10,9 @@ so that of two runs racing to one ``--out`` the later fails instead of silently 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import os
-import secrets
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -86,7 +84,7 @@ def temporary_sibling(out: Path, *, directory: bool) -> Iterator[Path]:
     """
     parent = Path(os.path.abspath(out)).parent  # beside a link named out, not beside its target
     for _ in range(100):
-        tmp = parent / f"{_prefix(out)}{secrets.token_hex(4)}"
+        tmp = parent / f"{_prefix(out)}{os.urandom(4).hex()}"
         try:
             if directory:
                 tmp.mkdir(0o777)
@@ -110,6 +108,8 @@ def temporary_sibling(out: Path, *, directory: bool) -> Iterator[Path]:
 
 def _rename_no_replace(tmp: Path, out: Path) -> None:
     """Rename ``tmp`` to ``out``, atomically failing with FileExistsError if ``out`` exists."""
+    import ctypes  # only here: imported at the top, it would slow every command's start
+
     libc = ctypes.CDLL(None, use_errno=True)  # the C library already loaded; find_library would run ldconfig
     renameat2 = getattr(libc, "renameat2", None)
     if renameat2 is not None:
@@ -139,7 +139,7 @@ def move_into_place(tmp: Path, out: Path, *, force: bool) -> None:
         os.replace(tmp, out)
         return
     parent = Path(os.path.abspath(out)).parent
-    backup = parent / f".{out.name}.optim-repair-old-{secrets.token_hex(4)}"
+    backup = parent / f".{out.name}.optim-repair-old-{os.urandom(4).hex()}"
     backup.mkdir()
     displaced = backup / out.name
     os.replace(out, displaced)

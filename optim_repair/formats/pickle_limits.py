@@ -9,7 +9,7 @@ counting shared parts each time) and a depth for every object, and refuses:
 * containers nested deeper than ``MAX_DEPTH``, or a tuple weighing more than ``MAX_WEIGHT``;
 * more hashing than the pickle's own size justifies (dict keys, and the arguments of every call,
   weighed together, against ``HASH_BUDGET_PER_OP`` per opcode);
-* a memo index beyond the number of opcodes read, or a reference to a memo entry never stored;
+* a memo entry stored out of order (a memo index of 2**28), or a reference to one never stored;
 * an opcode stream that ends early, underflows its stack, or declares more bytes than it holds.
 
 Whatever it accepts, the unpickler finishes in time linear in the pickle's size. The depths it
@@ -39,8 +39,8 @@ HASH_BUDGET_BASE = 1 << 20
 
 (
     _SCALAR, _EMPTY, _EMPTY_TUPLE, _TUPLE_N, _FROM_MARK, _APPEND, _EXTEND, _MARK, _POP, _POP_MARK,
-    _DUP, _PUT, _MEMOIZE, _GET, _REDUCE, _PERSID, _NOTHING, _STOP,
-) = range(18)  # fmt: skip
+    _DUP, _PUT, _MEMOIZE, _GET, _REDUCE, _PERSID, _NOTHING, _STOP, _BUILD,
+) = range(19)  # fmt: skip
 _INDEXED = frozenset({_PUT, _GET})
 _LINE, _TWO_LINES = -1, -2
 _SIZED = 100
@@ -65,7 +65,8 @@ for _codes, _kind, _arg in (
     (b")", _EMPTY_TUPLE, 0),
     (b"t l d \x91 o", _FROM_MARK, 0),
     (b"i", _FROM_MARK, _TWO_LINES),
-    (b"a s b", _APPEND, 0),
+    (b"a s", _APPEND, 0),
+    (b"b", _BUILD, 0),
     (b"e u \x90", _EXTEND, 0),
     (b"(", _MARK, 0),
     (b"0", _POP, 0),
@@ -169,10 +170,11 @@ def scan(data: Any, pos: int = 0) -> tuple[int, bool]:
     whether it grows a container taken from the memo (its depths may be stale)."""
     size = len(data)
     table, u4 = _TABLE, _U4
-    scalar_kind, put_kind, get_kind, mark_kind, tuple_kind = _SCALAR, _PUT, _GET, _MARK, _TUPLE_N
+    scalar_kind, memoize_kind, get_kind, put_kind = _SCALAR, _MEMOIZE, _GET, _PUT
+    mark_kind, tuple_kind, empty_kind, empty_tuple_kind = _MARK, _TUPLE_N, _EMPTY, _EMPTY_TUPLE
     stack: list[Any] = []
     marks: list[int] = [0]  # the stack's floor: marks[-1]
-    memo: dict[int, Any] = {}
+    memo: list[Any] = []  # pickle numbers memo entries in order; a gap is refused
     scalar: list[Any] = [1, 0, None, False]
     ops = hashed = 0
     stale = False
@@ -184,39 +186,41 @@ def scan(data: Any, pos: int = 0) -> tuple[int, bool]:
         kind, arg, count = entry
         ops += 1
         pos += 1
-        if arg == 1:  # the most frequent: BINPUT, BINGET, BININT1, PROTO
-            index = data[pos] if pos < size else 0
-            pos += 1
-        elif arg == 4:  # LONG_BINPUT, LONG_BINGET, BININT
-            index = u4(data, pos)[0] if pos + 4 <= size else 0
-            pos += 4
-        elif arg == _SHORT_SIZED:  # SHORT_BINUNICODE, SHORT_BINBYTES, SHORT_BINSTRING, LONG1
-            pos += 1 + (data[pos] if pos < size else 0)
-        elif arg == _LONG_SIZED:  # BINUNICODE, BINBYTES, BINSTRING, LONG4
-            pos += 4 + (u4(data, pos)[0] if pos + 4 <= size else 0)
-        elif arg:
-            pos, index = _argument(data, pos, kind, arg)
-        if pos > size:
-            raise _Refused("it declares more bytes than it holds")
+        if arg:
+            if arg == 1:  # BINPUT, BINGET, BININT1, PROTO
+                index = data[pos] if pos < size else 0
+                pos += 1
+            elif arg == 4:  # LONG_BINPUT, LONG_BINGET, BININT
+                index = u4(data, pos)[0] if pos + 4 <= size else 0
+                pos += 4
+            elif arg == _SHORT_SIZED:  # SHORT_BINUNICODE, SHORT_BINBYTES, SHORT_BINSTRING, LONG1
+                pos += 1 + (data[pos] if pos < size else 0)
+            elif arg == _LONG_SIZED:  # BINUNICODE, BINBYTES, BINSTRING, LONG4
+                pos += 4 + (u4(data, pos)[0] if pos + 4 <= size else 0)
+            else:
+                pos, index = _argument(data, pos, kind, arg)
+            if pos > size:
+                raise _Refused("it declares more bytes than it holds")
+        # The most frequent kinds first. An empty stack where an item is needed is an IndexError (refused
+        # by check_pickle); an item below a mark is the unpickler's own error, reached before any work.
         if kind == scalar_kind:
             stack.append(scalar)
-        elif kind == put_kind:
-            if len(stack) <= marks[-1]:
-                raise _underflow()
-            if index > ops:
-                raise _Refused(f"it stores memo entry {index} after {ops} opcodes")
-            memo[index] = stack[-1]
+        elif kind == memoize_kind:
+            memo.append(stack[-1])
         elif kind == get_kind:
-            record = memo.get(index)
-            if record is None:
+            if index >= len(memo):
                 raise _Refused(f"it refers to memo entry {index}, which it never stored")
+            record = memo[index]
             if record is not scalar:
                 record[3] = True
             stack.append(record)
-        elif kind == _MEMOIZE:
-            if len(stack) <= marks[-1]:
-                raise _underflow()
-            memo[len(memo)] = stack[-1]
+        elif kind == put_kind:
+            if index == len(memo):
+                memo.append(stack[-1])
+            elif index < len(memo):
+                memo[index] = stack[-1]
+            else:  # what pickle never writes, and what would make the unpickler allocate a memo of index entries
+                raise _Refused(f"it stores memo entry {index} when it holds {len(memo)}")
         elif kind == mark_kind:
             marks.append(len(stack))
         elif kind == tuple_kind:
@@ -233,6 +237,23 @@ def scan(data: Any, pos: int = 0) -> tuple[int, bool]:
             if depth >= MAX_DEPTH or weight > MAX_WEIGHT:
                 _new_tuple(items)  # raises, saying which limit
             stack.append([weight, depth + 1, items, False])
+        elif kind == empty_kind:
+            stack.append([1, 1, None, False])
+        elif kind == empty_tuple_kind:
+            stack.append([1, 1, [], False])
+        elif kind == _BUILD:  # the state of the object below it: it may hash the state's keys
+            state = stack.pop()
+            hashed += state[0]
+            if hashed > HASH_BUDGET_BASE + HASH_BUDGET_PER_OP * ops:
+                _over_budget(hashed, ops)
+            container = stack[-1]
+            if container is not scalar:
+                if state[1] >= container[1]:
+                    if state[1] >= MAX_DEPTH:
+                        raise _Refused(f"it nests containers more than {MAX_DEPTH} deep")
+                    container[1] = state[1] + 1
+                container[0] = min(container[0] + state[0], MAX_WEIGHT + 1)
+                stale = stale or container[3]
         elif kind == _REDUCE:
             taken = 3 if code == 0x92 else 2  # NEWOBJ_EX takes keyword arguments too
             if len(stack) - taken < marks[-1]:
@@ -280,15 +301,11 @@ def scan(data: Any, pos: int = 0) -> tuple[int, bool]:
                 raise _underflow()
             items = stack[-taken:]
             del stack[-taken:]
-            if code != 0x61:  # SETITEM hashes its key; BUILD may hash its state's keys
+            if code == 0x73:  # SETITEM hashes its key
                 hashed += items[0][0]
                 _over_budget(hashed, ops)
             if stack[-1] is not scalar:
                 stale = _grow(stack[-1], items) or stale
-        elif kind == _EMPTY:
-            stack.append([1, 1, None, False])
-        elif kind == _EMPTY_TUPLE:
-            stack.append([1, 1, [], False])
         elif kind == _PERSID:
             taken = 2 if code == 0x93 else 1  # STACK_GLOBAL takes a module and a name
             if len(stack) - taken < marks[-1]:
@@ -333,6 +350,8 @@ def check_pickle(stream: BinaryIO, source: str, what: str = "pickle") -> bool:
             return scan(data, start)[1]
     except _Refused as exc:
         raise InputError(f"not a readable {what} ({exc})", path=source) from None
+    except IndexError:
+        raise InputError(f"not a readable {what} (its stack underflows)", path=source) from None
     except (ValueError, OverflowError, struct.error, OSError) as exc:
         reason = " ".join(str(exc).split())
         raise InputError(f"not a readable {what} ({type(exc).__name__}: {reason})", path=source) from exc
