@@ -59,6 +59,7 @@ def fix(
     model: str | Path | None = None,
     force: bool = False,
     link: bool = False,
+    sync: bool = True,
     progress: Progress = lambda message: None,
 ) -> FixResult:
     """Write a repaired copy of ``checkpoint`` to ``out``, verified from disk; the input is never modified.
@@ -67,6 +68,8 @@ def fix(
     ``fill`` is ``"empty"`` (add ``{}``; the default for torch files) or ``"fresh"`` (the exact state
     the optimizer creates on a first step; the default for DCP). Raises an ``OptimRepairError``
     subclass, leaving nothing at ``out``, when the input is malformed or the copy cannot be made.
+    ``link`` hard-links the files the repair does not change instead of copying them; ``sync=False``
+    skips syncing the copy to the disk (a scratch copy: a crash may lose it, never the input).
     """
     if isinstance(checkpoint, Diagnosis):
         diagnosis, found = checkpoint, discover(Path(checkpoint.inventory.path))
@@ -74,5 +77,7 @@ def fix(
         found = discover(Path(checkpoint))
         diagnosis = diagnose(read_discovered(found))
     repair = plan(diagnosis, fill=fill, optimizer=optimizer, model=model)
-    verification = write_copy(found, diagnosis.inventory, repair, Path(out), force=force, link=link, progress=progress)
+    verification = write_copy(
+        found, diagnosis.inventory, repair, Path(out), force=force, link=link, sync=sync, progress=progress
+    )
     return FixResult(diagnosis, repair, Path(out), verification)

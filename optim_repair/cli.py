@@ -100,7 +100,10 @@ def fix(
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
     link: Annotated[
-        bool, typer.Option("--link", help="Hard-link unchanged DCP shard files instead of copying them.")
+        bool, typer.Option("--link", help="Hard-link the files the repair does not change instead of copying them.")
+    ] = False,
+    no_sync: Annotated[
+        bool, typer.Option("--no-sync", help="Do not sync the copy to the disk before verifying it (a scratch copy).")
     ] = False,
     json: JsonFlag = False,
 ) -> None:
@@ -120,6 +123,7 @@ def fix(
             model=model,
             force=force,
             link=link,
+            sync=not no_sync,
             progress=render.print_message,
         )
         if json:

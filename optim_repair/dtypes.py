@@ -7,7 +7,7 @@ writers use it to encode the tensors a repair creates, without torch.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -133,12 +133,18 @@ def element_bytes(dtype: str, value: float | int | bool | complex) -> bytes:
     return struct.pack(known.struct_code, value)
 
 
-def filled_bytes(dtype: str, shape: tuple[int, ...], fill: float | int | bool | complex) -> bytes:
-    """The contiguous bytes of a ``dtype`` tensor of ``shape`` whose every element is ``fill``."""
-    count = numel(shape)
-    if fill == 0 and dtype in DTYPES:
-        return bytes(count * itemsize(dtype))
-    return element_bytes(dtype, fill) * count
+def filled_chunks(
+    dtype: str, shape: tuple[int, ...], fill: float | int | bool | complex, limit: int = 16 << 20
+) -> Iterator[bytes]:
+    """The contiguous bytes of a ``dtype`` tensor of ``shape`` whose every element is ``fill``, in chunks of
+    at most about ``limit`` bytes: a tensor of any size, in bounded memory."""
+    element = bytes(itemsize(dtype)) if fill == 0 and dtype in DTYPES else element_bytes(dtype, fill)
+    block = element * max(1, limit // len(element))
+    remaining = numel(shape) * len(element)
+    while remaining:
+        size = min(len(block), remaining)
+        yield block if size == len(block) else block[:size]
+        remaining -= size
 
 
 def decode_element(dtype: str, data: bytes) -> float | int | bool | complex | None:

@@ -8,13 +8,14 @@ temporary copy; the input is only ever opened for reading.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 from optim_repair.discovery import Discovery
 from optim_repair.errors import InputError, OutputError, Remedy, VerificationError
-from optim_repair.formats.dcp import METADATA_FILE, SHARD_SUFFIX, PlannedEntries, write_dcp
+from optim_repair.formats.dcp import METADATA_FILE, PlannedEntries, write_dcp
+from optim_repair.formats.inputs import open_regular, size_of
+from optim_repair.formats.ranges import kernel_copy
 from optim_repair.formats.torchfile import write_torch_file
 from optim_repair.inventory import CheckpointInventory
 from optim_repair.repair_plan import RepairPlan
@@ -40,35 +41,62 @@ def check_output(source: Path, out: Path, *, force: bool) -> None:
         raise OutputError("no such directory for {argument}", path=out.parent, argument="out")
 
 
-def _write_file(src: Path, dest: Path, rel: str, plan: RepairPlan, inventory: CheckpointInventory) -> Verification:
+def _write_file(
+    src: Path, dest: Path, rel: str, plan: RepairPlan, inventory: CheckpointInventory, *, sync: bool
+) -> Verification:
+    """Write a torch file with its planned additions into the empty file ``dest``, and verify it."""
     source = rel or str(src)
     additions = plan.for_file(rel)
-    if any(f.file == rel for f in inventory.files):
-        write_torch_file(src, source, additions, dest)
-        return verify_torch_file(src, dest, source, additions)
-    shutil.copyfile(src, dest)
-    return verify_copied_file(src, dest, source)
+    original = write_torch_file(src, source, additions, dest, sync=sync)
+    return verify_torch_file(src, dest, source, additions, parsed=original)
 
 
-def _copy_member(source: Path, target: Path, *, link: bool) -> None:
-    """Copy one file of a DCP checkpoint, or hard-link it (a shard, with ``link``)."""
-    if not link:
-        shutil.copyfile(source, target)
-        return
-    try:
-        os.link(source, target)
-    except OSError as exc:
-        raise OutputError(
-            f"cannot hard-link {source} ({exc.strerror or exc}); "
-            "write the copy on the same file system, or copy instead of linking",
-            path=target,
-        ) from exc
+def _copy(source: Path, target: Path, rel: str, *, link: bool, sync: bool, verify: bool = True) -> Verification:
+    """Copy a file the repair does not change, the kernel moving the bytes (a reflink where the file system
+    can), or hard-link it with ``link``; verify the copy unless its checkpoint's verification covers it."""
+    if link:
+        try:
+            os.link(source, target)
+        except OSError as exc:
+            raise OutputError(
+                f"cannot hard-link {source} ({exc.strerror or exc}); "
+                "write the copy on the same file system, or copy instead of linking",
+                path=target,
+            ) from exc
+        return Verification(0, 0, linked=(rel,))
+    with open_regular(source, rel or str(source)) as original:
+        descriptor = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        try:
+            kernel_copy(original.fileno(), descriptor, 0, size_of(original), 0)
+            if sync:
+                os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+    return verify_copied_file(source, target, rel or str(source)) if verify else NOTHING
+
+
+def _sync_directories(root: Path) -> None:
+    """fsync every directory of a written tree, so that its entries survive a crash as its files do."""
+    for directory, _, _ in os.walk(root):
+        descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
 
 
 def _write_directory(
-    found: Discovery, tmp: Path, plan: RepairPlan, inventory: CheckpointInventory, *, link: bool, progress: Progress
+    found: Discovery,
+    tmp: Path,
+    plan: RepairPlan,
+    inventory: CheckpointInventory,
+    *,
+    link: bool,
+    sync: bool,
+    progress: Progress,
 ) -> Verification:
     total = NOTHING
+    optimizer_files = {file.file for file in inventory.files}
     planned: dict[str, PlannedEntries] = {}
     for entry in found.entries:
         source, target = found.path(entry), tmp / entry.rel if entry.rel else tmp
@@ -79,15 +107,20 @@ def _write_directory(
         elif entry.role == "dcp":
             target.mkdir(exist_ok=True)
             progress(f"writing {entry.rel or 'DCP checkpoint'}")
-            planned[entry.rel] = write_dcp(source, plan.for_file(entry.rel), target)
-        elif entry.dcp is not None:
-            if entry.member_name() == METADATA_FILE and planned[entry.dcp].entries:
-                continue  # replaced by the metadata write_dcp wrote
-            _copy_member(source, target, link=link and entry.rel.endswith(SHARD_SUFFIX))
-        else:
+            planned[entry.rel] = write_dcp(source, plan.for_file(entry.rel), target, sync=sync)
+        elif entry.dcp is not None and entry.member_name() == METADATA_FILE and planned[entry.dcp].entries:
+            continue  # replaced by the metadata write_dcp wrote
+        elif entry.rel in optimizer_files:
             if plan.for_file(entry.rel):
                 progress(f"writing {entry.rel}")
-            total += _write_file(source, target, entry.rel, plan, inventory)
+            target.touch(0o666)
+            total += _write_file(source, target, entry.rel, plan, inventory, sync=sync)
+        elif entry.dcp is not None:  # verified with its checkpoint, through the new metadata
+            total += _copy(source, target, entry.rel, link=link, sync=sync, verify=False)
+        else:
+            total += _copy(source, target, entry.rel, link=link, sync=sync)
+    if sync:
+        _sync_directories(tmp)
     for rel, entries in planned.items():
         directory = found.target / rel if rel else found.target
         total += verify_planned_dcp(directory, tmp / rel if rel else tmp, entries, found.members(rel))
@@ -102,9 +135,14 @@ def write_copy(
     *,
     force: bool = False,
     link: bool = False,
+    sync: bool = True,
     progress: Progress = lambda message: None,
 ) -> Verification:
-    """Write the repaired copy of what ``found`` lists to ``out`` and verify it; return what was proven."""
+    """Write the repaired copy of what ``found`` lists to ``out`` and verify it; return what was proven.
+
+    With ``sync`` (the default) every file and directory written is synced to the disk before it is
+    verified and renamed into place, and the directory holding ``out`` after.
+    """
     source = found.target
     check_output(found.root, out, force=force)
     special = [entry for entry in found.entries if entry.role == "special"]
@@ -117,11 +155,13 @@ def write_copy(
     with temporary_sibling(out, directory=found.is_directory) as tmp:
         try:
             if found.is_directory:
-                verification = _write_directory(found, tmp, plan, inventory, link=link, progress=progress)
+                verification = _write_directory(
+                    found, tmp, plan, inventory, link=link, sync=sync, progress=progress
+                )
             else:
                 progress(f"writing {out}")
-                verification = _write_file(source, tmp, "", plan, inventory)
-            move_into_place(tmp, out, force=force)
+                verification = _write_file(source, tmp, "", plan, inventory, sync=sync)
+            move_into_place(tmp, out, force=force, sync=sync)
         except OSError as exc:
             reason = f"cannot write ({os_error_reason(exc)}); nothing was left behind"
             raise OutputError(reason, path=out) from exc

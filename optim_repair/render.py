@@ -75,6 +75,7 @@ class VerificationDoc(TypedDict):
     tensors: int
     bytes: int
     equal: bool
+    linked: list[str]
 
 
 class FixDoc(InspectDoc):
@@ -127,6 +128,7 @@ def fix_document(result: FixResult) -> FixDoc:
             "tensors": result.verification.tensors,
             "bytes": result.verification.bytes,
             "equal": True,
+            "linked": list(result.verification.linked),
         },
     }
 
@@ -262,8 +264,11 @@ def print_fix(result: FixResult) -> None:
     v = result.verification
     console.print(
         f"[bold green]verified[/]: {v.tensors} existing tensors and {_human_bytes(v.bytes)} "
-        f"read back from disk, bit-identical; the only changes are the {len(result.plan.additions)} added entries"
+        f"read back through the file system, bit-identical; the only changes are the "
+        f"{len(result.plan.additions)} added entries"
     )
+    if v.linked:
+        console.print(Text(f"hard-linked to the original's, not copied: {_shown_names(v.linked)}"))
 
 
 def print_demo(report: DemoReport, *, kept: bool) -> None:

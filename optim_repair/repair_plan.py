@@ -6,10 +6,11 @@ consume it. Nothing here decides anything, reads a file or imports torch.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from optim_repair.dtypes import filled_bytes
+from optim_repair.dtypes import filled_chunks, itemsize, numel
 from optim_repair.inventory import ParamKey, Scalar
 
 Fill = Literal["empty", "fresh"]
@@ -25,9 +26,13 @@ class FreshTensor:
     shape: tuple[int, ...]
     fill: float | int | bool | complex = 0
 
-    def data(self) -> bytes:
-        """Its contiguous little-endian bytes."""
-        return filled_bytes(self.dtype, self.shape, self.fill)
+    @property
+    def nbytes(self) -> int:
+        return numel(self.shape) * itemsize(self.dtype)
+
+    def chunks(self) -> Iterator[bytes]:
+        """Its contiguous little-endian bytes, in chunks of bounded size."""
+        return filled_chunks(self.dtype, self.shape, self.fill)
 
 
 AddedValue = FreshTensor | Scalar

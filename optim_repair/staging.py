@@ -126,8 +126,19 @@ def _rename_no_replace(tmp: Path, out: Path) -> None:
         os.unlink(tmp)
 
 
-def move_into_place(tmp: Path, out: Path, *, force: bool) -> None:
-    """Make ``tmp`` be ``out``: without ``force`` only if nothing is there; with it, replacing what is."""
+def move_into_place(tmp: Path, out: Path, *, force: bool, sync: bool = True) -> None:
+    """Make ``tmp`` be ``out``: without ``force`` only if nothing is there; with it, replacing what is.
+    With ``sync``, the directory holding ``out`` is synced after, so that the rename survives a crash."""
+    _rename(tmp, out, force=force)
+    if sync:
+        descriptor = os.open(Path(os.path.abspath(out)).parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+
+def _rename(tmp: Path, out: Path, *, force: bool) -> None:
     if not force:
         try:
             _rename_no_replace(tmp, out)

@@ -116,7 +116,7 @@ def test_copy_keeps_every_file(tmp_path: Path, link: bool) -> None:
     shard = os.stat(built.path / "__0_0.distcp")
     assert os.path.samefile(built.path / "__0_0.distcp", dest / "__0_0.distcp") is link
     assert shard.st_nlink == (2 if link else 1)
-    assert not os.path.samefile(built.path / "metadata.pt", dest / "metadata.pt")
+    assert os.path.samefile(built.path / "metadata.pt", dest / "metadata.pt") is link  # every unchanged file
 
 
 

@@ -107,9 +107,10 @@ def test_a_verification_mismatch_removes_the_copy(
     built = ck.unirl_torch(root)
     real = output.write_torch_file
 
-    def corrupting(src: Path, source: str, additions: Any, dest: Path) -> None:
-        real(src, source, additions, dest)
+    def corrupting(src: Path, source: str, additions: Any, dest: Path, **options: Any) -> Any:
+        original = real(src, source, additions, dest, **options)
         flip_byte(dest, max(offset for offset, _ in storage_ranges(dest).values()))
+        return original
 
     monkeypatch.setattr(output, "write_torch_file", corrupting)
     out = tmp_path / "out"

@@ -56,7 +56,7 @@ def _check_addition(dest: Path, copy: DcpMetadata, entry: NewEntry) -> None:
         if item != expected or meta is None or (meta.dtype, meta.shape) != (value.dtype, value.shape):
             raise VerificationError(f"{entry.key} is not a {value.dtype} tensor of shape {value.shape}", path=dest)
         storage = saved.graph.storages[meta.storage]
-        if saved.archive.read(f"{saved.prefix}data/{storage.key}") != value.data():
+        if saved.archive.read(f"{saved.prefix}data/{storage.key}") != b"".join(value.chunks()):
             raise VerificationError(f"{entry.key} does not hold {shown(value.fill)} everywhere", path=dest)
     elif item != DcpBytes() or type(saved.graph.root) is not type(value) or saved.graph.root != value:
         raise VerificationError(f"{entry.key} does not hold {shown(value)}", path=dest)

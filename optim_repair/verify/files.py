@@ -17,9 +17,11 @@ class Verification:
 
     tensors: int
     bytes: int
+    linked: tuple[str, ...] = ()
+    """Files hard-linked to the original's (``link``): the same bytes by construction, not compared."""
 
     def __add__(self, other: Verification) -> Verification:
-        return Verification(self.tensors + other.tensors, self.bytes + other.bytes)
+        return Verification(self.tensors + other.tensors, self.bytes + other.bytes, self.linked + other.linked)
 
 
 NOTHING = Verification(0, 0)

@@ -104,7 +104,7 @@ def _check_additions(copy: TorchFile, copy_stream: BinaryIO, additions: Sequence
                     )
                 offset, length = copy.storage_range(meta.storage)
                 copy_stream.seek(offset)
-                if copy_stream.read(length) != planned.data():
+                if length != planned.nbytes or any(copy_stream.read(len(c)) != c for c in planned.chunks()):
                     raise VerificationError(f"{where}: {key} does not hold the planned values", path=source)
             elif value != planned:
                 raise VerificationError(f"{where}: {key} is {shown(value)}, planned {shown(planned)}", path=source)
@@ -132,9 +132,14 @@ def _same_framing(before: TorchFile, after: TorchFile, a: BinaryIO, b: BinaryIO,
                 raise changed(f"record {name}")
 
 
-def verify_torch_file(original: Path, copy: Path, source: str, additions: Sequence[Addition]) -> Verification:
-    """Prove ``copy`` equals ``original`` plus ``additions``; raise VerificationError otherwise."""
-    before = open_torch_file(original, source)
+def verify_torch_file(
+    original: Path, copy: Path, source: str, additions: Sequence[Addition], *, parsed: TorchFile | None = None
+) -> Verification:
+    """Prove ``copy`` equals ``original`` plus ``additions``; raise VerificationError otherwise.
+
+    ``parsed`` is the original as the writer parsed it, not parsed again.
+    """
+    before = parsed or open_torch_file(original, source)
     try:
         after = open_torch_file(copy, source)
     except InputError as exc:

@@ -8,9 +8,11 @@ which follows the discovery list), and gains one shard holding the new entries a
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from optim_repair.errors import InputError, OutputError, RepairRefused
 from optim_repair.formats.dcp.layout import PlannedEntries, plan_entries
@@ -35,7 +37,7 @@ def _serialized(value: AddedValue, key: str) -> bytes:
         dtype = getattr(torch, value.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise RepairRefused(f"cannot create {key}: torch has no dtype {value.dtype!r}")
-        data = value.data()
+        data = b"".join(value.chunks())
         tensor = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
         torch.save(tensor.reshape(value.shape), buffer)
     else:
@@ -43,22 +45,28 @@ def _serialized(value: AddedValue, key: str) -> bytes:
     return buffer.getvalue()
 
 
-def write_dcp(src: Path, additions: Sequence[Addition], dest: Path) -> PlannedEntries:
+def write_dcp(src: Path, additions: Sequence[Addition], dest: Path, *, sync: bool = True) -> PlannedEntries:
     """Write into the directory ``dest`` the shard and ``.metadata`` that add ``additions`` to ``src``.
 
     Writes nothing when there is nothing to add; every original file but ``.metadata`` is the
     caller's to copy. The original metadata is checked by the safe reader before torch unpickles it,
     with the same allowlist, into the real DCP classes that stock ``dcp.load`` expects. Returns the
-    planned entries, for verification.
+    planned entries, for verification. With ``sync``, what it writes is synced to the disk.
     """
     source = display_path(str(src), METADATA_FILE)
     planned = plan_entries(read_metadata(src, str(src)), additions, source)
     if planned.entries:
-        _write_entries(src, planned, dest, source)
+        _write_entries(src, planned, dest, source, sync=sync)
     return planned
 
 
-def _write_entries(src: Path, planned: PlannedEntries, dest: Path, source: str) -> None:
+def _flush(stream: BinaryIO, *, sync: bool) -> None:
+    stream.flush()
+    if sync:
+        os.fsync(stream.fileno())
+
+
+def _write_entries(src: Path, planned: PlannedEntries, dest: Path, source: str, *, sync: bool) -> None:
     """Write the new shard, and the original metadata extended by the new entries."""
 
     import torch
@@ -94,7 +102,9 @@ def _write_entries(src: Path, planned: PlannedEntries, dest: Path, source: str) 
                     metadata.state_dict_metadata[entry.key] = BytesStorageMetadata()
                     metadata.storage_data[MetadataIndex(entry.key)] = info
                 metadata.planner_data[entry.key] = entry.path
+            _flush(stream, sync=sync)
         with (dest / METADATA_FILE).open("wb") as stream:
             pickle.dump(metadata, stream)
+            _flush(stream, sync=sync)
     except OSError as exc:
         raise OutputError(f"cannot write ({exc.strerror or exc})", path=str(dest)) from exc

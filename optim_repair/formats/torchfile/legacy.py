@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pickle
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, ClassVar, Literal
@@ -16,7 +16,7 @@ from typing import BinaryIO, ClassVar, Literal
 from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError, shown
 from optim_repair.formats.inputs import open_regular, size_of
 from optim_repair.formats.pickled import PickleGraph, StorageRef, load_graph
-from optim_repair.formats.ranges import copy_range
+from optim_repair.formats.ranges import kernel_copy, write_all
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 
@@ -84,15 +84,22 @@ def open_legacy(stream: BinaryIO, path: Path, source: str) -> LegacyTorchFile:
 
 
 def write_legacy(
-    torch_file: LegacyTorchFile, data: bytes, created: Sequence[tuple[StorageRef, bytes]], dest: Path
+    torch_file: LegacyTorchFile, data: bytes, created: Sequence[tuple[StorageRef, int, Iterable[bytes]]], target: int
 ) -> None:
-    """Write ``torch_file`` to ``dest`` with ``data`` as its main pickle and the ``created`` storages added."""
-    keys = [*torch_file.keys, *(ref.key for ref, _ in created)]
-    with open_regular(torch_file.path, str(torch_file.path)) as source, dest.open("wb") as target:
-        copy_range(source, target, 0, torch_file.main_start)
-        target.write(data)
-        target.write(pickle.dumps(keys, protocol=2))
-        copy_range(source, target, torch_file.storage_start, torch_file.storage_end - torch_file.storage_start)
-        for ref, payload in created:
-            target.write(struct.pack("<q", ref.numel))
-            target.write(payload)
+    """Write ``torch_file`` to the descriptor ``target`` with ``data`` as its main pickle and ``created`` added."""
+    keys = pickle.dumps([*torch_file.keys, *(ref.key for ref, _, _ in created)], protocol=2)
+    with open_regular(torch_file.path, str(torch_file.path)) as source:
+        kernel_copy(source.fileno(), target, 0, torch_file.main_start, 0)
+        position = torch_file.main_start
+        for block in (data, keys):
+            write_all(target, block, position)
+            position += len(block)
+        length = torch_file.storage_end - torch_file.storage_start
+        kernel_copy(source.fileno(), target, torch_file.storage_start, length, position)
+        position += length
+    for ref, _, chunks in created:
+        write_all(target, struct.pack("<q", ref.numel), position)
+        position += 8
+        for chunk in chunks:
+            write_all(target, chunk, position)
+            position += len(chunk)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from optim_repair.errors import InputError
 from optim_repair.formats.pickled import Reduced, StorageRef, dump_graph, new_tensor, resolve, storage_for
 from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile, write_legacy
-from optim_repair.formats.torchfile.zipformat import write_zip
+from optim_repair.formats.torchfile.zipformat import NewStorage, write_zip
 from optim_repair.formats.unpickling import ZIP_ERRORS
 from optim_repair.repair_plan import Addition, FreshTensor
 
@@ -25,11 +26,11 @@ def _sibling_location(state: dict[Any, Any], key: str) -> str:
     return "cpu"
 
 
-def _add_entries(torch_file: TorchFile, additions: Sequence[Addition]) -> list[tuple[StorageRef, bytes]]:
-    """Add the planned entries to the graph; return the new storages and their bytes."""
+def _add_entries(torch_file: TorchFile, additions: Sequence[Addition]) -> list[NewStorage]:
+    """Add the planned entries to the graph; return the new storages, their sizes and their bytes."""
     legacy = isinstance(torch_file, LegacyTorchFile)
     taken = set(torch_file.graph.storages)
-    created: list[tuple[StorageRef, bytes]] = []
+    created: list[NewStorage] = []
     for addition in additions:
         state = resolve(torch_file.graph.root, addition.address)["state"]
         entry: dict[str, Any] = {}
@@ -42,23 +43,45 @@ def _add_entries(torch_file: TorchFile, additions: Sequence[Addition]) -> list[t
                 taken.add(storage_key)
                 ref = storage_for(storage_key, value.dtype, numel(value.shape), legacy=legacy, location=location)
                 entry[key] = new_tensor(ref, value.shape)
-                created.append((ref, value.data()))
+                created.append((ref, value.nbytes, value.chunks()))
             else:
                 entry[key] = value
         state[addition.param] = entry
     return created
 
 
-def write_torch_file(src: Path, source: str, additions: Sequence[Addition], dest: Path) -> None:
-    """Write ``src`` with ``additions`` applied to ``dest``: every other byte of meaning unchanged."""
+def _remove_entries(torch_file: TorchFile, additions: Sequence[Addition]) -> None:
+    """Undo ``_add_entries``: the graph is again the original's (the entries were added last)."""
+    for addition in additions:
+        del resolve(torch_file.graph.root, addition.address)["state"][addition.param]
+
+
+def write_torch_file(
+    src: Path, source: str, additions: Sequence[Addition], dest: Path, *, sync: bool = True
+) -> TorchFile:
+    """Write ``src`` with ``additions`` applied to ``dest`` (created if need be): every other byte of
+    meaning unchanged, synced to the disk unless ``sync`` is false.
+
+    Returns the original as parsed, so that verification need not parse it again.
+    """
     torch_file = open_torch_file(src, source)
     created = _add_entries(torch_file, additions)
     data = dump_graph(torch_file.graph.root, torch_file.graph.protocol)
+    _remove_entries(torch_file, additions)
+    # Opened without O_TRUNC: truncating a file and writing it anew makes ext4 flush it all at close.
     # An OSError (a full disk, ...) is the writer's to report: it names --out, not the temporary file.
+    target = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
     try:
+        if os.fstat(target).st_size:
+            os.ftruncate(target, 0)
         if isinstance(torch_file, LegacyTorchFile):
-            write_legacy(torch_file, data, created, dest)
+            write_legacy(torch_file, data, created, target)
         else:
-            write_zip(torch_file, data, created, dest)
+            write_zip(torch_file, data, created, target)
+        if sync:
+            os.fsync(target)
     except ZIP_ERRORS as exc:
         raise InputError(f"damaged zip archive ({exc})", path=source) from exc
+    finally:
+        os.close(target)
+    return torch_file

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 import zipfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, ClassVar, Literal
@@ -12,13 +12,10 @@ from typing import BinaryIO, ClassVar, Literal
 from optim_repair.errors import InputError, NotATorchFile, shown
 from optim_repair.formats.inputs import open_regular, size_of
 from optim_repair.formats.pickled import PickleGraph, StorageRef, load_graph
-from optim_repair.formats.ranges import CHUNK
+from optim_repair.formats.torchfile.zipwriter import ZipWriter
 from optim_repair.formats.unpickling import MAX_PICKLE_BYTES, ZIP_ERRORS
 
-ALIGNMENT = 64
-"""torch aligns every record's data on 64 bytes, so that storages can be memory-mapped."""
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
-_PADDING_FIELD = b"FB"
 
 
 @dataclass(frozen=True)
@@ -128,45 +125,34 @@ def open_zip(stream: BinaryIO, path: Path, source: str) -> ZipTorchFile:
     return ZipTorchFile(path, graph, offsets, tuple(records), prefix)
 
 
-def _write_record(archive: zipfile.ZipFile, info: zipfile.ZipInfo, size: int, chunks: Iterator[bytes]) -> None:
-    """Write one stored record whose data starts on an ``ALIGNMENT`` boundary, as torch does."""
-    record = zipfile.ZipInfo(info.filename, date_time=info.date_time)
-    record.compress_type = zipfile.ZIP_STORED
-    record.external_attr = info.external_attr
-    record.file_size = size
-    zip64 = size * 1.05 > zipfile.ZIP64_LIMIT
-    header = _LOCAL_HEADER.size + len(info.filename.encode()) + 4 + (20 if zip64 else 0)
-    pad = -(archive.start_dir + header) % ALIGNMENT
-    record.extra = _PADDING_FIELD + struct.pack("<H", pad) + b"Z" * pad
-    with archive.open(record, "w", force_zip64=zip64) as target:
-        for chunk in chunks:
-            target.write(chunk)
+NewStorage = tuple[StorageRef, int, Iterable[bytes]]
+"""A storage a repair adds: its stand-in, its size in bytes, and its bytes in bounded chunks."""
 
 
-def _record_chunks(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> Iterator[bytes]:
-    with archive.open(info) as source:
-        while chunk := source.read(CHUNK):
-            yield chunk
+def write_zip(torch_file: ZipTorchFile, data: bytes, created: Sequence[NewStorage], target: int) -> None:
+    """Write ``torch_file`` to the descriptor ``target`` with ``data`` as its pickle and ``created`` added.
 
-
-def write_zip(torch_file: ZipTorchFile, data: bytes, created: Sequence[tuple[StorageRef, bytes]], dest: Path) -> None:
-    """Write ``torch_file`` to ``dest`` with ``data`` as its pickle and the ``created`` storages added."""
-    with (
-        open_regular(torch_file.path, str(torch_file.path)) as raw,
-        zipfile.ZipFile(raw) as source,
-        zipfile.ZipFile(dest, "w", allowZip64=True) as target,
-    ):
+    Stored records keep their bytes and CRC-32 and are moved by the kernel; a deflated record (torch
+    writes none; never more than ``MAX_FRAMING_BYTES``) is written stored.
+    """
+    writer = ZipWriter(target)
+    with open_regular(torch_file.path, str(torch_file.path)) as raw, zipfile.ZipFile(raw) as source:
         last_storage = max(
             (i for i, info in enumerate(torch_file.records) if info.filename.startswith(f"{torch_file.prefix}data/")),
             default=len(torch_file.records) - 1,
         )
         for index, info in enumerate(torch_file.records):
             if info.filename == f"{torch_file.prefix}data.pkl":
-                _write_record(target, info, len(data), iter([data]))
+                writer.add_bytes(info.filename, data, info.date_time, info.external_attr)
+            elif info.compress_type == zipfile.ZIP_STORED:
+                offset = _data_offset(raw, info, str(torch_file.path))
+                writer.add_copy(
+                    info.filename, raw.fileno(), offset, info.file_size, info.CRC, info.date_time, info.external_attr
+                )
             else:
-                _write_record(target, info, info.file_size, _record_chunks(source, info))
+                writer.add_bytes(info.filename, source.read(info), info.date_time, info.external_attr)
             if index == last_storage:
-                for ref, payload in created:
-                    template = zipfile.ZipInfo(f"{torch_file.prefix}data/{ref.key}", date_time=info.date_time)
-                    template.external_attr = info.external_attr
-                    _write_record(target, template, len(payload), iter([payload]))
+                for ref, size, chunks in created:
+                    name = f"{torch_file.prefix}data/{ref.key}"
+                    writer.add_chunks(name, size, chunks, info.date_time, info.external_attr)
+        writer.finish()
