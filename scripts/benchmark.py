@@ -1,12 +1,14 @@
-"""Measure optim-repair's speed and memory on a large synthetic checkpoint, against its baselines.
+"""Measure optim-repair's speed and memory side by side with its yardsticks, on checkpoints built for it.
 
-Builds a UniRL-style ``checkpoint.pt`` (model weights + name-keyed AdamW state, a few entries
-missing) of about ``--gib`` GiB with ``--params`` parameters, and the same state as a DCP
-directory, then times each command in a fresh process and records its peak RSS:
+Builds a UniRL-style ``checkpoint.pt`` (model weights + name-keyed AdamW state, a few entries missing)
+of about ``--gib`` GiB with ``--params`` parameters, the same state as a DCP directory, and a
+mixture-of-experts checkpoint of ``--moe-params`` small parameters (3% without state). Each command runs
+``--repeat`` times in a fresh process, interleaved with its yardstick, on a warm page cache; the table
+gives the median seconds, the peak RSS, and the ratio to the yardstick next to the goal:
 
-    python scripts/benchmark.py --gib 2 --params 1440
+    python scripts/benchmark.py --gib 2 --params 1440 --moe-params 30000
 
-Page cache is warm after the first run of each input; numbers are wall-clock seconds.
+Absolute times drift on a shared machine; ratios measured side by side hold.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,9 +24,19 @@ import time
 from pathlib import Path
 
 MISSING = 4
+NAIVE = """
+import sys, torch
+checkpoint = torch.load(sys.argv[1], map_location="cpu", mmap=True, weights_only=True)
+optimizer = checkpoint[sys.argv[3]]
+for group in optimizer["param_groups"]:
+    for name in group["params"]:
+        optimizer["state"].setdefault(name, {})
+torch.save(checkpoint, sys.argv[2])
+"""
+"""The script optim-repair replaces: load with mmap, add {} for every missing entry, save (no verification)."""
 
 
-def build(root: Path, gib: float, params: int) -> None:
+def build(root: Path, gib: float, params: int, moe_params: int) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -34,20 +47,24 @@ def build(root: Path, gib: float, params: int) -> None:
         name = f"transformer_blocks.{index // 24}.attn.proj_{index % 24}.lora_A.weight"
         weights[name] = torch.randn(side, side)
         if index >= MISSING:
-            state[name] = {
-                "step": torch.tensor(10.0),
-                "exp_avg": torch.randn(side, side),
-                "exp_avg_sq": torch.rand(side, side),
-            }
+            state[name] = {"step": torch.tensor(10.0), "exp_avg": torch.randn(side, side),
+                           "exp_avg_sq": torch.rand(side, side)}  # fmt: skip
     groups = [{"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False,
                "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
-               "decoupled_weight_decay": True, "params": list(weights)}]
-    directory = root / "checkpoint-100"
-    directory.mkdir()
+               "decoupled_weight_decay": True, "params": list(weights)}]  # fmt: skip
+    (root / "checkpoint-100").mkdir()
     torch.save({"policy_state_dict": weights, "optimizer_state_dict": {"state": state, "param_groups": groups},
-                "step": 100}, directory / "checkpoint.pt")
-    dcp_dir = root / "dcp-checkpoint-100"
-    dcp.save({"model": weights, "optim": {"state": state, "param_groups": groups}}, checkpoint_id=dcp_dir)
+                "step": 100}, root / "checkpoint-100" / "checkpoint.pt")  # fmt: skip
+    dcp.save({"model": weights, "optim": {"state": state, "param_groups": groups}},
+             checkpoint_id=root / "dcp-checkpoint-100")  # fmt: skip
+    experts, moe_state = {}, {}
+    for index in range(moe_params):
+        name = f"layers.{index // 384}.mlp.experts.{index // 3 % 128}.{('gate', 'up', 'down')[index % 3]}_proj.weight"
+        experts[name] = torch.zeros(4, 4)
+        if index % 33:  # about 3% of the experts got no tokens
+            moe_state[name] = {"step": torch.tensor(5.0), "exp_avg": torch.zeros(4, 4), "exp_avg_sq": torch.zeros(4, 4)}
+    moe_groups = [{**groups[0], "params": list(experts)}]
+    torch.save({"model": experts, "optimizer": {"state": moe_state, "param_groups": moe_groups}}, root / "moe.pt")
 
 
 def measure(command: list[str]) -> tuple[float, float, int]:
@@ -59,42 +76,69 @@ def measure(command: list[str]) -> tuple[float, float, int]:
     return elapsed, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status)
 
 
+def shell(script: str) -> list[str]:
+    return ["sh", "-c", script]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=2.0)
     parser.add_argument("--params", type=int, default=1440)
+    parser.add_argument("--moe-params", type=int, default=30000)
+    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--build-into", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.build_into:
-        build(args.build_into, args.gib, args.params)
+        build(args.build_into, args.gib, args.params, args.moe_params)
         return 0
     tool = [sys.executable, "-m", "optim_repair"]
+    python = sys.executable
     with tempfile.TemporaryDirectory(prefix="optim-repair-bench-", dir=args.workdir) as tmp:
         root = Path(tmp)
         # Built in a child process, so that no measured process inherits the builder's memory.
-        builder = [sys.executable, __file__, "--gib", str(args.gib), "--params", str(args.params)]
-        subprocess.run([*builder, "--build-into", str(root)], check=True)
-        checkpoint, dcp_dir = root / "checkpoint-100", root / "dcp-checkpoint-100"
-        size = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
-        rows = [
-            ("python -c 'import torch'", [sys.executable, "-c", "import torch"]),
-            ("cp -r (torch file)", ["cp", "-r", str(checkpoint), str(root / "copied")]),
-            ("inspect (torch file)", [*tool, "inspect", str(checkpoint)]),
-            ("fix --fill empty (torch file)", [*tool, "fix", str(checkpoint), "--out", str(root / "fixed-empty")]),
-            ("fix --fill fresh (torch file)",
-             [*tool, "fix", str(checkpoint), "--out", str(root / "fixed-fresh"), "--fill", "fresh"]),
-            ("cp -r (DCP)", ["cp", "-r", str(dcp_dir), str(root / "dcp-copied")]),
-            ("inspect (DCP)", [*tool, "inspect", str(dcp_dir)]),
-            ("fix (DCP)", [*tool, "fix", str(dcp_dir), "--out", str(root / "dcp-fixed")]),
+        builder = [python, __file__, "--gib", str(args.gib), "--params", str(args.params)]
+        subprocess.run([*builder, "--moe-params", str(args.moe_params), "--build-into", str(root)], check=True)
+        torch_file = root / "checkpoint-100" / "checkpoint.pt"
+        dcp_dir, moe = root / "dcp-checkpoint-100", root / "moe.pt"
+        out = root / "out"
+        # (label, command, yardstick label, yardstick command, goal: at most this ratio)
+        pairs = [
+            ("inspect (torch file)", [*tool, "inspect", torch_file],
+             "import torch", [python, "-c", "import torch"], 1.0),
+            ("fix --no-sync (torch file)", [*tool, "fix", torch_file, "--out", out, "--no-sync"],
+             "cp && cmp", shell(f"cp {torch_file} {out} && cmp {torch_file} {out}"), 1.0),
+            ("fix (torch file, synced)", [*tool, "fix", torch_file, "--out", out],
+             "cp && sync && cmp", shell(f"cp {torch_file} {out} && sync {out} && cmp {torch_file} {out}"), 1.1),
+            ("fix --no-sync (torch file)", [*tool, "fix", torch_file, "--out", out, "--no-sync"],
+             "naive torch script", [python, "-c", NAIVE, torch_file, out, "optimizer_state_dict"], None),
+            ("inspect (MoE)", [*tool, "inspect", moe],
+             "torch.load(mmap) script", [python, "-c", NAIVE, moe, out, "optimizer"], 0.1),
+            ("fix --no-sync (MoE)", [*tool, "fix", moe, "--out", out, "--no-sync"],
+             "torch.load(mmap) script", [python, "-c", NAIVE, moe, out, "optimizer"], 0.35),
+            ("fix --no-sync (DCP)", [*tool, "fix", dcp_dir, "--out", out, "--no-sync"],
+             "cp -r && diff -r", shell(f"cp -r {dcp_dir} {out} && diff -r {dcp_dir} {out}"), 1.5),
+            ("fix --link --no-sync (DCP)", [*tool, "fix", dcp_dir, "--out", out, "--link", "--no-sync"],
+             "inspect (DCP)", [*tool, "inspect", dcp_dir], 3.0),
         ]
-        print(f"checkpoint: {size / 2**30:.2f} GiB, {args.params} params, {MISSING} missing; "
-              f"python {sys.version.split()[0]}\n")
-        print("| command | seconds | peak RSS (MiB) | exit |\n|---|---|---|---|")
-        for label, command in rows:
-            elapsed, rss, code = measure(command)
-            print(f"| {label} | {elapsed:.2f} | {rss:.0f} | {code} |")
-        shutil.rmtree(root / "copied", ignore_errors=True)
+        size = torch_file.stat().st_size
+        print(f"checkpoint: {size / 2**30:.2f} GiB, {args.params} params, {MISSING} missing; MoE: "
+              f"{args.moe_params} params; medians of {args.repeat}; python {sys.version.split()[0]}\n")
+        print("| command | s | peak RSS MiB | yardstick | s | ratio | goal |\n|---|---|---|---|---|---|---|")
+        for label, command, yard_label, yard_command, goal in pairs:
+            mine, theirs = [], []
+            for _ in range(args.repeat):
+                for runs, argv in ((mine, command), (theirs, yard_command)):
+                    shutil.rmtree(out, ignore_errors=True)
+                    out.unlink(missing_ok=True)
+                    runs.append(measure([str(part) for part in argv]))
+            seconds, yard = statistics.median(r[0] for r in mine), statistics.median(r[0] for r in theirs)
+            ratio = seconds / yard
+            verdict = "—" if goal is None else f"≤ {goal}x {'✓' if ratio <= goal else '✗'}"
+            codes = {r[2] for r in mine} - {0, 1}
+            flag = f" (exit {sorted(codes)})" if codes else ""
+            print(f"| {label}{flag} | {seconds:.2f} | {max(r[1] for r in mine):.0f} | {yard_label} | {yard:.2f} "
+                  f"| {ratio:.2f}x | {verdict} |")
     return 0
 
 

@@ -286,7 +286,14 @@ def scan(data: Any, pos: int = 0) -> tuple[int, bool]:
                 hashed += sum(item[0] for item in items)
             _over_budget(hashed, ops)
             if code == 0x74:  # TUPLE
-                stack.append(_new_tuple(items))
+                weight, depth = 1, 0
+                for item in items:
+                    weight += item[0]
+                    if item[1] > depth:
+                        depth = item[1]
+                if depth >= MAX_DEPTH or weight > MAX_WEIGHT:
+                    _new_tuple(items)  # raises, saying which limit
+                stack.append([weight, depth + 1, items, False])
             elif kind == _FROM_MARK:
                 record = [1, 1, None, False]
                 _grow(record, items)
