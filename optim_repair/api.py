@@ -7,6 +7,7 @@ from pathlib import Path
 
 from optim_repair.diagnose import Diagnosis, diagnose
 from optim_repair.discovery import discover
+from optim_repair.formats.torchfile import TorchFile
 from optim_repair.output import Progress, write_copy
 from optim_repair.reading import read_discovered, read_model_weights
 from optim_repair.repair import plan_repair
@@ -71,13 +72,15 @@ def fix(
     ``link`` hard-links the files the repair does not change instead of copying them; ``sync=False``
     skips syncing the copy to the disk (a scratch copy: a crash may lose it, never the input).
     """
+    parsed: dict[str, TorchFile] = {}  # what reading parsed, for the writer not to parse it again
     if isinstance(checkpoint, Diagnosis):
         diagnosis, found = checkpoint, discover(Path(checkpoint.inventory.path))
     else:
         found = discover(Path(checkpoint))
-        diagnosis = diagnose(read_discovered(found))
+        diagnosis = diagnose(read_discovered(found, keep=parsed))
     repair = plan(diagnosis, fill=fill, optimizer=optimizer, model=model)
     verification = write_copy(
-        found, diagnosis.inventory, repair, Path(out), force=force, link=link, sync=sync, progress=progress
+        found, diagnosis.inventory, repair, Path(out), force=force, link=link, sync=sync, parsed=parsed,
+        progress=progress,
     )
     return FixResult(diagnosis, repair, Path(out), verification)

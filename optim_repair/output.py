@@ -8,7 +8,7 @@ temporary copy; the input is only ever opened for reading.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from optim_repair.discovery import Discovery
@@ -16,7 +16,7 @@ from optim_repair.errors import InputError, OutputError, Remedy, VerificationErr
 from optim_repair.formats.dcp import METADATA_FILE, PlannedEntries, write_dcp
 from optim_repair.formats.inputs import open_regular, size_of
 from optim_repair.formats.ranges import kernel_copy
-from optim_repair.formats.torchfile import write_torch_file
+from optim_repair.formats.torchfile import TorchFile, write_torch_file
 from optim_repair.inventory import CheckpointInventory
 from optim_repair.repair_plan import RepairPlan
 from optim_repair.staging import move_into_place, os_error_reason, remove_stale, temporary_sibling
@@ -42,12 +42,12 @@ def check_output(source: Path, out: Path, *, force: bool) -> None:
 
 
 def _write_file(
-    src: Path, dest: Path, rel: str, plan: RepairPlan, inventory: CheckpointInventory, *, sync: bool
+    src: Path, dest: Path, rel: str, plan: RepairPlan, *, sync: bool, parsed: TorchFile | None
 ) -> Verification:
     """Write a torch file with its planned additions into the empty file ``dest``, and verify it."""
     source = rel or str(src)
     additions = plan.for_file(rel)
-    original = write_torch_file(src, source, additions, dest, sync=sync)
+    original = write_torch_file(src, source, additions, dest, sync=sync, parsed=parsed)
     return verify_torch_file(src, dest, source, additions, parsed=original)
 
 
@@ -93,6 +93,7 @@ def _write_directory(
     *,
     link: bool,
     sync: bool,
+    parsed: Mapping[str, TorchFile],
     progress: Progress,
 ) -> Verification:
     total = NOTHING
@@ -114,7 +115,7 @@ def _write_directory(
             if plan.for_file(entry.rel):
                 progress(f"writing {entry.rel}")
             target.touch(0o666)
-            total += _write_file(source, target, entry.rel, plan, inventory, sync=sync)
+            total += _write_file(source, target, entry.rel, plan, sync=sync, parsed=parsed.get(entry.rel))
         elif entry.dcp is not None:  # verified with its checkpoint, through the new metadata
             total += _copy(source, target, entry.rel, link=link, sync=sync, verify=False)
         else:
@@ -136,13 +137,16 @@ def write_copy(
     force: bool = False,
     link: bool = False,
     sync: bool = True,
+    parsed: Mapping[str, TorchFile] | None = None,
     progress: Progress = lambda message: None,
 ) -> Verification:
     """Write the repaired copy of what ``found`` lists to ``out`` and verify it; return what was proven.
 
     With ``sync`` (the default) every file and directory written is synced to the disk before it is
-    verified and renamed into place, and the directory holding ``out`` after.
+    verified and renamed into place, and the directory holding ``out`` after. ``parsed`` holds the torch
+    files reading parsed, by path relative to the argument, so that they are not parsed again.
     """
+    parsed = parsed or {}
     source = found.target
     check_output(found.root, out, force=force)
     special = [entry for entry in found.entries if entry.role == "special"]
@@ -156,11 +160,11 @@ def write_copy(
         try:
             if found.is_directory:
                 verification = _write_directory(
-                    found, tmp, plan, inventory, link=link, sync=sync, progress=progress
+                    found, tmp, plan, inventory, link=link, sync=sync, parsed=parsed, progress=progress
                 )
             else:
                 progress(f"writing {out}")
-                verification = _write_file(source, tmp, "", plan, inventory, sync=sync)
+                verification = _write_file(source, tmp, "", plan, sync=sync, parsed=parsed.get(""))
             move_into_place(tmp, out, force=force, sync=sync)
         except OSError as exc:
             reason = f"cannot write ({os_error_reason(exc)}); nothing was left behind"

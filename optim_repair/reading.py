@@ -10,7 +10,7 @@ from optim_repair.discovery import Discovery, discover
 from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError
 from optim_repair.formats.dcp import is_dcp_directory, read_dcp
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX, read_weights
-from optim_repair.formats.torchfile import read_inventory
+from optim_repair.formats.torchfile import TorchFile, read_inventory
 from optim_repair.inventory import CheckpointInventory, Skipped, WeightMap
 
 
@@ -19,17 +19,18 @@ def read_checkpoint(path: Path) -> CheckpointInventory:
     return read_discovered(discover(path))
 
 
-def read_discovered(found: Discovery) -> CheckpointInventory:
-    """The inventory of every optimizer in what ``discover`` found."""
+def read_discovered(found: Discovery, *, keep: dict[str, TorchFile] | None = None) -> CheckpointInventory:
+    """The inventory of every optimizer in what ``discover`` found; ``keep`` receives the parsed torch
+    files that hold optimizers, by their path relative to the argument."""
     if not found.is_directory:
-        inventory = read_inventory(found.target, "", str(found.root))
+        inventory = read_inventory(found.target, "", str(found.root), keep=keep)
         if not inventory.optimizers:
             raise InputError("holds no optimizer state (no dict with 'state' and 'param_groups')", path=str(found.root))
         return CheckpointInventory(
             str(found.root), "torch", False, (inventory,), weights=_weights_beside(found.neighbours)
         )
     try:
-        return _read_directory(found)
+        return _read_directory(found, keep)
     except PermissionError as exc:
         raise InputError("cannot read (permission denied)", path=str(exc.filename)) from exc
 
@@ -45,7 +46,7 @@ def _weights_beside(neighbours: tuple[Path, ...]) -> tuple[WeightMap, ...]:
     return tuple(weights)
 
 
-def _read_directory(found: Discovery) -> CheckpointInventory:
+def _read_directory(found: Discovery, keep: dict[str, TorchFile] | None) -> CheckpointInventory:
     root = found.root
     files = [read_dcp(found.path(entry), entry.rel) for entry in found.with_role("dcp")]
     skipped: list[Skipped] = []
@@ -62,7 +63,7 @@ def _read_directory(found: Discovery) -> CheckpointInventory:
             skipped.append(Skipped(entry.rel, "is a symbolic link; optim-repair reads no file through a link"))
         elif entry.role == "torch":
             try:
-                inventory = read_inventory(found.path(entry), entry.rel, entry.rel)
+                inventory = read_inventory(found.path(entry), entry.rel, entry.rel, keep=keep)
             except (UnsafeInputError, NotATorchFile) as exc:
                 skipped.append(Skipped(entry.rel, exc.reason, unsafe=isinstance(exc, UnsafeInputError)))
                 continue

@@ -227,7 +227,7 @@ def check_depth(root: Any, source: str) -> None:
             pending.extend((child, False) for child in _children(node) if _children(child) != ())
 
 
-def load_graph(data: bytes | BinaryIO, source: str) -> PickleGraph:
+def load_graph(data: bytes | BinaryIO, source: str, *, ours: bool = False) -> PickleGraph:
     """Unpickle ``data`` safely into a graph of plain values and stand-ins; no tensor bytes are read."""
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
     start = stream.tell()
@@ -235,7 +235,7 @@ def load_graph(data: bytes | BinaryIO, source: str) -> PickleGraph:
     stream.seek(start)
     protocol = head[1] if len(head) == 2 and head[0] == pickle.PROTO[0] else 2
     unpickler = _GraphUnpickler(stream, source)
-    root = unpickler.load_safely("torch pickle")
+    root = unpickler.load_safely("torch pickle", ours=ours)
     if unpickler.depth_unchecked:
         check_depth(root, source)
     return PickleGraph(root, unpickler.storages, protocol)

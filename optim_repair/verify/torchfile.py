@@ -141,7 +141,7 @@ def verify_torch_file(
     """
     before = parsed or open_torch_file(original, source)
     try:
-        after = open_torch_file(copy, source)
+        after = open_torch_file(copy, source, ours=True)
     except InputError as exc:
         raise VerificationError(f"the copy cannot be read back ({exc})") from exc
     with open_regular(original, source) as a, open_regular(copy, source) as b:

@@ -16,13 +16,16 @@ TorchFile = ZipTorchFile | LegacyTorchFile
 """A parsed torch file: ``graph``, ``kind``, ``path`` and ``storage_range(key)`` in both formats."""
 
 
-def open_torch_file(path: Path, source: str) -> TorchFile:
-    """Parse ``path`` without reading tensor bytes. Raises InputError / UnsafeInputError."""
+def open_torch_file(path: Path, source: str, *, ours: bool = False) -> TorchFile:
+    """Parse ``path`` without reading tensor bytes. Raises InputError / UnsafeInputError.
+
+    ``ours``: a file this run wrote, read back for verification (its pickle needs no bounding).
+    """
     try:
         with open_regular(path, source) as stream:
             if stream.read(len(ZIP_MAGIC)) == ZIP_MAGIC:
-                return open_zip(stream, path, source)
+                return open_zip(stream, path, source, ours=ours)
             stream.seek(0)
-            return open_legacy(stream, path, source)
+            return open_legacy(stream, path, source, ours=ours)
     except OSError as exc:
         raise InputError(f"cannot read ({exc.strerror or exc})", path=source) from exc

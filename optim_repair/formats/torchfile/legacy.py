@@ -43,7 +43,7 @@ class LegacyTorchFile:
         return self.offsets[key], self.graph.storages[key].nbytes
 
 
-def open_legacy(stream: BinaryIO, path: Path, source: str) -> LegacyTorchFile:
+def open_legacy(stream: BinaryIO, path: Path, source: str, *, ours: bool = False) -> LegacyTorchFile:
     """Parse a legacy-format torch file from its open ``stream``: its pickles and the element count
     before each storage."""
     size = size_of(stream)
@@ -60,7 +60,7 @@ def open_legacy(stream: BinaryIO, path: Path, source: str) -> LegacyTorchFile:
     load_graph(stream, source)
     load_graph(stream, source)
     main_start = stream.tell()
-    graph = load_graph(stream, source)
+    graph = load_graph(stream, source, ours=ours)
     keys = load_graph(stream, source).root
     storage_start = stream.tell()
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):

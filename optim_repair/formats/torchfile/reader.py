@@ -161,8 +161,14 @@ def find_optimizers(root: Any) -> list[tuple[tuple[Any, ...], dict[Any, Any]]]:
     return found
 
 
-def read_inventory(path: Path, file: str, source: str) -> FileInventory:
-    """Everything inspect needs from one torch file, reading no tensor bytes but ``step`` values."""
+def read_inventory(
+    path: Path, file: str, source: str, *, keep: dict[str, TorchFile] | None = None
+) -> FileInventory:
+    """Everything inspect needs from one torch file, reading no tensor bytes but ``step`` values.
+
+    With ``keep``, the parsed file is kept there under ``file`` when it holds an optimizer, for a
+    writer to reuse instead of parsing it again.
+    """
     torch_file = open_torch_file(path, source)
     found = find_optimizers(torch_file.graph.root)
     with open_regular(path, source) as stream:
@@ -174,4 +180,6 @@ def read_inventory(path: Path, file: str, source: str) -> FileInventory:
             weight_map = _weight_map(node, f"{source}:{describe_address(address)}" if address else source)
             if weight_map is not None:
                 weights.append(weight_map)
+    if keep is not None and optimizers:
+        keep[file] = torch_file
     return FileInventory(file=file, format=torch_file.kind, optimizers=optimizers, weights=tuple(weights))

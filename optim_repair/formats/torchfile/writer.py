@@ -57,14 +57,21 @@ def _remove_entries(torch_file: TorchFile, additions: Sequence[Addition]) -> Non
 
 
 def write_torch_file(
-    src: Path, source: str, additions: Sequence[Addition], dest: Path, *, sync: bool = True
+    src: Path,
+    source: str,
+    additions: Sequence[Addition],
+    dest: Path,
+    *,
+    sync: bool = True,
+    parsed: TorchFile | None = None,
 ) -> TorchFile:
     """Write ``src`` with ``additions`` applied to ``dest`` (created if need be): every other byte of
     meaning unchanged, synced to the disk unless ``sync`` is false.
 
-    Returns the original as parsed, so that verification need not parse it again.
+    ``parsed`` is ``src`` as reading already parsed it. Returns the original as parsed, so that
+    verification need not parse it again.
     """
-    torch_file = open_torch_file(src, source)
+    torch_file = parsed or open_torch_file(src, source)
     created = _add_entries(torch_file, additions)
     data = dump_graph(torch_file.graph.root, torch_file.graph.protocol)
     _remove_entries(torch_file, additions)

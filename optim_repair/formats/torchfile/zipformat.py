@@ -93,7 +93,7 @@ def _read_pickle(archive: zipfile.ZipFile, info: zipfile.ZipInfo, source: str) -
     return data
 
 
-def open_zip(stream: BinaryIO, path: Path, source: str) -> ZipTorchFile:
+def open_zip(stream: BinaryIO, path: Path, source: str, *, ours: bool = False) -> ZipTorchFile:
     """Parse a zip-format torch file from its open ``stream``: its pickle and its directory, no storage bytes."""
     try:
         archive = zipfile.ZipFile(stream)
@@ -106,7 +106,7 @@ def open_zip(stream: BinaryIO, path: Path, source: str) -> ZipTorchFile:
             raise NotATorchFile("a zip archive without data.pkl is not a torch.save file", path=source)
         prefix = pickles[0].filename[: -len("data.pkl")]
         _check_records(records, prefix, source)
-        graph = load_graph(_read_pickle(archive, pickles[0], source), source)
+        graph = load_graph(_read_pickle(archive, pickles[0], source), source, ours=ours)
         by_name = {info.filename: info for info in records}
         offsets = {}
         size = size_of(stream)
