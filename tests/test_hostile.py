@@ -53,6 +53,7 @@ CRAFTED = {
     "bytearray-2**32": hostile.bytearray_bomb(),
     "billion-laughs-persistent-id": hostile.billion_laughs_persistent_id(),
     "deep-list": hostile.PROTO2 + hostile.deep_list(100_000) + b".",
+    "frame-of-8-GiB": b"\x80\x04\x95" + struct.pack("<Q", 8 << 30) + b"N.",
 }
 
 

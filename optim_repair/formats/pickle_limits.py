@@ -10,7 +10,8 @@ counting shared parts each time) and a depth for every object, and refuses:
 * more hashing than the pickle's own size justifies (dict keys, and the arguments of every call,
   weighed together, against ``HASH_BUDGET_PER_OP`` per opcode);
 * a memo entry stored out of order (a memo index of 2**28), or a reference to one never stored;
-* an opcode stream that ends early, underflows its stack, or declares more bytes than it holds.
+* an opcode stream that ends early, underflows its stack, or declares more bytes than it holds (a
+  string, or a frame: the unpickler allocates a frame's declared length before reading it).
 
 Whatever it accepts, the unpickler finishes in time linear in the pickle's size. The depths it
 computes are exact unless the pickle grows a container after taking it from the memo (which
@@ -39,9 +40,9 @@ HASH_BUDGET_BASE = 1 << 20
 
 (
     _SCALAR, _EMPTY, _EMPTY_TUPLE, _TUPLE_N, _FROM_MARK, _APPEND, _EXTEND, _MARK, _POP, _POP_MARK,
-    _DUP, _PUT, _MEMOIZE, _GET, _REDUCE, _PERSID, _NOTHING, _STOP, _BUILD,
-) = range(19)  # fmt: skip
-_INDEXED = frozenset({_PUT, _GET})
+    _DUP, _PUT, _MEMOIZE, _GET, _REDUCE, _PERSID, _NOTHING, _STOP, _BUILD, _FRAME,
+) = range(20)  # fmt: skip
+_INDEXED = frozenset({_PUT, _GET, _FRAME})
 _LINE, _TWO_LINES = -1, -2
 _SIZED = 100
 _SHORT_SIZED = _SIZED + 1
@@ -82,7 +83,7 @@ for _codes, _kind, _arg in (
     (b"R \x81 \x92", _REDUCE, 0),
     (b"Q \x93", _PERSID, 0),
     (b"\x80", _NOTHING, 1),
-    (b"\x95", _NOTHING, 8),
+    (b"\x95", _FRAME, 8),
     (b"\x98", _NOTHING, 0),
     (b".", _STOP, 0),
 ):
@@ -153,6 +154,10 @@ def _argument(data: Any, pos: int, kind: int, arg: int) -> tuple[int, int]:
     if arg > 0:
         if pos + arg > len(data):
             raise _Refused("it ends inside an opcode")
+        if kind == _FRAME:  # the unpickler reads a frame's declared length in one go: it must be there
+            if _U8(data, pos)[0] > len(data) - pos - arg:
+                raise _Refused(f"it declares a frame of {_U8(data, pos)[0]} bytes, more than it holds")
+            return pos + arg, 0
         return pos + arg, _U4(data, pos)[0] if kind in _INDEXED and arg == 4 else 0
     end = data.find(b"\n", pos)
     if end < 0:
