@@ -213,8 +213,11 @@ def test_ctrl_c_at_any_moment_after_the_entry_point_begins_is_one_line(tmp_path:
     time.sleep(delay)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=30)
-    assert process.returncode in (0, 130), stderr
-    assert process.returncode == 0 or stderr == "optim-repair: error: interrupted; nothing was written\n", stderr
+    # Done (0); interrupted (130, one line); or, once the work is done and Python is exiting, ended by the
+    # signal itself (its default action, restored for the exit), saying nothing: never a traceback.
+    assert process.returncode in (0, 130, -signal.SIGINT), stderr
+    expected = {130: "optim-repair: error: interrupted; nothing was written\n", -signal.SIGINT: ""}
+    assert stderr == expected.get(process.returncode, stderr), stderr
 
 
 def test_a_safetensors_header_is_refused_when_deep_or_larger_than_its_bytes(tmp_path: Path) -> None:
