@@ -114,7 +114,6 @@ def _write_directory(
         elif entry.rel in optimizer_files:
             if plan.for_file(entry.rel):
                 progress(f"writing {entry.rel}")
-            target.touch(0o666)
             total += _write_file(source, target, entry.rel, plan, sync=sync, parsed=parsed.get(entry.rel))
         elif entry.dcp is not None:  # verified with its checkpoint, through the new metadata
             total += _copy(source, target, entry.rel, link=link, sync=sync, verify=False)
