@@ -7,9 +7,8 @@ from pathlib import Path
 
 from optim_repair.diagnose import Diagnosis, diagnose
 from optim_repair.discovery import discover
-from optim_repair.formats.torchfile import TorchFile
 from optim_repair.output import Progress, write_copy
-from optim_repair.reading import read_discovered, read_model_weights
+from optim_repair.reading import Parsed, read_discovered, read_model_weights
 from optim_repair.repair import plan_repair
 from optim_repair.repair_plan import Fill, RepairPlan
 from optim_repair.verify import Verification
@@ -72,7 +71,7 @@ def fix(
     ``link`` hard-links the files the repair does not change instead of copying them; ``sync=False``
     skips syncing the copy to the disk (a scratch copy: a crash may lose it, never the input).
     """
-    parsed: dict[str, TorchFile] = {}  # what reading parsed, for the writer not to parse it again
+    parsed = Parsed()  # what reading parsed, for the writer not to parse it again
     if isinstance(checkpoint, Diagnosis):
         diagnosis, found = checkpoint, discover(Path(checkpoint.inventory.path))
     else:

@@ -8,7 +8,7 @@ temporary copy; the input is only ever opened for reading.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 from optim_repair.discovery import Discovery
@@ -18,6 +18,7 @@ from optim_repair.formats.inputs import open_regular, size_of
 from optim_repair.formats.ranges import kernel_copy
 from optim_repair.formats.torchfile import TorchFile, write_torch_file
 from optim_repair.inventory import CheckpointInventory
+from optim_repair.reading import Parsed
 from optim_repair.repair_plan import RepairPlan
 from optim_repair.staging import move_into_place, os_error_reason, remove_stale, temporary_sibling
 from optim_repair.verify import NOTHING, Verification, verify_copied_file, verify_planned_dcp, verify_torch_file
@@ -93,7 +94,7 @@ def _write_directory(
     *,
     link: bool,
     sync: bool,
-    parsed: Mapping[str, TorchFile],
+    parsed: Parsed,
     progress: Progress,
 ) -> Verification:
     total = NOTHING
@@ -108,13 +109,14 @@ def _write_directory(
         elif entry.role == "dcp":
             target.mkdir(exist_ok=True)
             progress(f"writing {entry.rel or 'DCP checkpoint'}")
-            planned[entry.rel] = write_dcp(source, plan.for_file(entry.rel), target, sync=sync)
+            additions = plan.for_file(entry.rel)
+            planned[entry.rel] = write_dcp(source, additions, target, sync=sync, original=parsed.dcp.get(entry.rel))
         elif entry.dcp is not None and entry.member_name() == METADATA_FILE and planned[entry.dcp].entries:
             continue  # replaced by the metadata write_dcp wrote
         elif entry.rel in optimizer_files:
             if plan.for_file(entry.rel):
                 progress(f"writing {entry.rel}")
-            total += _write_file(source, target, entry.rel, plan, sync=sync, parsed=parsed.get(entry.rel))
+            total += _write_file(source, target, entry.rel, plan, sync=sync, parsed=parsed.torch_files.get(entry.rel))
         elif entry.dcp is not None:  # verified with its checkpoint, through the new metadata
             total += _copy(source, target, entry.rel, link=link, sync=sync, verify=False)
         else:
@@ -136,16 +138,16 @@ def write_copy(
     force: bool = False,
     link: bool = False,
     sync: bool = True,
-    parsed: Mapping[str, TorchFile] | None = None,
+    parsed: Parsed | None = None,
     progress: Progress = lambda message: None,
 ) -> Verification:
     """Write the repaired copy of what ``found`` lists to ``out`` and verify it; return what was proven.
 
     With ``sync`` (the default) every file and directory written is synced to the disk before it is
-    verified and renamed into place, and the directory holding ``out`` after. ``parsed`` holds the torch
-    files reading parsed, by path relative to the argument, so that they are not parsed again.
+    verified and renamed into place, and the directory holding ``out`` after. ``parsed`` holds what
+    reading parsed, so that it is not parsed again.
     """
-    parsed = parsed or {}
+    parsed = parsed or Parsed()
     source = found.target
     check_output(found.root, out, force=force)
     special = [entry for entry in found.entries if entry.role == "special"]
@@ -163,7 +165,7 @@ def write_copy(
                 )
             else:
                 progress(f"writing {out}")
-                verification = _write_file(source, tmp, "", plan, sync=sync, parsed=parsed.get(""))
+                verification = _write_file(source, tmp, "", plan, sync=sync, parsed=parsed.torch_files.get(""))
             move_into_place(tmp, out, force=force, sync=sync)
         except OSError as exc:
             reason = f"cannot write ({os_error_reason(exc)}); nothing was left behind"

@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from optim_repair.discovery import Discovery, discover
 from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError
-from optim_repair.formats.dcp import is_dcp_directory, read_dcp
+from optim_repair.formats.dcp import DcpMetadata, is_dcp_directory, read_dcp
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX, read_weights
 from optim_repair.formats.torchfile import TorchFile, read_inventory
 from optim_repair.inventory import CheckpointInventory, Skipped, WeightMap
+
+
+@dataclass
+class Parsed:
+    """What reading parsed, kept for the writer so that it need not parse it again."""
+
+    torch_files: dict[str, TorchFile] = field(default_factory=dict)
+    """The torch files that hold optimizers, by path relative to the argument."""
+    dcp: dict[str, DcpMetadata] = field(default_factory=dict)
+    """The metadata of each DCP checkpoint, by its directory relative to the argument."""
 
 
 def read_checkpoint(path: Path) -> CheckpointInventory:
@@ -19,11 +30,10 @@ def read_checkpoint(path: Path) -> CheckpointInventory:
     return read_discovered(discover(path))
 
 
-def read_discovered(found: Discovery, *, keep: dict[str, TorchFile] | None = None) -> CheckpointInventory:
-    """The inventory of every optimizer in what ``discover`` found; ``keep`` receives the parsed torch
-    files that hold optimizers, by their path relative to the argument."""
+def read_discovered(found: Discovery, *, keep: Parsed | None = None) -> CheckpointInventory:
+    """The inventory of every optimizer in what ``discover`` found; ``keep`` receives what was parsed."""
     if not found.is_directory:
-        inventory = read_inventory(found.target, "", str(found.root), keep=keep)
+        inventory = read_inventory(found.target, "", str(found.root), keep=keep.torch_files if keep else None)
         if not inventory.optimizers:
             raise InputError("holds no optimizer state (no dict with 'state' and 'param_groups')", path=str(found.root))
         return CheckpointInventory(
@@ -46,9 +56,10 @@ def _weights_beside(neighbours: tuple[Path, ...]) -> tuple[WeightMap, ...]:
     return tuple(weights)
 
 
-def _read_directory(found: Discovery, keep: dict[str, TorchFile] | None) -> CheckpointInventory:
+def _read_directory(found: Discovery, keep: Parsed | None) -> CheckpointInventory:
     root = found.root
-    files = [read_dcp(found.path(entry), entry.rel) for entry in found.with_role("dcp")]
+    dcp = keep.dcp if keep else None
+    files = [read_dcp(found.path(entry), entry.rel, keep=dcp) for entry in found.with_role("dcp")]
     skipped: list[Skipped] = []
     weights: list[WeightMap] = []
     for entry in found.entries:
@@ -63,7 +74,8 @@ def _read_directory(found: Discovery, keep: dict[str, TorchFile] | None) -> Chec
             skipped.append(Skipped(entry.rel, "is a symbolic link; optim-repair reads no file through a link"))
         elif entry.role == "torch":
             try:
-                inventory = read_inventory(found.path(entry), entry.rel, entry.rel, keep=keep)
+                kept = keep.torch_files if keep else None
+                inventory = read_inventory(found.path(entry), entry.rel, entry.rel, keep=kept)
             except (UnsafeInputError, NotATorchFile) as exc:
                 skipped.append(Skipped(entry.rel, exc.reason, unsafe=isinstance(exc, UnsafeInputError)))
                 continue

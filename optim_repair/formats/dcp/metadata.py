@@ -9,7 +9,7 @@ entry (a ``torch.save``'d object), says where each chunk or entry lies in which 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from optim_repair.dtypes import contiguous_strides, itemsize, numel
@@ -77,6 +77,9 @@ class DcpMetadata:
     planner_data: Mapping[str, KeyPath]
     """Each key's original path of keys (``("optim", "state", "blocks.0.w", "exp_avg")``)."""
     storage: Mapping[StorageIndex, DcpStorage]
+    pickle: bytes = field(default=b"", repr=False, compare=False)
+    """The pickle these were read from, already checked: the writer unpickles these very bytes into
+    torch's classes, so that a file changed in between is never unpickled unchecked."""
 
     def path_of(self, key: str) -> KeyPath:
         return self.planner_data.get(key, (key,))

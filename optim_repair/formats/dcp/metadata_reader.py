@@ -7,8 +7,9 @@ only the DCP metadata classes and plain data, so a crafted file is refused befor
 from __future__ import annotations
 
 import importlib
+import io
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
 
@@ -123,13 +124,11 @@ def _allowlist(*, real: bool) -> Allowlist:
     return allowed
 
 
-def unpickle_metadata(path: Path, source: str, *, real: bool) -> Any:
-    """The objects of a ``.metadata``: stand-ins, or (``real``) torch's own classes, under the same allowlist."""
-    try:
-        with open_regular(path, source) as stream:
-            return AllowlistUnpickler(stream, source, _allowlist(real=real)).load_safely("DCP metadata pickle")
-    except OSError as exc:
-        raise InputError(f"cannot read ({exc.strerror or exc})", path=source) from exc
+def unpickle_metadata(data: bytes, source: str, *, real: bool, ours: bool = False) -> Any:
+    """The objects of a ``.metadata`` pickle: stand-ins, or (``real``) torch's own classes, under the same
+    allowlist. ``ours``: bytes already checked (or written by this run), not bounded again."""
+    unpickler = AllowlistUnpickler(io.BytesIO(data), source, _allowlist(real=real))
+    return unpickler.load_safely("DCP metadata pickle", ours=ours)
 
 
 def _int_tuple(value: Any, what: str, source: str | None = None) -> tuple[int, ...]:
@@ -268,7 +267,14 @@ def _check_chunk_lengths(items: Mapping[str, DcpItem], storage: Mapping[StorageI
                 raise InputError(f"a chunk of {shown(key)} is stored in fewer bytes than it holds", path=source)
 
 
-def read_metadata(path: Path, rel: str = "") -> DcpMetadata:
-    """Read the ``.metadata`` of the DCP directory ``path`` safely, without torch."""
+def read_metadata(path: Path, rel: str = "", *, ours: bool = False) -> DcpMetadata:
+    """Read the ``.metadata`` of the DCP directory ``path`` safely, without torch (``ours``: one this run
+    wrote, read back for verification)."""
     source = display_path(rel, METADATA_FILE)
-    return _parse_metadata(unpickle_metadata(path / METADATA_FILE, source, real=False), source)
+    try:
+        with open_regular(path / METADATA_FILE, source) as stream:
+            data = stream.read()
+    except OSError as exc:
+        raise InputError(f"cannot read ({exc.strerror or exc})", path=source) from exc
+    meta = _parse_metadata(unpickle_metadata(data, source, real=False, ours=ours), source)
+    return replace(meta, pickle=data)

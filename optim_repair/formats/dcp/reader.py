@@ -124,13 +124,16 @@ def _flattened_layout(
     return groups, _state_entries(meta, state, values)
 
 
-def read_dcp(path: Path, rel: str) -> FileInventory:
+def read_dcp(path: Path, rel: str, *, keep: dict[str, DcpMetadata] | None = None) -> FileInventory:
     """The optimizers (and model weights) of the DCP directory ``path``, from its metadata alone.
 
-    ``rel`` is the directory relative to the user's argument ("" when it is the argument). Only the
+    ``rel`` is the directory relative to the user's argument ("" when it is the argument); ``keep``
+    receives the metadata under ``rel``, for a writer to reuse instead of reading it again. Only the
     optimizers' bytes entries are read from the shards; no tensor bytes, and torch is not imported.
     """
     meta = read_metadata(path, rel)
+    if keep is not None:
+        keep[rel] = meta
     source = display_path(rel, METADATA_FILE)
     optimizers = find_optimizers(meta, source)
     wanted = [

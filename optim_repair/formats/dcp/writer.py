@@ -16,7 +16,7 @@ from typing import BinaryIO
 
 from optim_repair.errors import InputError, OutputError, RepairRefused
 from optim_repair.formats.dcp.layout import PlannedEntries, plan_entries
-from optim_repair.formats.dcp.metadata import METADATA_FILE, SHARD_SUFFIX, display_path
+from optim_repair.formats.dcp.metadata import METADATA_FILE, SHARD_SUFFIX, DcpMetadata, display_path
 from optim_repair.formats.dcp.metadata_reader import read_metadata, unpickle_metadata
 from optim_repair.repair_plan import AddedValue, Addition, FreshTensor
 
@@ -45,16 +45,24 @@ def _serialized(value: AddedValue, key: str) -> bytes:
     return buffer.getvalue()
 
 
-def write_dcp(src: Path, additions: Sequence[Addition], dest: Path, *, sync: bool = True) -> PlannedEntries:
+def write_dcp(
+    src: Path,
+    additions: Sequence[Addition],
+    dest: Path,
+    *,
+    sync: bool = True,
+    original: DcpMetadata | None = None,
+) -> PlannedEntries:
     """Write into the directory ``dest`` the shard and ``.metadata`` that add ``additions`` to ``src``.
 
     Writes nothing when there is nothing to add; every original file but ``.metadata`` is the
     caller's to copy. The original metadata is checked by the safe reader before torch unpickles it,
     with the same allowlist, into the real DCP classes that stock ``dcp.load`` expects. Returns the
-    planned entries, for verification. With ``sync``, what it writes is synced to the disk.
+    planned entries, for verification. With ``sync``, what it writes is synced to the disk. ``original``
+    is ``src``'s metadata as reading already read it.
     """
     source = display_path(str(src), METADATA_FILE)
-    planned = plan_entries(read_metadata(src, str(src)), additions, source)
+    planned = plan_entries(original or read_metadata(src, str(src)), additions, source)
     if planned.entries:
         _write_entries(src, planned, dest, source, sync=sync)
     return planned
@@ -80,7 +88,7 @@ def _write_entries(src: Path, planned: PlannedEntries, dest: Path, source: str, 
         TensorStorageMetadata,
     )
 
-    metadata = unpickle_metadata(src / METADATA_FILE, source, real=True)
+    metadata = unpickle_metadata(planned.original.pickle, source, real=True, ours=True)
     if not isinstance(metadata, Metadata) or metadata.planner_data is None or metadata.storage_data is None:
         raise InputError("not a DCP Metadata with planner and storage data", path=source)
     shard = _shard_name(src)
