@@ -7,7 +7,8 @@ from pathlib import Path
 
 from optim_repair.diagnose import Diagnosis, diagnose
 from optim_repair.discovery import discover
-from optim_repair.output import Progress, write_copy
+from optim_repair.output import write_copy
+from optim_repair.progress import Notice, Progress, ignore
 from optim_repair.reading import Parsed, read_discovered, read_model_weights
 from optim_repair.repair import plan_repair
 from optim_repair.repair_plan import Fill, RepairPlan
@@ -60,7 +61,8 @@ def fix(
     force: bool = False,
     link: bool = False,
     sync: bool = True,
-    progress: Progress = lambda message: None,
+    progress: Progress = ignore,
+    notice: Notice = lambda message: None,
 ) -> FixResult:
     """Write a repaired copy of ``checkpoint`` to ``out``, verified from disk; the input is never modified.
 
@@ -70,6 +72,8 @@ def fix(
     subclass, leaving nothing at ``out``, when the input is malformed or the copy cannot be made.
     ``link`` hard-links the files the repair does not change instead of copying them; ``sync=False``
     skips syncing the copy to the disk (a scratch copy: a crash may lose it, never the input).
+    ``progress`` hears of the bytes written and verified (``optim_repair.progress.Step``); ``notice``
+    gets lines of text for the user.
     """
     parsed = Parsed()  # what reading parsed, for the writer not to parse it again
     if isinstance(checkpoint, Diagnosis):
@@ -81,5 +85,6 @@ def fix(
     verification = write_copy(
         found, diagnosis.inventory, repair, Path(out), force=force, link=link, sync=sync, parsed=parsed,
         progress=progress,
+        notice=notice,
     )
     return FixResult(diagnosis, repair, Path(out), verification)

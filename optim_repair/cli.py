@@ -115,17 +115,19 @@ def fix(
 
 
     def command() -> int:
-        result = api.fix(
-            checkpoint,
-            out,
-            fill=fill.value if fill else None,
-            optimizer=optimizer,
-            model=model,
-            force=force,
-            link=link,
-            sync=not no_sync,
-            progress=render.print_message,
-        )
+        with render.progress_bar(show=not json) as progress:
+            result = api.fix(
+                checkpoint,
+                out,
+                fill=fill.value if fill else None,
+                optimizer=optimizer,
+                model=model,
+                force=force,
+                link=link,
+                sync=not no_sync,
+                progress=progress,
+                notice=render.print_message,
+            )
         if json:
             render.print_json(render.fix_document(result))
         else:

@@ -168,7 +168,7 @@ def _run_in(workdir: Path, progress: Callable[[str], None]) -> DemoReport:
     stock_error = _stock_error(checkpoint)
     diagnosis = api.inspect(checkpoint)
     fixes = tuple(
-        api.fix(checkpoint, workdir / f"{checkpoint.name}-{fill}", fill=fill, progress=progress)
+        api.fix(checkpoint, workdir / f"{checkpoint.name}-{fill}", fill=fill, notice=progress)
         for fill in ("empty", "fresh")
     )
     progress(f"resuming for {STEPS_AFTER} steps with every head in use, and comparing with a run that never stopped")

@@ -18,12 +18,11 @@ from optim_repair.formats.inputs import open_regular, size_of
 from optim_repair.formats.ranges import kernel_copy
 from optim_repair.formats.torchfile import TorchFile, write_torch_file
 from optim_repair.inventory import CheckpointInventory
+from optim_repair.progress import Meter, Notice, Progress, ignore
 from optim_repair.reading import Parsed
 from optim_repair.repair_plan import RepairPlan
 from optim_repair.staging import move_into_place, os_error_reason, remove_stale, temporary_sibling
 from optim_repair.verify import NOTHING, Verification, verify_copied_file, verify_planned_dcp, verify_torch_file
-
-Progress = Callable[[str], None]
 
 
 def check_output(source: Path, out: Path, *, force: bool) -> None:
@@ -43,16 +42,42 @@ def check_output(source: Path, out: Path, *, force: bool) -> None:
 
 
 def _write_file(
-    src: Path, dest: Path, rel: str, plan: RepairPlan, *, sync: bool, parsed: TorchFile | None
+    src: Path, dest: Path, rel: str, plan: RepairPlan, *, sync: bool, parsed: TorchFile | None, meter: Meter
 ) -> Verification:
     """Write a torch file with its planned additions into the empty file ``dest``, and verify it."""
     source = rel or str(src)
     additions = plan.for_file(rel)
-    original = write_torch_file(src, source, additions, dest, sync=sync, parsed=parsed)
-    return verify_torch_file(src, dest, source, additions, parsed=original)
+    size = os.stat(src).st_size
+    # The writer and the verifier report the storages they move and compare; the rest of the file
+    # (its pickle, headers and framing) is reported when each is done, so that stages end at the total.
+    written = _Tally(meter.writing)
+    original = write_torch_file(src, source, additions, dest, sync=sync, parsed=parsed, on_bytes=written)
+    written.top_up(size)
+    verified = _Tally(meter.verifying)
+    verification = verify_torch_file(src, dest, source, additions, parsed=original, on_bytes=verified)
+    verified.top_up(size)
+    return verification
 
 
-def _copy(source: Path, target: Path, rel: str, *, link: bool, sync: bool, verify: bool = True) -> Verification:
+class _Tally:
+    """Passes byte counts on, remembering their sum, and can bring the sum up to a file's size."""
+
+    def __init__(self, report: Callable[[int], None]) -> None:
+        self._report = report
+        self._sum = 0
+
+    def __call__(self, nbytes: int) -> None:
+        self._sum += nbytes
+        self._report(nbytes)
+
+    def top_up(self, size: int) -> None:
+        if size > self._sum:
+            self(size - self._sum)
+
+
+def _copy(
+    source: Path, target: Path, rel: str, *, link: bool, sync: bool, meter: Meter, verify: bool = True
+) -> Verification:
     """Copy a file the repair does not change, the kernel moving the bytes (a reflink where the file system
     can), or hard-link it with ``link``; verify the copy unless its checkpoint's verification covers it."""
     if link:
@@ -68,12 +93,18 @@ def _copy(source: Path, target: Path, rel: str, *, link: bool, sync: bool, verif
     with open_regular(source, rel or str(source)) as original:
         descriptor = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
-            kernel_copy(original.fileno(), descriptor, 0, size_of(original), 0)
+            size = size_of(original)
+            kernel_copy(original.fileno(), descriptor, 0, size, 0)
             if sync:
                 os.fsync(descriptor)
         finally:
             os.close(descriptor)
-    return verify_copied_file(source, target, rel or str(source)) if verify else NOTHING
+    meter.writing(size)
+    if not verify:
+        return NOTHING
+    verification = verify_copied_file(source, target, rel or str(source))
+    meter.verifying(size)
+    return verification
 
 
 def _sync_directories(root: Path) -> None:
@@ -95,7 +126,8 @@ def _write_directory(
     link: bool,
     sync: bool,
     parsed: Parsed,
-    progress: Progress,
+    meter: Meter,
+    notice: Notice,
 ) -> Verification:
     total = NOTHING
     optimizer_files = {file.file for file in inventory.files}
@@ -108,25 +140,40 @@ def _write_directory(
             target.mkdir()
         elif entry.role == "dcp":
             target.mkdir(exist_ok=True)
-            progress(f"writing {entry.rel or 'DCP checkpoint'}")
+            notice(f"writing {entry.rel or 'DCP checkpoint'}")
             additions = plan.for_file(entry.rel)
             planned[entry.rel] = write_dcp(source, additions, target, sync=sync, original=parsed.dcp.get(entry.rel))
         elif entry.dcp is not None and entry.member_name() == METADATA_FILE and planned[entry.dcp].entries:
             continue  # replaced by the metadata write_dcp wrote
         elif entry.rel in optimizer_files:
             if plan.for_file(entry.rel):
-                progress(f"writing {entry.rel}")
-            total += _write_file(source, target, entry.rel, plan, sync=sync, parsed=parsed.torch_files.get(entry.rel))
+                notice(f"writing {entry.rel}")
+            kept = parsed.torch_files.get(entry.rel)
+            total += _write_file(source, target, entry.rel, plan, sync=sync, parsed=kept, meter=meter)
         elif entry.dcp is not None:  # verified with its checkpoint, through the new metadata
-            total += _copy(source, target, entry.rel, link=link, sync=sync, verify=False)
+            total += _copy(source, target, entry.rel, link=link, sync=sync, meter=meter, verify=False)
         else:
-            total += _copy(source, target, entry.rel, link=link, sync=sync)
+            total += _copy(source, target, entry.rel, link=link, sync=sync, meter=meter)
     if sync:
         _sync_directories(tmp)
     for rel, entries in planned.items():
         directory = found.target / rel if rel else found.target
-        total += verify_planned_dcp(directory, tmp / rel if rel else tmp, entries, found.members(rel))
+        proven = verify_planned_dcp(directory, tmp / rel if rel else tmp, entries, found.members(rel))
+        meter.verifying(proven.bytes)
+        total += proven
     return total
+
+
+def _bytes_to_copy(found: Discovery, inventory: CheckpointInventory, *, link: bool) -> int:
+    """What a copy will write and verify, in bytes, for the progress it reports."""
+    if not found.is_directory:
+        return os.stat(found.target).st_size
+    rewritten = {file.file for file in inventory.files}
+    return sum(
+        os.lstat(found.path(entry)).st_size
+        for entry in found.entries
+        if entry.role in ("torch", "safetensors", "file") and not entry.link and (not link or entry.rel in rewritten)
+    )
 
 
 def write_copy(
@@ -139,13 +186,15 @@ def write_copy(
     link: bool = False,
     sync: bool = True,
     parsed: Parsed | None = None,
-    progress: Progress = lambda message: None,
+    progress: Progress = ignore,
+    notice: Notice = lambda message: None,
 ) -> Verification:
     """Write the repaired copy of what ``found`` lists to ``out`` and verify it; return what was proven.
 
     With ``sync`` (the default) every file and directory written is synced to the disk before it is
     verified and renamed into place, and the directory holding ``out`` after. ``parsed`` holds what
-    reading parsed, so that it is not parsed again.
+    reading parsed, so that it is not parsed again. ``progress`` hears of the bytes written and verified;
+    ``notice`` gets lines of text for the user.
     """
     parsed = parsed or Parsed()
     source = found.target
@@ -156,16 +205,18 @@ def write_copy(
             f"is {special[0].kind}; optim-repair copies only regular files, directories and links",
             path=found.root / special[0].rel,
         )
-    remove_stale(out, progress)
+    remove_stale(out, notice)
+    meter = Meter(progress, _bytes_to_copy(found, inventory, link=link))
     with temporary_sibling(out, directory=found.is_directory) as tmp:
         try:
             if found.is_directory:
                 verification = _write_directory(
-                    found, tmp, plan, inventory, link=link, sync=sync, parsed=parsed, progress=progress
+                    found, tmp, plan, inventory, link=link, sync=sync, parsed=parsed, meter=meter, notice=notice
                 )
             else:
-                progress(f"writing {out}")
-                verification = _write_file(source, tmp, "", plan, sync=sync, parsed=parsed.torch_files.get(""))
+                notice(f"writing {out}")
+                kept = parsed.torch_files.get("")
+                verification = _write_file(source, tmp, "", plan, sync=sync, parsed=kept, meter=meter)
             move_into_place(tmp, out, force=force, sync=sync)
         except OSError as exc:
             reason = f"cannot write ({os_error_reason(exc)}); nothing was left behind"

@@ -6,12 +6,16 @@ The only module that imports rich. JSON never passes through rich: it is ``json.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from typing import IO, TextIO, TypedDict, cast
 
 from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, TaskID, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import Progress as RichProgress
 from rich.table import Table
 from rich.text import Text
 
@@ -19,6 +23,7 @@ from optim_repair.api import FixResult
 from optim_repair.demo import DemoReport
 from optim_repair.diagnose import Diagnosis, OptimizerDiagnosis
 from optim_repair.inventory import ParamKey
+from optim_repair.progress import Progress, Step, ignore
 
 SCHEMA_VERSION = 1
 _SHOWN = 8
@@ -296,6 +301,41 @@ def print_demo(report: DemoReport, *, kept: bool) -> None:
     )
     if kept:
         console.print(Text(f"files kept in {report.checkpoint.parent}"))
+
+
+SHOW_PROGRESS_FROM = 256 << 20
+"""Copies smaller than this are over too soon for a progress bar to help."""
+
+
+@contextlib.contextmanager
+def progress_bar(*, show: bool) -> Iterator[Progress]:
+    """A progress callback drawing a bar on stderr for writing and verifying (bytes, rate, time left),
+    when ``show``, stderr is a terminal and the copy is long enough to matter; else one that draws nothing."""
+    if not (show and sys.stderr.isatty()):
+        yield ignore
+        return
+    bars: list[RichProgress] = []
+    tasks: dict[str, TaskID] = {}
+
+    def draw(step: Step) -> None:
+        if not bars:
+            if step.total < SHOW_PROGRESS_FROM:
+                return
+            bar = RichProgress(
+                TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+                TransferSpeedColumn(), TimeRemainingColumn(), console=_stderr(), transient=True,
+            )  # fmt: skip
+            bar.start()
+            bars.append(bar)
+            for stage in ("write", "verify"):
+                tasks[stage] = bar.add_task(f"{stage:<6}", total=step.total)
+        bars[0].update(tasks[step.stage], completed=step.done)
+
+    try:
+        yield draw
+    finally:
+        for bar in bars:
+            bar.stop()
 
 
 def print_error(message: str) -> None:

@@ -131,7 +131,7 @@ def test_an_interrupt_leaves_nothing_behind(root: Path, tmp_path: Path) -> None:
 
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
-        fix(built.path, out, progress=interrupt)
+        fix(built.path, out, notice=interrupt)
     assert_nothing_written(out)
 
 
@@ -288,3 +288,22 @@ def test_dcp_verification_catches_a_link_that_became_a_file(tmp_path: Path) -> N
     (dest / "notes.txt").write_text("")
     with pytest.raises(VerificationError, match=r"notes\.txt: is not the link"):
         verify_dcp(built.path, dest, additions)
+
+
+def test_progress_reports_bytes_written_and_verified(tmp_path: Path) -> None:
+    """The library reports progress in bytes (for a bar), never text; every byte written is verified."""
+    from optim_repair.progress import Step
+
+    built = ck.hf_trainer(tmp_path / "in")
+    steps: list[Step] = []
+    notices: list[str] = []
+    optim_repair.fix(built.path, tmp_path / "out", progress=steps.append, notice=notices.append)
+    total = sum(path.stat().st_size for path in built.path.rglob("*") if path.is_file() and not path.is_symlink())
+    for stage in ("write", "verify"):
+        done = [step.done for step in steps if step.stage == stage]
+        assert done == sorted(done) and done[-1] == total, stage
+    assert all(step.total == total for step in steps)
+    assert notices == ["writing optimizer.pt"]
+    linked: list[Step] = []
+    optim_repair.fix(built.path, tmp_path / "linked", link=True, progress=linked.append)
+    assert {step.total for step in linked} == {(built.path / "optimizer.pt").stat().st_size}

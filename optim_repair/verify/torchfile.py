@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import struct
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -133,11 +133,18 @@ def _same_framing(before: TorchFile, after: TorchFile, a: BinaryIO, b: BinaryIO,
 
 
 def verify_torch_file(
-    original: Path, copy: Path, source: str, additions: Sequence[Addition], *, parsed: TorchFile | None = None
+    original: Path,
+    copy: Path,
+    source: str,
+    additions: Sequence[Addition],
+    *,
+    parsed: TorchFile | None = None,
+    on_bytes: Callable[[int], None] = lambda nbytes: None,
 ) -> Verification:
     """Prove ``copy`` equals ``original`` plus ``additions``; raise VerificationError otherwise.
 
-    ``parsed`` is the original as the writer parsed it, not parsed again.
+    ``parsed`` is the original as the writer parsed it, not parsed again; ``on_bytes`` hears of every
+    storage compared, by its size.
     """
     before = parsed or open_torch_file(original, source)
     try:
@@ -160,6 +167,7 @@ def verify_torch_file(
             offset, length = before.storage_range(key)
             if not same_range(a, offset, b, after.storage_range(key)[0], length):
                 raise VerificationError(f"the bytes of storage {key} changed", path=source)
+            on_bytes(length)
             total += length
         _check_additions(after, b, additions, source)
     return Verification(comparison.tensors, total)

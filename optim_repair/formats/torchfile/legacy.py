@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pickle
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, ClassVar, Literal
@@ -84,7 +84,11 @@ def open_legacy(stream: BinaryIO, path: Path, source: str, *, ours: bool = False
 
 
 def write_legacy(
-    torch_file: LegacyTorchFile, data: bytes, created: Sequence[tuple[StorageRef, int, Iterable[bytes]]], target: int
+    torch_file: LegacyTorchFile,
+    data: bytes,
+    created: Sequence[tuple[StorageRef, int, Iterable[bytes]]],
+    target: int,
+    on_bytes: Callable[[int], None] = lambda nbytes: None,
 ) -> None:
     """Write ``torch_file`` to the descriptor ``target`` with ``data`` as its main pickle and ``created`` added."""
     keys = pickle.dumps([*torch_file.keys, *(ref.key for ref, _, _ in created)], protocol=2)
@@ -96,10 +100,12 @@ def write_legacy(
             position += len(block)
         length = torch_file.storage_end - torch_file.storage_start
         kernel_copy(source.fileno(), target, torch_file.storage_start, length, position)
+        on_bytes(length)
         position += length
-    for ref, _, chunks in created:
+    for ref, size, chunks in created:
         write_all(target, struct.pack("<q", ref.numel), position)
         position += 8
         for chunk in chunks:
             write_all(target, chunk, position)
             position += len(chunk)
+        on_bytes(size)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,7 @@ def write_torch_file(
     *,
     sync: bool = True,
     parsed: TorchFile | None = None,
+    on_bytes: Callable[[int], None] = lambda nbytes: None,
 ) -> TorchFile:
     """Write ``src`` with ``additions`` applied to ``dest`` (created if need be): every other byte of
     meaning unchanged, synced to the disk unless ``sync`` is false.
@@ -82,9 +83,9 @@ def write_torch_file(
         if os.fstat(target).st_size:
             os.ftruncate(target, 0)
         if isinstance(torch_file, LegacyTorchFile):
-            write_legacy(torch_file, data, created, target)
+            write_legacy(torch_file, data, created, target, on_bytes)
         else:
-            write_zip(torch_file, data, created, target)
+            write_zip(torch_file, data, created, target, on_bytes)
         if sync:
             os.fsync(target)
     except ZIP_ERRORS as exc:

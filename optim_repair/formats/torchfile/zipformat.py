@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 import zipfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, ClassVar, Literal
@@ -129,11 +129,18 @@ NewStorage = tuple[StorageRef, int, Iterable[bytes]]
 """A storage a repair adds: its stand-in, its size in bytes, and its bytes in bounded chunks."""
 
 
-def write_zip(torch_file: ZipTorchFile, data: bytes, created: Sequence[NewStorage], target: int) -> None:
+def write_zip(
+    torch_file: ZipTorchFile,
+    data: bytes,
+    created: Sequence[NewStorage],
+    target: int,
+    on_bytes: Callable[[int], None] = lambda nbytes: None,
+) -> None:
     """Write ``torch_file`` to the descriptor ``target`` with ``data`` as its pickle and ``created`` added.
 
     Stored records keep their bytes and CRC-32 and are moved by the kernel; a deflated record (torch
-    writes none; never more than ``MAX_FRAMING_BYTES``) is written stored.
+    writes none; never more than ``MAX_FRAMING_BYTES``) is written stored. ``on_bytes`` hears of every
+    record written, by its size.
     """
     writer = ZipWriter(target)
     with open_regular(torch_file.path, str(torch_file.path)) as raw, zipfile.ZipFile(raw) as source:
@@ -149,10 +156,12 @@ def write_zip(torch_file: ZipTorchFile, data: bytes, created: Sequence[NewStorag
                 writer.add_copy(
                     info.filename, raw.fileno(), offset, info.file_size, info.CRC, info.date_time, info.external_attr
                 )
+                on_bytes(info.file_size)
             else:
                 writer.add_bytes(info.filename, source.read(info), info.date_time, info.external_attr)
             if index == last_storage:
                 for ref, size, chunks in created:
                     name = f"{torch_file.prefix}data/{ref.key}"
                     writer.add_chunks(name, size, chunks, info.date_time, info.external_attr)
+                    on_bytes(size)
         writer.finish()

@@ -1,0 +1,46 @@
+"""How far a fix has come, in bytes: the library reports it through a callback, the CLI draws it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+Stage = Literal["write", "verify"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """Bytes of one stage done so far, of the stage's total (both known from the start)."""
+
+    stage: Stage
+    done: int
+    total: int
+
+
+Progress = Callable[[Step], None]
+Notice = Callable[[str], None]
+"""A line of text for the user (``writing checkpoint.pt``, a stale temporary removed): stderr in the CLI."""
+
+
+def ignore(step: Step) -> None:
+    """The progress callback of a caller that shows none."""
+
+
+class Meter:
+    """Counts the bytes each stage has done and reports every advance to a ``Progress`` callback."""
+
+    def __init__(self, progress: Progress, total: int) -> None:
+        self._progress = progress
+        self._total = total
+        self._done: dict[Stage, int] = {"write": 0, "verify": 0}
+
+    def advance(self, stage: Stage, nbytes: int) -> None:
+        self._done[stage] = min(self._done[stage] + nbytes, self._total)
+        self._progress(Step(stage, self._done[stage], self._total))
+
+    def writing(self, nbytes: int) -> None:
+        self.advance("write", nbytes)
+
+    def verifying(self, nbytes: int) -> None:
+        self.advance("verify", nbytes)
