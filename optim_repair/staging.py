@@ -56,7 +56,7 @@ def _locked(path: Path) -> int | None:
     return descriptor
 
 
-def remove_stale(out: Path, progress: Callable[[str], None]) -> None:
+def remove_stale(out: Path, notice: Callable[[str], None]) -> None:
     """Remove the temporaries beside ``out`` that runs killed before they could clean up left behind."""
     parent = Path(os.path.abspath(out)).parent
     for path in sorted(parent.glob(f"{_prefix(out)}*")):
@@ -70,7 +70,7 @@ def remove_stale(out: Path, progress: Callable[[str], None]) -> None:
             continue  # a live run's
         try:
             remove(path)
-            progress(f"removed {path}, a temporary copy left by a run that was killed")
+            notice(f"removed {path}, a temporary copy left by a run that was killed")
         finally:
             os.close(descriptor)
 
