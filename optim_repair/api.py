@@ -64,7 +64,7 @@ def fix(
     progress: Progress = ignore,
     notice: Notice = lambda message: None,
 ) -> FixResult:
-    """Write a repaired copy of ``checkpoint`` to ``out``, verified from disk; the input is never modified.
+    """Write a repaired copy of ``checkpoint`` to ``out``, verified as read back; the input is never modified.
 
     ``checkpoint`` is a path, or the ``Diagnosis`` that ``inspect`` returned for it (not read again).
     ``fill`` is ``"empty"`` (add ``{}``; the default for torch files) or ``"fresh"`` (the exact state
@@ -83,7 +83,14 @@ def fix(
         diagnosis = diagnose(read_discovered(found, keep=parsed))
     repair = plan(diagnosis, fill=fill, optimizer=optimizer, model=model)
     verification = write_copy(
-        found, diagnosis.inventory, repair, Path(out), force=force, link=link, sync=sync, parsed=parsed,
+        found,
+        diagnosis.inventory,
+        repair,
+        Path(out),
+        force=force,
+        link=link,
+        sync=sync,
+        parsed=parsed,
         progress=progress,
         notice=notice,
     )
