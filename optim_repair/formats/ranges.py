@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import errno
+import io
 import os
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError
 
@@ -59,3 +60,33 @@ def write_all(target: int, data: bytes | memoryview, offset: int) -> None:
     while view:
         written = os.pwrite(target, view, offset)
         view, offset = view[written:], offset + written
+
+
+class FileSlice(io.RawIOBase):
+    """``length`` bytes of an open file from ``offset``, as a file of their own (a DCP entry, for ``zipfile``)."""
+
+    def __init__(self, stream: BinaryIO, offset: int, length: int) -> None:
+        super().__init__()
+        self._stream, self._offset, self._length, self._position = stream, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        size = max(0, min(len(buffer), self._length - self._position))
+        self._stream.seek(self._offset + self._position)
+        data = self._stream.read(size)
+        buffer[: len(data)] = data
+        self._position += len(data)
+        return len(data)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import os
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,8 +24,8 @@ from optim_repair.formats.dcp.metadata import (
 from optim_repair.formats.dcp.metadata_reader import read_metadata
 from optim_repair.formats.dcp.storage import read_ranges, read_saved_object, untransform
 from optim_repair.formats.inputs import open_beneath
-from optim_repair.formats.pickled import tensor_meta
-from optim_repair.formats.ranges import same_range
+from optim_repair.formats.pickled import load_graph, tensor_meta
+from optim_repair.formats.ranges import FileSlice, same_range
 from optim_repair.repair_plan import Addition, FreshTensor
 from optim_repair.verify.files import Verification, same_file
 
@@ -62,18 +64,33 @@ def _check_addition(dest: Path, copy: DcpMetadata, entry: NewEntry) -> None:
     if info is None:
         raise VerificationError(f"{entry.key} is stored nowhere", path=dest)
     where = f"{display_path(str(dest), info.relative_path)}:{entry.key}"
-    data = dict(read_ranges(dest, {entry.key: info}, str(dest), limit=None))[entry.key]
-    saved = read_saved_object(untransform(data, info.transforms, where), where)
     if isinstance(value, FreshTensor):
-        meta = tensor_meta(saved.graph.root)
         expected = DcpTensor(value.dtype, value.shape, (DcpChunk(index[1] or (), value.shape),))
-        if item != expected or meta is None or (meta.dtype, meta.shape) != (value.dtype, value.shape):
+        if item != expected or info.transforms:
             raise VerificationError(f"{entry.key} is not a {value.dtype} tensor of shape {value.shape}", path=dest)
-        storage = saved.graph.storages[meta.storage]
-        if saved.archive.read(f"{saved.prefix}data/{storage.key}") != b"".join(value.chunks()):
-            raise VerificationError(f"{entry.key} does not hold {shown(value.fill)} everywhere", path=dest)
-    elif item != DcpBytes() or type(saved.graph.root) is not type(value) or saved.graph.root != value:
+        _check_fresh_tensor(dest / info.relative_path, info, value, where)
+        return
+    data = dict(read_ranges(dest, {entry.key: info}, str(dest)))[entry.key]
+    saved = read_saved_object(untransform(data, info.transforms, where), where)
+    if item != DcpBytes() or type(saved.graph.root) is not type(value) or saved.graph.root != value:
         raise VerificationError(f"{entry.key} does not hold {shown(value)}", path=dest)
+
+
+def _check_fresh_tensor(shard: Path, info: DcpStorage, value: FreshTensor, where: str) -> None:
+    """The ``torch.save`` archive at ``info`` holds a ``value``-shaped tensor of its fill, read in chunks."""
+    with (
+        shard.open("rb") as stream,
+        zipfile.ZipFile(io.BufferedReader(FileSlice(stream, info.offset, info.length))) as archive,
+    ):
+        pickles = [name for name in archive.namelist() if name.endswith("/data.pkl")]
+        if len(pickles) != 1:
+            raise VerificationError("is not a torch.save archive", path=where)
+        meta = tensor_meta(load_graph(archive.read(pickles[0]), where, ours=True).root)
+        if meta is None or (meta.dtype, meta.shape) != (value.dtype, value.shape) or not meta.in_bounds:
+            raise VerificationError(f"is not a {value.dtype} tensor of shape {value.shape}", path=where)
+        with archive.open(f"{pickles[0][: -len('data.pkl')]}data/{meta.storage}") as record:
+            if any(record.read(len(chunk)) != chunk for chunk in value.chunks()) or record.read(1):
+                raise VerificationError(f"does not hold {shown(value.fill)} everywhere", path=where)
 
 
 def verify_dcp(src: Path, dest: Path, additions: Sequence[Addition]) -> Verification:

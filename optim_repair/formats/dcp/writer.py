@@ -14,10 +14,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from optim_repair.errors import InputError, OutputError, RepairRefused
+from optim_repair.dtypes import numel
+from optim_repair.errors import InputError, OutputError
 from optim_repair.formats.dcp.layout import PlannedEntries, plan_entries
 from optim_repair.formats.dcp.metadata import METADATA_FILE, SHARD_SUFFIX, DcpMetadata, display_path
 from optim_repair.formats.dcp.metadata_reader import read_metadata, unpickle_metadata
+from optim_repair.formats.pickled import dump_graph, new_tensor, storage_for
+from optim_repair.formats.ranges import write_all
+from optim_repair.formats.torchfile.zipwriter import ZipWriter
 from optim_repair.repair_plan import AddedValue, Addition, FreshTensor
 
 
@@ -28,20 +32,32 @@ def _shard_name(src: Path) -> str:
     return f"__optim_repair_{number}{SHARD_SUFFIX}"
 
 
-def _serialized(value: AddedValue, key: str) -> bytes:
-    """``torch.save`` of one planned value, as DCP stores a tensor or a bytes entry."""
+_EPOCH = (1980, 0, 0, 0, 0, 0)
+"""The date torch.save gives every record."""
+
+
+def _write_tensor(target: int, base: int, value: FreshTensor) -> int:
+    """Write at ``base`` what ``torch.save`` writes for a tensor of ``value``'s dtype and shape whose every
+    element is its fill, without building the tensor: its storage is streamed in chunks, so that a
+    fresh moment of any size takes bounded memory. Returns the bytes written."""
+    storage = storage_for("0", value.dtype, numel(value.shape), legacy=False)
+    writer = ZipWriter(target, base)
+    writer.add_bytes("archive/data.pkl", dump_graph(new_tensor(storage, value.shape), 2), _EPOCH, 0)
+    for name, content in ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")):
+        writer.add_bytes(f"archive/{name}", content, _EPOCH, 0)
+    writer.add_chunks("archive/data/0", value.nbytes, value.chunks(), _EPOCH, 0)
+    writer.add_bytes("archive/version", b"3\n", _EPOCH, 0)
+    serialization_id = str(int.from_bytes(os.urandom(17), "little")).zfill(40)[:40].encode()
+    writer.add_bytes("archive/.data/serialization_id", serialization_id, _EPOCH, 0)
+    return writer.finish()
+
+
+def _saved(value: AddedValue) -> bytes:
+    """``torch.save`` of a plain value (a bytes entry)."""
     import torch
 
     buffer = io.BytesIO()
-    if isinstance(value, FreshTensor):
-        dtype = getattr(torch, value.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise RepairRefused(f"cannot create {key}: torch has no dtype {value.dtype!r}")
-        data = b"".join(value.chunks())
-        tensor = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
-        torch.save(tensor.reshape(value.shape), buffer)
-    else:
-        torch.save(value, buffer)
+    torch.save(value, buffer)
     return buffer.getvalue()
 
 
@@ -93,11 +109,18 @@ def _write_entries(src: Path, planned: PlannedEntries, dest: Path, source: str, 
         raise InputError("not a DCP Metadata with planner and storage data", path=source)
     shard = _shard_name(src)
     try:
-        with (dest / shard).open("wb") as stream:
+        descriptor = os.open(dest / shard, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        try:
+            position = 0
             for entry in planned.entries:
-                data = _serialized(entry.value, entry.key)
-                info = _StorageInfo(shard, stream.tell(), len(data))
-                stream.write(data)
+                if isinstance(entry.value, FreshTensor):
+                    length = _write_tensor(descriptor, position, entry.value)
+                else:
+                    data = _saved(entry.value)
+                    write_all(descriptor, data, position)
+                    length = len(data)
+                info = _StorageInfo(shard, position, length)
+                position += length
                 if isinstance(entry.value, FreshTensor):
                     zeros = [0] * len(entry.value.shape)
                     metadata.state_dict_metadata[entry.key] = TensorStorageMetadata(
@@ -110,7 +133,10 @@ def _write_entries(src: Path, planned: PlannedEntries, dest: Path, source: str, 
                     metadata.state_dict_metadata[entry.key] = BytesStorageMetadata()
                     metadata.storage_data[MetadataIndex(entry.key)] = info
                 metadata.planner_data[entry.key] = entry.path
-            _flush(stream, sync=sync)
+            if sync:
+                os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
         with (dest / METADATA_FILE).open("wb") as stream:
             pickle.dump(metadata, stream)
             _flush(stream, sync=sync)

@@ -45,15 +45,20 @@ def _dos(date_time: tuple[int, int, int, int, int, int]) -> tuple[int, int]:
 
 
 class ZipWriter:
-    """Stored records written in order to the descriptor ``target``, then the central directory."""
+    """Stored records written in order to the descriptor ``target``, then the central directory.
 
-    def __init__(self, target: int) -> None:
+    The archive starts at ``base`` in the file (a DCP shard holds one archive per entry, back to back);
+    offsets inside it are from its own start.
+    """
+
+    def __init__(self, target: int, base: int = 0) -> None:
         self._target = target
+        self._base = base
         self._position = 0
         self._written: list[_Written] = []
 
     def _append(self, data: bytes) -> None:
-        write_all(self._target, data, self._position)
+        write_all(self._target, data, self._base + self._position)
         self._position += len(data)
 
     def _header(
@@ -93,7 +98,7 @@ class ZipWriter:
     ) -> None:
         """A record whose ``size`` bytes are those at ``offset`` in ``source``, with the CRC-32 they have."""
         start = self._header(name, date_time, external_attr, size, crc)
-        kernel_copy(source, self._target, offset, size, start)
+        kernel_copy(source, self._target, offset, size, self._base + start)
         self._position = start + size
 
     def add_chunks(
@@ -113,7 +118,7 @@ class ZipWriter:
             self._append(chunk)
         if self._position - start != size:
             raise ValueError(f"{name}: {self._position - start} bytes streamed, {size} announced")
-        write_all(self._target, struct.pack("<I", crc), header_at + 14)
+        write_all(self._target, struct.pack("<I", crc), self._base + header_at + 14)
         self._written[-1] = replace(self._written[-1], crc=crc)
 
     def finish(self) -> int:
