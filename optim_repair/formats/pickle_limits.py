@@ -102,11 +102,6 @@ class _Refused(Exception):
     pass
 
 
-def _sized(data: Any, pos: int, width: int) -> int:
-    length: int = data[pos] if width == 1 else _U4(data, pos)[0] if width == 4 else _U8(data, pos)[0]
-    return pos + width + length
-
-
 def _underflow() -> _Refused:
     return _Refused("its stack underflows")
 
@@ -234,14 +229,7 @@ def scan(data: Any, pos: int = 0) -> tuple[int, bool]:
                 raise _underflow()
             items = stack[start:]
             del stack[start:]
-            weight, depth = 1, 0
-            for item in items:
-                weight += item[0]
-                if item[1] > depth:
-                    depth = item[1]
-            if depth >= MAX_DEPTH or weight > MAX_WEIGHT:
-                _new_tuple(items)  # raises, saying which limit
-            stack.append([weight, depth + 1, items, False])
+            stack.append(_new_tuple(items))
         elif kind == empty_kind:
             stack.append([1, 1, None, False])
         elif kind == empty_tuple_kind:
@@ -291,14 +279,7 @@ def scan(data: Any, pos: int = 0) -> tuple[int, bool]:
                 hashed += sum(item[0] for item in items)
             _over_budget(hashed, ops)
             if code == 0x74:  # TUPLE
-                weight, depth = 1, 0
-                for item in items:
-                    weight += item[0]
-                    if item[1] > depth:
-                        depth = item[1]
-                if depth >= MAX_DEPTH or weight > MAX_WEIGHT:
-                    _new_tuple(items)  # raises, saying which limit
-                stack.append([weight, depth + 1, items, False])
+                stack.append(_new_tuple(items))
             elif kind == _FROM_MARK:
                 record = [1, 1, None, False]
                 _grow(record, items)

@@ -38,10 +38,6 @@ UNPICKLING_ERRORS = (
 """What unpickling damaged bytes raises (besides the ``InputError`` of an allowlist). RuntimeError:
 what torch's own classes raise from ``__setstate__`` when the DCP writer unpickles them for real."""
 
-MAX_PICKLE_BYTES = 512 << 20
-"""The most any pickle may hold (a torch file's ``data.pkl``, a DCP bytes entry): far beyond the
-pickle of a million-parameter checkpoint, and a bound on what a compressed record may unpack to."""
-
 ZIP_ERRORS = (
     zipfile.BadZipFile,
     zipfile.LargeZipFile,

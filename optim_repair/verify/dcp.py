@@ -71,8 +71,8 @@ def _check_addition(dest: Path, copy: DcpMetadata, entry: NewEntry) -> None:
         _check_fresh_tensor(dest / info.relative_path, info, value, where)
         return
     data = dict(read_ranges(dest, {entry.key: info}, str(dest)))[entry.key]
-    saved = read_saved_object(untransform(data, info.transforms, where), where)
-    if item != DcpBytes() or type(saved.graph.root) is not type(value) or saved.graph.root != value:
+    saved = read_saved_object(untransform(data, info.transforms, where), where).root
+    if item != DcpBytes() or type(saved) is not type(value) or saved != value:
         raise VerificationError(f"{entry.key} does not hold {shown(value)}", path=dest)
 
 

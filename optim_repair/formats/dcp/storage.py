@@ -10,7 +10,6 @@ import importlib
 import io
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,17 +58,8 @@ def untransform(data: bytes, transforms: tuple[str, ...], source: str) -> bytes:
     return data
 
 
-@dataclass
-class SavedObject:
-    """A ``torch.save``'d object read from a byte range: its pickle graph and its archive."""
-
-    graph: PickleGraph
-    archive: zipfile.ZipFile
-    prefix: str
-
-
-def read_saved_object(data: bytes, source: str) -> SavedObject:
-    """Parse the ``torch.save`` archive in ``data``: its pickle, safely, and the archive for its storages."""
+def read_saved_object(data: bytes, source: str) -> PickleGraph:
+    """Parse the ``torch.save`` archive in ``data`` (a bytes entry): its pickle, safely."""
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
         pickles = [name for name in archive.namelist() if name.endswith("/data.pkl")]
@@ -80,13 +70,12 @@ def read_saved_object(data: bytes, source: str) -> SavedObject:
         pickle_bytes = archive.read(pickles[0])
     except (*ZIP_ERRORS, OSError) as exc:
         raise InputError(f"not a torch.save archive ({exc})", path=source) from None
-    return SavedObject(load_graph(pickle_bytes, source), archive, pickles[0][: -len("data.pkl")])
+    return load_graph(pickle_bytes, source)
 
 
-def read_ranges(
-    directory: Path, wanted: Mapping[str, DcpStorage], display: str, *, limit: int | None = MAX_BYTES_ENTRY
-) -> Iterator[tuple[str, bytes]]:
-    """The bytes of each wanted entry, reading each file once, in offset order; none longer than ``limit``."""
+def read_ranges(directory: Path, wanted: Mapping[str, DcpStorage], display: str) -> Iterator[tuple[str, bytes]]:
+    """The bytes of each wanted bytes entry, reading each file once, in offset order; none longer than
+    ``MAX_BYTES_ENTRY``."""
     by_file: dict[str, list[tuple[str, DcpStorage]]] = {}
     for key, info in wanted.items():
         by_file.setdefault(info.relative_path, []).append((key, info))
@@ -98,8 +87,9 @@ def read_ranges(
                 for key, info in sorted(reads, key=lambda read: read[1].offset):
                     if info.offset + info.length > size:
                         raise InputError(f"truncated; {shown(key)} lies past its end", path=where)
-                    if limit is not None and info.length > limit:
-                        raise InputError(f"{shown(key)} holds {info.length} bytes, more than {limit}", path=where)
+                    if info.length > MAX_BYTES_ENTRY:
+                        too_long = f"{shown(key)} holds {info.length} bytes, more than {MAX_BYTES_ENTRY}"
+                        raise InputError(too_long, path=where)
                     stream.seek(info.offset)
                     yield key, stream.read(info.length)
         except OSError as exc:
@@ -143,6 +133,6 @@ def read_bytes_entries(directory: Path, meta: DcpMetadata, keys: Sequence[str], 
             where = f"{display_path(rel, info.relative_path)}:{key}"
             unpickled[data, info.transforms] = read_saved_object(
                 untransform(data, info.transforms, where), where
-            ).graph.root
+            ).root
         values[key] = unpickled[data, info.transforms]
     return values

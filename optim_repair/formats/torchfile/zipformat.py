@@ -13,7 +13,7 @@ from optim_repair.errors import InputError, NotATorchFile, shown
 from optim_repair.formats.inputs import open_regular, size_of
 from optim_repair.formats.pickled import PickleGraph, StorageRef, load_graph
 from optim_repair.formats.torchfile.zipwriter import ZipWriter
-from optim_repair.formats.unpickling import MAX_PICKLE_BYTES, ZIP_ERRORS
+from optim_repair.formats.unpickling import ZIP_ERRORS
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 
@@ -42,6 +42,9 @@ class ZipTorchFile:
 
 
 ZIP_MAGIC = b"PK\x03\x04"
+MAX_PICKLE_BYTES = 512 << 20
+"""The most a torch file's ``data.pkl`` may hold: far beyond the pickle of a million-parameter
+checkpoint, and a bound on what a compressed pickle record may unpack to."""
 MAX_FRAMING_BYTES = 1 << 20
 """The most a record other than the pickle and the storages may hold: torch writes a few bytes in each."""
 
