@@ -64,6 +64,17 @@ def test_crafted_pickles_are_refused_in_bounded_time_and_memory(tmp_path: Path, 
     assert "crafted.pt: " in line
 
 
+def test_an_opcode_across_the_end_of_its_frame_is_refused(tmp_path: Path) -> None:
+    # The C unpickler reads the rest of this LONG_BINPUT's index afresh from past the frame, and
+    # allocates a memo of 2**30 entries; read in order, the same bytes are a harmless pickle.
+    crossing = b"\x80\x04\x95" + struct.pack("<Q", 4) + b"]r\x00\x00" + b"\x00\x000N."
+    path = hostile.torch_zip(tmp_path / "crossing.pt", crossing)
+    assert "an opcode crosses the end of its frame" in refused("inspect", path, codes=(4,))
+    nested = b"\x80\x04\x95" + struct.pack("<Q", 10) + b"\x95" + struct.pack("<Q", 1) + b"N."
+    path = hostile.torch_zip(tmp_path / "nested.pt", nested)
+    assert "it begins a frame inside another" in refused("inspect", path, codes=(4,))
+
+
 def test_a_fifo_is_never_opened(tmp_path: Path) -> None:
     """A FIFO would block open() forever: as the argument, in a directory, as --model or as a DCP shard."""
     built = ck.hf_trainer(tmp_path / "hf")

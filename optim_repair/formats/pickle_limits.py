@@ -11,7 +11,9 @@ counting shared parts each time) and a depth for every object, and refuses:
   weighed together, against ``HASH_BUDGET_PER_OP`` per opcode);
 * a memo entry stored out of order (a memo index of 2**28), or a reference to one never stored;
 * an opcode stream that ends early, underflows its stack, or declares more bytes than it holds (a
-  string, or a frame: the unpickler allocates a frame's declared length before reading it).
+  string, or a frame: the unpickler allocates a frame's declared length before reading it);
+* an opcode that crosses the end of its frame, or a frame begun inside another (the C unpickler
+  reads what is past a frame from the file afresh, and misreads it: a memo index of 2**30).
 
 Whatever it accepts, the unpickler finishes in time linear in the pickle's size. The depths it
 computes are exact unless the pickle grows a container after taking it from the memo (which
@@ -139,7 +141,8 @@ def _grow(container: list[Any], items: list[Any]) -> bool:
 
 
 def _argument(data: Any, pos: int, kind: int, arg: int) -> tuple[int, int]:
-    """Skip an opcode's argument; return where the next opcode starts, and a memo index for PUT and GET."""
+    """Skip an opcode's argument; return where the next opcode starts, and a memo index for PUT and GET
+    (a frame's length for FRAME)."""
     if arg > _SIZED:
         width = arg - _SIZED
         if pos + width > len(data):
@@ -150,9 +153,10 @@ def _argument(data: Any, pos: int, kind: int, arg: int) -> tuple[int, int]:
         if pos + arg > len(data):
             raise _Refused("it ends inside an opcode")
         if kind == _FRAME:  # the unpickler reads a frame's declared length in one go: it must be there
-            if _U8(data, pos)[0] > len(data) - pos - arg:
-                raise _Refused(f"it declares a frame of {_U8(data, pos)[0]} bytes, more than it holds")
-            return pos + arg, 0
+            length = _U8(data, pos)[0]
+            if length > len(data) - pos - arg:
+                raise _Refused(f"it declares a frame of {length} bytes, more than it holds")
+            return pos + arg, length
         return pos + arg, _U4(data, pos)[0] if kind in _INDEXED and arg == 4 else 0
     end = data.find(b"\n", pos)
     if end < 0:
@@ -178,7 +182,9 @@ def scan(data: Any, pos: int = 0) -> tuple[int, bool]:
     scalar: list[Any] = [1, 0, None, False]
     ops = hashed = 0
     stale = False
+    frame_end = size  # where the frame being read ends; the data's end outside one
     while pos < size:
+        op_start = pos
         code = data[pos]
         entry = table[code]
         if entry is None:
@@ -201,6 +207,14 @@ def scan(data: Any, pos: int = 0) -> tuple[int, bool]:
                 pos, index = _argument(data, pos, kind, arg)
             if pos > size:
                 raise _Refused("it declares more bytes than it holds")
+            if pos > frame_end:  # the C unpickler would read the rest past the frame, and misread what follows
+                if op_start < frame_end:
+                    raise _Refused("an opcode crosses the end of its frame")
+                frame_end = size
+            if kind == _FRAME:
+                if op_start < frame_end < size:
+                    raise _Refused("it begins a frame inside another")
+                frame_end = pos + index
         # The most frequent kinds first. An empty stack where an item is needed is an IndexError (refused
         # by check_pickle); an item below a mark is the unpickler's own error, reached before any work.
         if kind == scalar_kind:
