@@ -256,6 +256,21 @@ def test_a_dcp_chunk_stored_in_fewer_bytes_than_it_holds_is_refused(tmp_path: Pa
     assert "is stored in fewer bytes than it holds" in refused("inspect", path, codes=(4,))
 
 
+def test_a_dcp_tensor_larger_than_its_chunks_is_refused(tmp_path: Path) -> None:
+    # A fresh fill is sized by the weight's declared size: 2**28 elements held in 8 stored ones.
+    path = dk.unirl_dcp(tmp_path).path
+    with (path / ".metadata").open("rb") as stream:
+        metadata = pickle.load(stream)
+    item = metadata.state_dict_metadata["model.head.proj.weight"]
+    item.size = type(item.size)([1 << 28, *item.size[1:]])
+    with (path / ".metadata").open("wb") as stream:
+        pickle.dump(metadata, stream)
+    assert "the chunks of model.head.proj.weight hold 8 of its" in refused("inspect", path, codes=(4,))
+    fixed = tmp_path / "out"
+    assert "hold 8 of its" in refused("fix", path, "--out", fixed, "--fill", "fresh", codes=(4,))
+    assert not fixed.exists()
+
+
 def test_a_dcp_range_past_its_shard_is_refused_when_read_not_when_verified(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.metadata import MetadataIndex
 

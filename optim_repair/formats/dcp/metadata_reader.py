@@ -177,6 +177,10 @@ def _tensor_item(value: Any, key: str, source: str) -> DcpTensor:
         if not inside:
             raise InputError(f"a chunk of {key} lies outside it ({shown(offsets)} + {shown(sizes)})", path=source)
         parsed.append(DcpChunk(offsets, sizes))
+    # What is sized by the tensor's size (a fresh fill) must be backed by chunks that hold as much.
+    held, whole = sum(numel(chunk.sizes) for chunk in parsed), numel(size)
+    if held < whole:
+        raise InputError(f"the chunks of {key} hold {held} of its {whole} elements", path=source)
     return DcpTensor(dtype.name, size, tuple(parsed))
 
 
