@@ -7,6 +7,9 @@ bit-identical to a run that never stopped.
 from __future__ import annotations
 
 import os
+import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from optim_repair.discovery import discover
-from optim_repair.errors import RepairRefused
+from optim_repair.errors import InputError, RepairRefused
 from optim_repair.formats.dcp import DcpBytes, DcpChunk, DcpTensor, read_dcp, read_metadata, write_dcp
 from optim_repair.output import write_copy
 from optim_repair.reading import read_checkpoint
@@ -98,6 +101,91 @@ def test_new_metadata_describes_old_and_new_entries(tmp_path: Path, flatten: boo
         name, state_key = key.removeprefix("optim.state.").rsplit(".", 1)
         path = ("optim", f"state.{name}.{state_key}") if flatten else ("optim", "state", name, state_key)
         assert new.planner_data[key] == path
+
+
+def test_new_metadata_is_what_torch_would_write(tmp_path: Path) -> None:
+    """The original pickle is kept byte for byte (its STOP became a MARK), and stock ``pickle.load`` builds
+    from the extension the very objects torch's classes would have pickled."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    built = dk.unirl_dcp(tmp_path / "in")
+    dest = tmp_path / "out"
+    tensors = repaired(built, {"optim": "adamw"}, dest)  # adds fresh moments
+    plain = dk.unirl_dcp(tmp_path / "plain", "sgd_dampening")
+    plain_dest = tmp_path / "plain-out"
+    repaired(plain, {"optim": "sgd_dampening"}, plain_dest)  # adds momentum_buffer = None
+    before = (built.path / ".metadata").read_bytes()
+    after = (dest / ".metadata").read_bytes()
+    assert after[: len(before) - 1] == before[:-1] and after[len(before) - 1 : len(before)] == b"("
+    with (dest / ".metadata").open("rb") as stream:
+        metadata = pickle.load(stream)
+    shard = "__optim_repair_0.distcp"
+    position = 0
+    for addition in tensors:
+        for state_key, value in addition.state:
+            key = f"optim.state.{addition.param}.{state_key}"
+            zeros = torch.Size([0] * len(value.shape))
+            size = torch.Size(value.shape)
+            assert metadata.state_dict_metadata[key] == TensorStorageMetadata(
+                TensorProperties(dtype=getattr(torch, value.dtype)), size, [ChunkStorageMetadata(zeros, size)]
+            )
+            index = MetadataIndex(key, zeros, 0)
+            info = metadata.storage_data[index]
+            assert next(k for k in metadata.storage_data if k == index).index == 0
+            assert (info.relative_path, info.offset) == (shard, position) and info.length > value.nbytes
+            assert type(info) is _StorageInfo and info.transform_descriptors is None
+            assert metadata.planner_data[key] == ("optim", "state", addition.param, state_key)
+            position += info.length
+    assert position == (dest / shard).stat().st_size
+    with (plain_dest / ".metadata").open("rb") as stream:
+        plain_metadata = pickle.load(stream)
+    key = "optim.state.head.proj.weight.momentum_buffer"
+    assert plain_metadata.state_dict_metadata[key] == BytesStorageMetadata()
+    assert plain_metadata.storage_data[MetadataIndex(key)].relative_path == shard
+    dcp_to_torch_save(dest, tmp_path / "whole.pt")  # torch's own converter reads the copy
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    for addition in tensors:
+        saved = whole["optim"]["state"][addition.param]
+        assert saved.keys() == dict(addition.state).keys()
+        shape = dict(addition.state)["exp_avg"].shape
+        assert all(torch.equal(saved[moment], torch.zeros(shape)) for moment in ("exp_avg", "exp_avg_sq"))
+
+
+def test_fix_of_a_dcp_checkpoint_never_imports_torch(tmp_path: Path) -> None:
+    built = dk.unirl_dcp(tmp_path / "in")
+    script = (
+        "import sys, optim_repair\n"
+        f"result = optim_repair.fix({str(built.path)!r}, {str(tmp_path / 'out')!r}, fill='fresh')\n"
+        "assert result.verification.tensors > 0\n"
+        "print(sorted(name for name in sys.modules if name == 'torch' or name.startswith('torch.')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_refuses_a_metadata_without_memoized_tables(tmp_path: Path) -> None:
+    """A ``.metadata`` pickled without a memo (a pickler in fast mode) is read, but cannot be extended."""
+    built = dk.unirl_dcp(tmp_path / "in")
+    with (built.path / ".metadata").open("rb") as stream:
+        metadata = pickle.load(stream)
+    with (built.path / ".metadata").open("wb") as stream:
+        pickler = pickle.Pickler(stream)
+        pickler.fast = True
+        pickler.dump(metadata)
+    assert dk.missing_params(only(read_dcp(built.path, ""))) == dk.HEAD
+    dest = tmp_path / "out"
+    dest.mkdir()
+    with pytest.raises(InputError, match="does not keep the metadata tables where a repair can extend them"):
+        write_dcp(built.path, dk.additions_for(read_dcp(built.path, ""), {"optim": "adamw"}), dest)
+    assert list(dest.iterdir()) == []
 
 
 @pytest.mark.parametrize("link", [False, True], ids=["copy", "link"])

@@ -35,8 +35,7 @@ UNPICKLING_ERRORS = (
     OverflowError,
     RuntimeError,
 )
-"""What unpickling damaged bytes raises (besides the ``InputError`` of an allowlist). RuntimeError:
-what torch's own classes raise from ``__setstate__`` when the DCP writer unpickles them for real."""
+"""What unpickling damaged bytes raises (besides the ``InputError`` of an allowlist)."""
 
 ZIP_ERRORS = (
     zipfile.BadZipFile,
@@ -73,6 +72,10 @@ class AllowlistUnpickler(pickle.Unpickler):
         elif module in _compat_pickle.IMPORT_MAPPING:
             module = _compat_pickle.IMPORT_MAPPING[module]
         return self._allowlist(module, name)
+
+    def stream_position(self) -> int:
+        """Where in its file the pickle read so far ends (just past its STOP, once loaded)."""
+        return self._file.tell()
 
     def load_safely(self, what: str, *, ours: bool = False) -> Any:
         """Unpickle once ``check_pickle`` has bounded the work, translating every error of a damaged

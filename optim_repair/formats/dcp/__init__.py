@@ -1,8 +1,9 @@
 """torch.distributed.checkpoint (DCP) directories, split as torch splits them.
 
 ``metadata`` (what a ``.metadata`` says, as plain data), ``metadata_reader`` (reading it safely),
-``layout`` (where optimizers and weights sit among the keys), ``storage`` (shard bytes and stream
-transforms), ``reader`` (the inventory) and ``writer`` (a repaired copy; the only part that imports torch).
+``metadata_writer`` (extending it), ``layout`` (where optimizers and weights sit among the keys),
+``storage`` (shard bytes and stream transforms), ``reader`` (the inventory) and ``writer`` (a
+repaired copy). None of them imports torch.
 """
 
 from optim_repair.formats.dcp.layout import PlannedEntries

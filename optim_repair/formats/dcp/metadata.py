@@ -70,6 +70,17 @@ class DcpStorage:
 
 
 @dataclass(frozen=True)
+class MetadataPickle:
+    """A ``.metadata`` pickle as it was read, already checked: what a repair extends."""
+
+    data: bytes = field(repr=False)
+    end: int
+    """Where the pickle ends: just past its STOP."""
+    tables: tuple[int, int, int]
+    """Where the unpickler's memo holds ``state_dict_metadata``, ``planner_data`` and ``storage_data``."""
+
+
+@dataclass(frozen=True)
 class DcpMetadata:
     """A checkpoint's ``.metadata``, read without torch."""
 
@@ -77,9 +88,9 @@ class DcpMetadata:
     planner_data: Mapping[str, KeyPath]
     """Each key's original path of keys (``("optim", "state", "blocks.0.w", "exp_avg")``)."""
     storage: Mapping[StorageIndex, DcpStorage]
-    pickle: bytes = field(default=b"", repr=False, compare=False)
-    """The pickle these were read from, already checked: the writer unpickles these very bytes into
-    torch's classes, so that a file changed in between is never unpickled unchecked."""
+    pickle: MetadataPickle | None = field(default=None, repr=False, compare=False)
+    """The pickle these were read from: the writer extends these very bytes, so that a file changed
+    in between is never taken as the original."""
 
     def path_of(self, key: str) -> KeyPath:
         return self.planner_data.get(key, (key,))

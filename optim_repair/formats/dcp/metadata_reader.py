@@ -6,8 +6,8 @@ only the DCP metadata classes and plain data, so a crafted file is refused befor
 
 from __future__ import annotations
 
-import importlib
 import io
+import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
@@ -24,11 +24,12 @@ from optim_repair.formats.dcp.metadata import (
     DcpStorage,
     DcpTensor,
     KeyPath,
+    MetadataPickle,
     StorageIndex,
     display_path,
 )
 from optim_repair.formats.inputs import open_regular
-from optim_repair.formats.unpickling import Allowlist, AllowlistUnpickler
+from optim_repair.formats.unpickling import AllowlistUnpickler
 
 
 class MetadataRecord:
@@ -107,28 +108,20 @@ _STANDINS: dict[tuple[str, str], Any] = {
 """Every global a DCP ``.metadata`` may name (besides ``torch.<dtype>``), with what stands in for it."""
 
 
-def _allowlist(*, real: bool) -> Allowlist:
-    """Admits the DCP metadata classes and plain data only; ``real`` gives the real torch classes."""
-
-    def allowed(module: str, name: str) -> Any:
-        is_dtype = module == "torch" and name in DTYPES
-        if (module, name) not in _STANDINS and not is_dtype:
-            raise UnsafeInputError(
-                f"refuses to load global {module}.{name} "
-                "(a DCP .metadata names only torch.distributed.checkpoint metadata classes); nothing was run"
-            )
-        if real:
-            return getattr(importlib.import_module(module), name)
-        return _DType(name) if is_dtype else _STANDINS[(module, name)]
-
-    return allowed
+def _allowlist(module: str, name: str) -> Any:
+    """Admits the DCP metadata classes and plain data only, each as its stand-in."""
+    is_dtype = module == "torch" and name in DTYPES
+    if (module, name) not in _STANDINS and not is_dtype:
+        raise UnsafeInputError(
+            f"refuses to load global {module}.{name} "
+            "(a DCP .metadata names only torch.distributed.checkpoint metadata classes); nothing was run"
+        )
+    return _DType(name) if is_dtype else _STANDINS[(module, name)]
 
 
-def unpickle_metadata(data: bytes, source: str, *, real: bool, ours: bool = False) -> Any:
-    """The objects of a ``.metadata`` pickle: stand-ins, or (``real``) torch's own classes, under the same
-    allowlist. ``ours``: bytes already checked (or written by this run), not bounded again."""
-    unpickler = AllowlistUnpickler(io.BytesIO(data), source, _allowlist(real=real))
-    return unpickler.load_safely("DCP metadata pickle", ours=ours)
+def _unpickler(data: bytes, source: str) -> AllowlistUnpickler:
+    """An unpickler of a ``.metadata`` pickle that admits stand-ins for the DCP classes only."""
+    return AllowlistUnpickler(io.BytesIO(data), source, _allowlist)
 
 
 def _int_tuple(value: Any, what: str, source: str | None = None) -> tuple[int, ...]:
@@ -280,5 +273,22 @@ def read_metadata(path: Path, rel: str = "", *, ours: bool = False) -> DcpMetada
             data = stream.read()
     except OSError as exc:
         raise InputError(f"cannot read ({exc.strerror or exc})", path=source) from exc
-    meta = _parse_metadata(unpickle_metadata(data, source, real=False, ours=ours), source)
-    return replace(meta, pickle=data)
+    unpickler = _unpickler(data, source)
+    root = unpickler.load_safely("DCP metadata pickle", ours=ours)
+    meta = _parse_metadata(root, source)
+    return replace(meta, pickle=_extensible(data, unpickler, root))
+
+
+def _extensible(data: bytes, unpickler: AllowlistUnpickler, root: MetadataRecord) -> MetadataPickle | None:
+    """The pickle and where its memo holds the three tables a repair extends; None when it does not hold
+    them all (a pickler other than torch's wrote it)."""
+    tables = [id(root.state[name]) for name in ("state_dict_metadata", "planner_data", "storage_data")]
+    found: dict[int, int] = {}
+    for index, value in unpickler.memo.copy().items():
+        if id(value) in tables:
+            found[id(value)] = index
+    end = unpickler.stream_position()
+    if len(found) < len(tables) or data[end - 1 : end] != pickle.STOP:
+        return None
+    described, planner, stored = (found[table] for table in tables)
+    return MetadataPickle(data, end, (described, planner, stored))
