@@ -87,6 +87,7 @@ def main() -> int:
     parser.add_argument("--moe-params", type=int, default=30000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--only", default="", help="measure only the rows whose command label contains this")
     parser.add_argument("--build-into", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.build_into:
@@ -125,7 +126,7 @@ def main() -> int:
         print(f"checkpoint: {size / 2**30:.2f} GiB, {args.params} params, {MISSING} missing; MoE: "
               f"{args.moe_params} params; medians of {args.repeat}; python {sys.version.split()[0]}\n")
         print("| command | s | peak RSS MiB | yardstick | s | ratio | goal |\n|---|---|---|---|---|---|---|")
-        for label, command, yard_label, yard_command, goal in pairs:
+        for label, command, yard_label, yard_command, goal in (p for p in pairs if args.only in p[0]):
             mine, theirs = [], []
             for _ in range(args.repeat):
                 for runs, argv in ((mine, command), (theirs, yard_command)):
