@@ -13,11 +13,13 @@ Library use::
 
 from __future__ import annotations
 
+from optim_repair.version import __version__ as __version__
+
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing would slow the console's start-up
 if TYPE_CHECKING:
     from typing import Any
 
-    from optim_repair.api import FixResult, fix, inspect, plan
+    from optim_repair.api import DryRun, FixResult, Versions, dry_run, fix, inspect, plan, versions
     from optim_repair.diagnose import Diagnosis, Malformed, Notice, OptimizerDiagnosis
     from optim_repair.errors import (
         ExitCode,
@@ -34,10 +36,10 @@ if TYPE_CHECKING:
     from optim_repair.torch_loader import set_optimizer_state_dict
     from optim_repair.verify import Verification
 
-__version__ = "0.1.0"
-
 _HOMES = {
-    **dict.fromkeys(("FixResult", "fix", "inspect", "plan"), "optim_repair.api"),
+    **dict.fromkeys(
+        ("DryRun", "FixResult", "Versions", "dry_run", "fix", "inspect", "plan", "versions"), "optim_repair.api"
+    ),
     **dict.fromkeys(("Diagnosis", "Malformed", "Notice", "OptimizerDiagnosis"), "optim_repair.diagnose"),
     **dict.fromkeys(
         (
@@ -56,6 +58,7 @@ the console entry point can handle an interrupt before anything heavy loads (the
 __all__ = [
     "Addition",
     "Diagnosis",
+    "DryRun",
     "ExitCode",
     "FilledOptimizer",
     "FixResult",
@@ -73,10 +76,13 @@ __all__ = [
     "UsageError",
     "Verification",
     "VerificationError",
+    "Versions",
+    "dry_run",
     "fix",
     "inspect",
     "plan",
     "set_optimizer_state_dict",
+    "versions",
 ]
 
 

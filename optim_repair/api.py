@@ -2,26 +2,51 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from optim_repair.diagnose import Diagnosis, diagnose
 from optim_repair.discovery import discover
-from optim_repair.output import write_copy
+from optim_repair.output import free_space, space_needed, write_copy
 from optim_repair.progress import Notice, Progress, ignore
 from optim_repair.reading import Parsed, read_discovered, read_model_weights
 from optim_repair.repair import plan_repair
-from optim_repair.repair_plan import Fill, RepairPlan
+from optim_repair.repair_plan import Addition, Fill, PlanFill, RepairPlan
 from optim_repair.verify import Verification
+from optim_repair.version import __version__
 
 
-def inspect(path: str | Path) -> Diagnosis:
+class Versions(NamedTuple):
+    """The versions a report was made with: optim-repair's, and the installed torch's (None without one)."""
+
+    optim_repair: str
+    torch: str | None
+
+
+@functools.cache
+def versions() -> Versions:
+    """optim-repair's version and the installed torch's, found without importing torch (from the
+    environment's package metadata, read once)."""
+    try:
+        torch_version: str | None = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = None
+    return Versions(__version__, torch_version)
+
+
+def inspect(path: str | Path, *, strict: bool = False) -> Diagnosis:
     """Read ``path`` (a torch file, a checkpoint directory or a DCP directory) and diagnose it.
 
-    Reads no tensor bytes (only ``step`` values); never unpickles unsafely.
-    Raises ``optim_repair.errors.InputError`` when there is nothing to inspect.
+    The verdict answers "will a resume through the loader this layout implies work, and continue
+    exactly?": absent entries that ``optimizer.load_state_dict`` (index keys) resumes exactly leave it
+    ``healthy``, unless ``strict``. Reads no tensor bytes (only ``step`` values); never unpickles
+    unsafely. Raises ``optim_repair.errors.InputError`` when there is nothing to inspect.
     """
-    return diagnose(read_discovered(discover(Path(path))))
+    return diagnose(read_discovered(discover(Path(path))), strict=strict)
 
 
 def plan(
@@ -41,6 +66,46 @@ def plan(
     return plan_repair(diagnosis, fill, optimizer=optimizer, model_weights=weights)
 
 
+def output_path(checkpoint: Path, out: str | Path) -> Path:
+    """Where ``fix`` writes: ``out``, or, for a file and an ``out`` ending in a slash, the file's name inside
+    that directory, as ``cp`` does."""
+    text = os.fspath(out)
+    if text.endswith(("/", os.sep)) and not checkpoint.is_dir():
+        return Path(text) / checkpoint.name
+    return Path(text)
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """What ``fix`` would add and write, found without writing anything."""
+
+    diagnosis: Diagnosis
+    plan: RepairPlan
+    out: Path
+    bytes_to_write: int
+    """About how many bytes the copy would take (hard-linked files excluded)."""
+    free_bytes: int
+    """The bytes free on the file system that would hold ``out``."""
+
+
+def dry_run(
+    checkpoint: str | Path | Diagnosis,
+    out: str | Path,
+    *,
+    fill: Fill | None = None,
+    optimizer: str | None = None,
+    model: str | Path | None = None,
+    link: bool = False,
+) -> DryRun:
+    """What ``fix`` with the same arguments would add and write, and the room there is for it; writes nothing."""
+    diagnosis = checkpoint if isinstance(checkpoint, Diagnosis) else inspect(checkpoint)
+    found = discover(Path(diagnosis.inventory.path))
+    repair = plan(diagnosis, fill=fill, optimizer=optimizer, model=model)
+    target = output_path(found.root, out)
+    needed = space_needed(found, diagnosis.inventory, repair, link=link)
+    return DryRun(diagnosis, repair, target, needed, free_space(target))
+
+
 @dataclass(frozen=True)
 class FixResult:
     """What ``fix`` found, added, wrote and proved."""
@@ -49,6 +114,14 @@ class FixResult:
     plan: RepairPlan
     out: Path
     verification: Verification
+
+    @property
+    def fill(self) -> PlanFill:
+        return self.plan.fill
+
+    @property
+    def added(self) -> tuple[Addition, ...]:
+        return self.plan.additions
 
 
 def fix(
@@ -73,7 +146,8 @@ def fix(
     ``link`` hard-links the files the repair does not change instead of copying them; ``sync=False``
     skips syncing the copy to the disk (a scratch copy: a crash may lose it, never the input).
     ``progress`` hears of the bytes written and verified (``optim_repair.progress.Step``); ``notice``
-    gets lines of text for the user.
+    gets lines of text for the user. For a file, an ``out`` ending in a slash is a directory to write
+    into. Refused up front when the file system holding ``out`` has too little room for the copy.
     """
     parsed = Parsed()  # what reading parsed, for the writer not to parse it again
     if isinstance(checkpoint, Diagnosis):
@@ -82,11 +156,12 @@ def fix(
         found = discover(Path(checkpoint))
         diagnosis = diagnose(read_discovered(found, keep=parsed))
     repair = plan(diagnosis, fill=fill, optimizer=optimizer, model=model)
+    target = output_path(found.root, out)
     verification = write_copy(
         found,
         diagnosis.inventory,
         repair,
-        Path(out),
+        target,
         force=force,
         link=link,
         sync=sync,
@@ -94,4 +169,4 @@ def fix(
         progress=progress,
         notice=notice,
     )
-    return FixResult(diagnosis, repair, Path(out), verification)
+    return FixResult(diagnosis, repair, target, verification)

@@ -1,4 +1,4 @@
-"""Findings about an inventory: missing, empty and malformed entries, and warnings. Pure functions."""
+"""Findings about an inventory: missing, empty and malformed entries, and notices. Pure functions."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ from optim_repair.inventory import (
 from optim_repair.optimizers import PARAM_SHAPED_KEYS
 
 Verdict = Literal["healthy", "repairable", "malformed"]
+Loader = Literal["load_state_dict", "set_optimizer_state_dict", "dcp.load"]
+"""The loader a layout implies: ``optimizer.load_state_dict`` for index keys (``optimizer.state_dict()``),
+torch's ``set_optimizer_state_dict`` for parameter names, ``dcp.load`` for a DCP checkpoint."""
+Severity = Literal["info", "warning"]
 
 
 @dataclass(frozen=True)
@@ -32,10 +36,11 @@ class Malformed:
 
 @dataclass(frozen=True)
 class Notice:
-    """A warning or piece of information with a stable ``code``."""
+    """A warning or a piece of information, with a stable ``code``."""
 
     code: str
     detail: str
+    severity: Severity = "warning"
 
 
 @dataclass(frozen=True)
@@ -43,10 +48,11 @@ class OptimizerDiagnosis:
     """Every finding about one optimizer; its fields and properties are named as in the JSON document."""
 
     optimizer: OptimizerInventory
+    loader: Loader
     missing: tuple[ParamKey, ...]
     empty: tuple[ParamKey, ...]
     malformed: tuple[Malformed, ...]
-    warnings: tuple[Notice, ...]
+    notices: tuple[Notice, ...]
 
     @property
     def file(self) -> str:
@@ -76,6 +82,12 @@ class OptimizerDiagnosis:
     def cold(self) -> bool:
         return all(entry.is_empty for entry in self.optimizer.entries)
 
+    @property
+    def resumes_as_is(self) -> bool:
+        """Whether its loader resumes it exactly as it is: no entry is absent, or its loader
+        (``optimizer.load_state_dict``) creates absent entries lazily, as the optimizer would have."""
+        return not self.missing or self.loader == "load_state_dict"
+
 
 @dataclass(frozen=True)
 class Diagnosis:
@@ -83,13 +95,16 @@ class Diagnosis:
 
     inventory: CheckpointInventory
     optimizers: tuple[OptimizerDiagnosis, ...]
-    warnings: tuple[Notice, ...]
+    notices: tuple[Notice, ...]
+    strict: bool = False
+    """Whether any absent entry makes the checkpoint repairable, whatever its loader."""
 
     @property
     def verdict(self) -> Verdict:
+        """Will a resume through the loader each layout implies work and continue exactly?"""
         if any(opt.malformed for opt in self.optimizers):
             return "malformed"
-        if any(opt.missing for opt in self.optimizers):
+        if any(opt.missing and (self.strict or not opt.resumes_as_is) for opt in self.optimizers):
             return "repairable"
         return "healthy"
 
@@ -186,19 +201,31 @@ def _is_phantom(optimizer: OptimizerInventory) -> bool:
     return True
 
 
-def _stock_loader_phantom(optimizer: OptimizerInventory, missing: int, empty: int) -> Notice | None:
-    """Whether torch's stock full-state loader would give stateless params a phantom step.
+def _phantom_kind(optimizer: OptimizerInventory) -> str | None:
+    """The optimizer kind, when a phantom step (what torch's full-state loader gives a parameter without
+    state) changes how it trains; None when it does not.
 
-    Its ``_init_optim_state`` runs a zero-gradient step on every parameter without state. That is
-    harmless for RMSprop and Adadelta, and for SGD unless momentum is used with dampening; every
+    That loader's ``_init_optim_state`` runs a zero-gradient step on every parameter without state. It
+    is harmless for RMSprop and Adadelta, and for SGD unless momentum is used with dampening; every
     other lazy optimizer then takes a different first step. Unknown kinds are assumed affected.
     """
-    if not (missing or empty) or optimizer.key_style != "name":
-        return None
     kind = guess_optimizer(optimizer.groups, optimizer.entries) or "an unidentified optimizer"
     if kind in ("rmsprop", "adadelta"):
         return None
     if kind == "sgd" and not any(g.option("momentum") and g.option("dampening") for g in optimizer.groups):
+        return None
+    return kind
+
+
+def _shown(params: tuple[ParamKey, ...], limit: int = 8) -> str:
+    names = ", ".join(str(param) for param in params[:limit])
+    return f"{names}, and {len(params) - limit} more" if len(params) > limit else names
+
+
+def _stock_loader_phantom(optimizer: OptimizerInventory, missing: int, empty: int) -> Notice | None:
+    """What torch's ``set_optimizer_state_dict(full_state_dict=True)`` does to parameters without state."""
+    kind = _phantom_kind(optimizer) if missing or empty else None
+    if kind is None:
         return None
     remedies = "load with optim_repair.set_optimizer_state_dict"
     if missing:
@@ -212,15 +239,46 @@ def _stock_loader_phantom(optimizer: OptimizerInventory, missing: int, empty: in
     )
 
 
-def _index_keyed_sparse(optimizer: OptimizerInventory, missing: int) -> Notice | None:
-    """Absent entries are harmless to ``optimizer.load_state_dict``, the loader index keys are made for."""
-    if not missing or optimizer.key_style != "index":
-        return None
+def _dcp_missing_key(optimizer: OptimizerInventory, missing: tuple[ParamKey, ...]) -> Notice:
+    """What ``dcp.load`` into a ``get_optimizer_state_dict`` template does with absent entries."""
+    detail = f'dcp.load fails with "Missing key in checkpoint state_dict" on the {len(missing)} absent entries'
+    kind = _phantom_kind(optimizer)
+    if kind is not None:
+        detail += (
+            "; with allow_partial_load=True it loads, and set_optimizer_state_dict then gives them a phantom "
+            f"step=1 and they train differently ({kind})"
+        )
+    return Notice("dcp-missing-key", f"{detail}; remedy: optim-repair fix (exact fresh state, the default for DCP)")
+
+
+def _index_keyed_sparse(missing: tuple[ParamKey, ...]) -> Notice:
+    """Absent entries are what ``optimizer.load_state_dict``, the loader index keys are made for, resumes exactly."""
     return Notice(
         "sparse-ok-for-load-state-dict",
-        "optimizer.load_state_dict (HF Trainer, Accelerate, Lightning) resumes absent entries exactly; "
-        "repair matters only for loaders that need every entry (torch's set_optimizer_state_dict)",
+        f"optimizer.load_state_dict (HF Trainer, Accelerate, Lightning) resumes the {len(missing)} absent "
+        f"entries exactly, as the optimizer would have created them ({_shown(missing)}); only a loader that "
+        "needs every entry (torch's set_optimizer_state_dict) needs a repair: inspect --strict counts them",
+        "info",
     )
+
+
+def _loader_notices(
+    optimizer: OptimizerInventory, loader: Loader, missing: tuple[ParamKey, ...], empty: int
+) -> list[Notice]:
+    """What the loader the layout implies does with the parameters that have no state."""
+    if loader == "load_state_dict":
+        return [_index_keyed_sparse(missing)] if missing else []
+    if loader == "dcp.load":
+        return [_dcp_missing_key(optimizer, missing)] if missing else []
+    phantom = _stock_loader_phantom(optimizer, len(missing), empty)
+    return [phantom] if phantom is not None else []
+
+
+def loader_of(key_style: str, file_format: str) -> Loader:
+    """The loader a layout implies (see ``Loader``)."""
+    if file_format == "dcp":
+        return "dcp.load"
+    return "load_state_dict" if key_style == "index" else "set_optimizer_state_dict"
 
 
 def _reference_shapes(weights: Iterable[WeightMap]) -> dict[str, TensorMeta]:
@@ -235,8 +293,11 @@ def _reference_shapes(weights: Iterable[WeightMap]) -> dict[str, TensorMeta]:
     return {name: meta for name, meta in shapes.items() if name not in ambiguous}
 
 
-def diagnose_optimizer(optimizer: OptimizerInventory, weights: Iterable[WeightMap] = ()) -> OptimizerDiagnosis:
-    """Every finding about one optimizer."""
+def diagnose_optimizer(
+    optimizer: OptimizerInventory, weights: Iterable[WeightMap] = (), loader: Loader | None = None
+) -> OptimizerDiagnosis:
+    """Every finding about one optimizer; ``loader`` defaults to the one its keys imply in a torch file."""
+    loader = loader or loader_of(optimizer.key_style, "torch")
     shapes = _reference_shapes(weights)
     listed = set(optimizer.params)
     present = {entry.param for entry in optimizer.entries}
@@ -251,11 +312,11 @@ def diagnose_optimizer(optimizer: OptimizerInventory, weights: Iterable[WeightMa
         malformed += _bad_entries(entry)
         malformed += _shape_mismatches(entry, shapes)
     malformed += _partial_entries(optimizer)
-    warnings = []
+    notices = []
     if all(entry.is_empty for entry in optimizer.entries):
-        warnings.append(Notice("cold", "no parameter has optimizer state yet: the optimizer never stepped"))
+        notices.append(Notice("cold", "no parameter has optimizer state yet: the optimizer never stepped", "info"))
     elif _is_phantom(optimizer):
-        warnings.append(
+        notices.append(
             Notice(
                 "phantom-step",
                 "every entry has step == 1 and all-zero moments: a never-stepped optimizer exported through "
@@ -263,35 +324,34 @@ def diagnose_optimizer(optimizer: OptimizerInventory, weights: Iterable[WeightMa
             )
         )
     empty = tuple(entry.param for entry in optimizer.entries if entry.is_empty)
-    for notice in (
-        _stock_loader_phantom(optimizer, len(missing), len(empty)),
-        _index_keyed_sparse(optimizer, len(missing)),
-    ):
-        if notice is not None:
-            warnings.append(notice)
+    notices += _loader_notices(optimizer, loader, missing, len(empty))
     return OptimizerDiagnosis(
         optimizer=optimizer,
+        loader=loader,
         missing=missing,
         empty=empty,
         malformed=tuple(malformed),
-        warnings=tuple(warnings),
+        notices=tuple(notices),
     )
 
 
-def diagnose(inventory: CheckpointInventory) -> Diagnosis:
-    """Every finding about a checkpoint."""
+def diagnose(inventory: CheckpointInventory, *, strict: bool = False) -> Diagnosis:
+    """Every finding about a checkpoint; ``strict``: every absent entry needs a repair, whatever the loader."""
     optimizers: list[OptimizerDiagnosis] = []
     for file in inventory.files:
         weights = (*file.weights, *inventory.weights)
-        optimizers.extend(diagnose_optimizer(optimizer, weights) for optimizer in file.optimizers)
-    warnings = []
+        optimizers.extend(
+            diagnose_optimizer(optimizer, weights, loader_of(optimizer.key_style, file.format))
+            for optimizer in file.optimizers
+        )
+    notices = []
     unsafe = [skip for skip in inventory.skipped if skip.unsafe]
     if unsafe:
-        warnings.append(
+        notices.append(
             Notice(
                 "skipped-unsafe",
                 f"{len(unsafe)} file(s) would import code if loaded and were skipped: "
                 + ", ".join(skip.file for skip in unsafe),
             )
         )
-    return Diagnosis(inventory, tuple(optimizers), tuple(warnings))
+    return Diagnosis(inventory, tuple(optimizers), tuple(notices), strict)

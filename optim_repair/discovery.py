@@ -8,6 +8,8 @@ metadata, never as torch files), and a symbolic link is never followed: it is co
 
 from __future__ import annotations
 
+import difflib
+import itertools
 import os
 import stat
 from collections.abc import Iterator
@@ -106,18 +108,41 @@ def _walk(root: Path) -> Iterator[Entry]:
             yield Entry(relative(path, root), "directory", path.is_symlink(), dcp)
 
 
+def model_only(path: Path) -> str:
+    """Why the model file ``path`` is no checkpoint to inspect, and where its optimizer state usually is."""
+    beside = sorted(p.name for p in path.parent.glob("optimizer*") if p.suffix in TORCH_SUFFIXES and p.is_file())
+    if beside:
+        where = f"is in {', '.join(beside)} beside it: pass that, or the directory {path.parent}"
+    else:
+        where = "is usually in optimizer.pt beside it (HF Trainer, Accelerate: optimizer.bin)"
+    return f"model weights, not optimizer state; the optimizer {where}"
+
+
+def _did_you_mean(path: Path) -> str:
+    """A close sibling of a path that does not exist: ``checkpoint-100`` for ``checkpont-100``."""
+    try:
+        with os.scandir(path.parent) as entries:
+            names = [entry.name for entry in itertools.islice(entries, 10000)]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.75)
+    return f"; did you mean {path.parent / close[0]}?" if close else ""
+
+
 def discover(path: Path) -> Discovery:
     """The role of everything under ``path``: a torch file, a checkpoint directory or a DCP directory."""
     try:
         target = Path(os.path.realpath(path)) if path.is_symlink() else path
         mode = os.stat(target).st_mode
     except FileNotFoundError as exc:
-        raise InputError("no such file or directory", path=path) from exc
+        raise InputError(f"no such file or directory{_did_you_mean(path)}", path=path) from exc
     except OSError as exc:
         raise InputError(f"cannot read ({exc.strerror or exc})", path=path) from exc
     if stat.S_ISREG(mode):
         if path.name == METADATA_FILE or path.suffix == SHARD_SUFFIX:
             raise InputError(f"part of a DCP checkpoint; pass its directory, {path.parent}", path=path)
+        if path.suffix == SAFETENSORS_SUFFIX:
+            raise InputError(model_only(target), path=path)
         neighbours = tuple(sorted(target.parent.glob(f"*{SAFETENSORS_SUFFIX}")))
         return Discovery(path, target, False, (Entry("", "torch"),), neighbours)
     if not stat.S_ISDIR(mode):

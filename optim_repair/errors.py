@@ -90,6 +90,8 @@ class OptimRepairError(Exception):
     """Base of every error optim-repair reports to a user."""
 
     exit_code: ClassVar[ExitCode] = ExitCode.INPUT
+    code: ClassVar[str] = "input"
+    """A stable name for the kind of error, for scripts (the JSON ``error.code``)."""
 
     def __init__(
         self,
@@ -121,33 +123,43 @@ class UsageError(OptimRepairError):
     """The call asks for something contradictory or impossible."""
 
     exit_code = ExitCode.USAGE
+    code = "usage"
 
 
 class InputError(OptimRepairError):
     """The input is missing, unreadable, not a checkpoint, or holds no optimizer state."""
 
     exit_code = ExitCode.INPUT
+    code = "input"
 
 
 class NotATorchFile(InputError):
     """The file is not a torch file at all (no zip archive with data.pkl, no legacy magic number)."""
 
+    code = "not-a-torch-file"
+
 
 class UnsafeInputError(InputError):
     """The input would run code (or import a non-allowlisted global) if loaded."""
+
+    code = "unsafe-input"
 
 
 class RepairRefused(OptimRepairError):
     """The checkpoint cannot be repaired as asked: it is malformed, or a fill cannot be built."""
 
     exit_code = ExitCode.MALFORMED
+    code = "not-repairable"
 
 
 class OutputError(OptimRepairError):
     """The output was refused or could not be written or verified; nothing was left behind."""
 
     exit_code = ExitCode.OUTPUT
+    code = "output"
 
 
 class VerificationError(OutputError):
     """The written copy does not match the original where it must."""
+
+    code = "verification-failed"

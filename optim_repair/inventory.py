@@ -143,12 +143,6 @@ class OptimizerInventory:
                 return entry
         return None
 
-    def group_of(self, param: ParamKey) -> ParamGroup | None:
-        for group in self.groups:
-            if param in group.params:
-                return group
-        return None
-
 
 @dataclass(frozen=True)
 class WeightMap:

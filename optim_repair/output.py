@@ -8,6 +8,7 @@ temporary copy; the input is only ever opened for reading.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from optim_repair.formats.torchfile import TorchFile, write_torch_file
 from optim_repair.inventory import CheckpointInventory
 from optim_repair.progress import Meter, Notice, Progress, ignore
 from optim_repair.reading import Parsed
-from optim_repair.repair_plan import RepairPlan
+from optim_repair.repair_plan import FreshTensor, RepairPlan
 from optim_repair.staging import move_into_place, os_error_reason, remove_stale, temporary_sibling
 from optim_repair.verify import NOTHING, Verification, verify_copied_file, verify_planned_dcp, verify_torch_file
 
@@ -176,6 +177,31 @@ def _bytes_to_copy(found: Discovery, inventory: CheckpointInventory, *, link: bo
     )
 
 
+def space_needed(found: Discovery, inventory: CheckpointInventory, plan: RepairPlan, *, link: bool) -> int:
+    """About how many bytes the copy takes on the disk: every file not hard-linked, and the added entries."""
+    rewritten = {file.file for file in inventory.files}
+    added = sum(value.nbytes for a in plan.additions for _, value in a.state if isinstance(value, FreshTensor))
+    if not found.is_directory:
+        return os.stat(found.target).st_size + added
+    copied = sum(
+        os.lstat(found.path(entry)).st_size
+        for entry in found.entries
+        if entry.role not in ("directory", "special")
+        and not entry.link
+        and not (link and entry.rel not in rewritten and not (entry.dcp and entry.member_name() == METADATA_FILE))
+    )
+    return copied + added
+
+
+def free_space(out: Path) -> int:
+    """The bytes free to an unprivileged writer on the file system that will hold ``out``."""
+    parent = Path(os.path.abspath(out)).parent
+    try:
+        return shutil.disk_usage(parent).free
+    except OSError as exc:
+        raise OutputError(f"cannot write ({os_error_reason(exc)})", path=parent) from exc
+
+
 def write_copy(
     found: Discovery,
     inventory: CheckpointInventory,
@@ -204,6 +230,12 @@ def write_copy(
         raise InputError(
             f"is {special[0].kind}; optim-repair copies only regular files, directories and links",
             path=found.root / special[0].rel,
+        )
+    needed, free = space_needed(found, inventory, plan, link=link), free_space(out)
+    if needed > free:
+        raise OutputError(
+            f"the copy needs about {needed:,} bytes and only {free:,} are free there; nothing was written",
+            path=Path(os.path.abspath(out)).parent,
         )
     remove_stale(out, notice)
     meter = Meter(progress, _bytes_to_copy(found, inventory, link=link))

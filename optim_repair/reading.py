@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from optim_repair.discovery import Discovery, discover
+from optim_repair.discovery import Discovery, discover, model_only
 from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError
 from optim_repair.formats.dcp import DcpMetadata, is_dcp_directory, read_dcp
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX, read_weights
@@ -35,6 +35,8 @@ def read_discovered(found: Discovery, *, keep: Parsed | None = None) -> Checkpoi
     if not found.is_directory:
         inventory = read_inventory(found.target, "", str(found.root), keep=keep.torch_files if keep else None)
         if not inventory.optimizers:
+            if inventory.weights:
+                raise InputError(model_only(found.target), path=str(found.root))
             raise InputError("holds no optimizer state (no dict with 'state' and 'param_groups')", path=str(found.root))
         return CheckpointInventory(
             str(found.root), "torch", False, (inventory,), weights=_weights_beside(found.neighbours)

@@ -95,9 +95,9 @@ def _fresh_additions(
     chosen = kind or identify_optimizer(optimizer.groups, optimizer.entries, where=where)
     shapes = _missing_shapes(opt, weights, where)
     additions = []
+    groups = {param: group for group in optimizer.groups for param in group.params}
     for param in opt.missing:
-        group = optimizer.group_of(param)
-        assert group is not None
+        group = groups[param]
         meta = shapes[param]
         state = fresh_state(chosen, group, ParamSpec(meta.dtype, meta.shape), scalar_dtype=_scalar_dtype(opt))
         if not state and not stores_empty:

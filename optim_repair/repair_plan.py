@@ -50,6 +50,10 @@ class Addition:
     state: tuple[tuple[str, AddedValue], ...]
     """The entry's keys and values; () adds ``{}``."""
 
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(key for key, _ in self.state)
+
 
 class FilledOptimizer(NamedTuple):
     """An optimizer a fresh fill fills, and the optimizer kind its fresh state is built for."""

@@ -1591,6 +1591,7 @@ def worker_main(conn: Connection, config: WorkerConfig) -> None:
             __import__(module)
     import optim_repair
 
+    optim_repair.versions()  # reads the environment's package metadata (sys.path) once, before any case
     package_dir = os.path.dirname(os.path.realpath(optim_repair.__file__))
     roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, package_dir, "/proc/self",
              f"/proc/{os.getpid()}", "/dev/urandom", "/sys/devices/system/cpu", *site.getsitepackages()}  # fmt: skip

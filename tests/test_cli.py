@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -22,9 +24,10 @@ from tests.checkpoints import Built
 from tests.conftest import run_cli
 from tests.support import assert_fixed_copy, assert_nothing_written, installed_command, untouched
 
-OPTIMIZER_FIELDS = {"file", "location", "key_style", "groups", "params", "states", "missing", "empty", "malformed",
-                    "warnings", "cold"}
-INSPECT_FIELDS = {"schema_version", "path", "format", "verdict", "optimizers", "warnings", "skipped"}
+OPTIMIZER_FIELDS = {"file", "location", "key_style", "loader", "resumes_as_is", "groups", "params", "states", "missing",
+                    "empty", "malformed", "notices", "cold"}
+INSPECT_FIELDS = {"schema_version", "versions", "path", "format", "verdict", "strict", "optimizers", "notices",
+                  "skipped"}
 FIX_FIELDS = INSPECT_FIELDS | {"out", "added", "verification"}
 
 
@@ -32,6 +35,12 @@ def fix_cli(checkpoint: Path, out: Path, *extra: str, code: int) -> Result:
     """``optim-repair fix``; the input must be unchanged afterwards whatever the outcome."""
     with untouched(checkpoint):
         return run_cli(["fix", checkpoint, "--out", out, *extra], code=code)
+
+
+def error_document(code: str, exit_code: int, line: str, path: str | None) -> dict[str, Any]:
+    """What ``--json`` prints on stdout for the error whose one line on stderr is ``line``."""
+    message = line.removeprefix("optim-repair: error: ")
+    return {"schema_version": 2, "error": {"code": code, "exit_code": exit_code, "message": message, "path": path}}
 
 
 def one_error_line(result: Result, *fragments: str) -> str:
@@ -51,15 +60,16 @@ def check_optimizer_doc(doc: dict[str, Any]) -> None:
     assert isinstance(doc["cold"], bool)
     for finding in doc["malformed"]:
         assert set(finding) == {"param", "code", "detail"}
-    for warning in doc["warnings"]:
-        assert set(warning) == {"code", "detail"}
+    for notice in doc["notices"]:
+        assert set(notice) == {"code", "severity", "detail"} and notice["severity"] in ("info", "warning")
 
 
 def inspect_json(path: Path, code: int) -> dict[str, Any]:
     result = run_cli(["inspect", "--json", path], code=code)
     document: dict[str, Any] = json.loads(result.stdout)
     assert set(document) >= INSPECT_FIELDS
-    assert document["schema_version"] == 1 and document["format"] == "torch" and document["path"] == str(path)
+    assert document["schema_version"] == 2 and document["format"] == "torch" and document["path"] == str(path)
+    assert document["versions"] == {"optim_repair": optim_repair.__version__, "torch": torch.__version__}
     for opt in document["optimizers"]:
         check_optimizer_doc(opt)
     for skipped in document["skipped"]:
@@ -84,22 +94,29 @@ def test_inspect_bug_report_json(bug_report_checkpoint: Built) -> None:
 @pytest.mark.parametrize("factory", ["unirl_torch", "petrainer", "hf_trainer", "accelerate", "lightning",
                                      "multi_optimizer", "legacy_format"])
 def test_inspect_every_layout(root: Path, factory: str) -> None:
+    """Index-keyed optimizers resume through optimizer.load_state_dict, which takes absent entries: healthy,
+    with the absent entries still listed; name-keyed ones need a repair."""
     built = ck.FACTORIES[factory](root)
-    document = inspect_json(built.path, code=1)
+    index = factory in ("hf_trainer", "accelerate", "lightning")
+    document = inspect_json(built.path, code=0 if index else 1)
     got = {(o["file"], o["location"]): (o["key_style"], o["missing"]) for o in document["optimizers"]}
-    style = "index" if factory in ("hf_trainer", "accelerate", "lightning") else "name"
+    style = "index" if index else "name"
     assert got == {(s.file, s.location): (style, list(m)) for s, m in built.missing.items()}
+    loader = "load_state_dict" if index else "set_optimizer_state_dict"
+    assert {(o["loader"], o["resumes_as_is"]) for o in document["optimizers"]} == {(loader, index)}
+    strict = json.loads(run_cli(["inspect", "--json", "--strict", built.path], code=1).stdout)
+    assert strict["verdict"] == "repairable" and strict["strict"] is True
 
 
 def test_inspect_hf_lists_skipped_neighbours_and_warns(hf_checkpoint: Built) -> None:
-    document = inspect_json(hf_checkpoint.path, code=1)
+    document = inspect_json(hf_checkpoint.path, code=0)
     assert document["skipped"] == [
         {"file": "rng_state.pth", "reason": "refuses to load global tests.checkpoints.LegacyRandomState"},
         {"file": "scheduler.pt", "reason": "holds no optimizer state"},
         {"file": "training_args.bin", "reason": "refuses to load global tests.checkpoints.TrainingArguments"},
     ]
-    assert [w["code"] for w in document["warnings"]] == ["skipped-unsafe"]
-    assert document["verdict"] == "repairable", "skipped neighbours do not change the verdict"
+    assert [(n["code"], n["severity"]) for n in document["notices"]] == [("skipped-unsafe", "warning")]
+    assert document["verdict"] == "healthy", "skipped neighbours do not change the verdict"
 
 
 def test_inspect_healthy_exits_0(healthy_checkpoint: Built) -> None:
@@ -110,12 +127,14 @@ def test_inspect_healthy_exits_0(healthy_checkpoint: Built) -> None:
 
 
 def test_inspect_cold_and_phantom_warnings(cold_checkpoint: Built, phantom_checkpoint: Built) -> None:
-    cold = inspect_json(cold_checkpoint.path, code=1)["optimizers"][0]
+    cold = inspect_json(cold_checkpoint.path, code=0)["optimizers"][0]
     assert cold["cold"] is True
-    assert [w["code"] for w in cold["warnings"]] == ["cold", "sparse-ok-for-load-state-dict"]
+    assert [(n["code"], n["severity"]) for n in cold["notices"]] == [
+        ("cold", "info"), ("sparse-ok-for-load-state-dict", "info")]
     assert cold["missing"] == [0, 1, 2, 3, 4, 5] and cold["states"] == 0
     phantom = inspect_json(phantom_checkpoint.path, code=0)["optimizers"][0]
-    assert phantom["cold"] is False and "phantom-step" in [w["code"] for w in phantom["warnings"]]
+    assert phantom["cold"] is False and ("phantom-step", "warning") in [(n["code"], n["severity"])
+                                                                         for n in phantom["notices"]]
 
 
 def test_inspect_empty_entries_are_listed_and_healthy(empty_entries_checkpoint: Built) -> None:
@@ -139,14 +158,14 @@ def test_malformed_inspect_exits_3_and_fix_writes_nothing(
     assert [(m["code"], m["param"]) for m in document["optimizers"][0]["malformed"]] == [(code, param)]
     out = tmp_path / "out.pt"
     result = fix_cli(built.path, out, "--json", code=3)
-    one_error_line(result, code, repr(param), "malformed")
-    assert result.stdout == ""
+    line = one_error_line(result, code, repr(param), "malformed")
+    assert json.loads(result.stdout) == error_document("not-repairable", 3, line, None)
     assert_nothing_written(out)
 
 
 def test_inspect_human_report_goes_to_stdout(hf_checkpoint: Built) -> None:
-    result = run_cli(["inspect", hf_checkpoint.path], code=1)
-    assert "repairable" in result.stdout and "optimizer.pt" in result.stdout
+    result = run_cli(["inspect", hf_checkpoint.path], code=0)
+    assert "healthy" in result.stdout and "optimizer.pt" in result.stdout
     assert "skipped training_args.bin" in result.stdout
     assert result.stderr == ""
 
@@ -160,14 +179,14 @@ def test_fix_json_document(petrainer_checkpoint: Built, tmp_path: Path) -> None:
     result = fix_cli(built.path, out, "--json", code=0)
     document = json.loads(result.stdout)
     assert set(document) >= FIX_FIELDS
-    assert document["out"] == str(out) and document["schema_version"] == 1
+    assert document["out"] == str(out) and document["schema_version"] == 2
     assert sorted((a["file"], a["location"], a["param"]) for a in document["added"]) == sorted(
         (s.file, s.location, p) for s, missing in built.missing.items() for p in missing)
     for added in document["added"]:
         assert set(added) >= {"file", "location", "param"}
     verification = document["verification"]
-    assert set(verification) >= {"tensors", "bytes", "equal"}
-    assert verification["equal"] is True and verification["tensors"] == 36 and verification["bytes"] > 0
+    assert set(verification) == {"tensors", "bytes", "linked"}
+    assert verification["tensors"] == 36 and verification["bytes"] > 0
     assert "writing" in result.stderr, "progress goes to stderr"
     assert_fixed_copy(built, out)
 
@@ -253,8 +272,8 @@ def test_hf_training_args_file_is_refused_naming_the_class(hf_checkpoint: Built)
 def test_directory_without_optimizer_exits_4(hf_checkpoint: Built) -> None:
     (hf_checkpoint.path / "optimizer.pt").unlink()
     result = run_cli(["inspect", "--json", hf_checkpoint.path], code=4)
-    one_error_line(result, "no optimizer state found")
-    assert result.stdout == ""
+    line = one_error_line(result, "no optimizer state found")
+    assert json.loads(result.stdout) == error_document("input", 4, line, str(hf_checkpoint.path))
 
 
 # ---------------------------------------------------------------- usage: exit 2
@@ -287,7 +306,8 @@ def test_remedies_name_the_flags_library_errors_name_keyword_arguments(root: Pat
     cases = [
         ([alone, "--out", tmp_path / "a.pt", "--fill", "fresh"], 3, "; pass --model PATH with the model's weights"),
         ([hf.path, "--out", tmp_path / "b", "--fill", "fresh"], 3, "; pass --fill empty: optimizer.load_state_dict"),
-        ([alone, "--out", tmp_path / "c.pt", "--fill", "fresh", "--optimizer", "lion"], 2, "--optimizer 'lion' is"),
+        ([alone, "--out", tmp_path / "c.pt", "--fill", "fresh", "--optimizer", "lion"], 2,
+         "invalid value 'lion' for --optimizer: choose adam, adamw,"),
         ([alone, "--out", alone], 5, "--out must not be the input or inside it"),
         ([alone, "--out", tmp_path / "absent" / "d.pt"], 5, "no such directory for --out"),
     ]
@@ -307,14 +327,14 @@ def test_the_installed_command_runs_in_a_subprocess(hf_checkpoint: Built, tmp_pa
     command = installed_command()
     inspected = subprocess.run([*command, "inspect", "--json", str(hf_checkpoint.path)], capture_output=True,
                                text=True, timeout=120)
-    assert inspected.returncode == 1, inspected.stderr
+    assert inspected.returncode == 0, inspected.stderr
     assert json.loads(inspected.stdout)["optimizers"][0]["missing"] == [4, 5]
     out = tmp_path / "fixed"
     with untouched(hf_checkpoint.path):
         fixed = subprocess.run([*command, "fix", str(hf_checkpoint.path), "--out", str(out), "--json"],
                                capture_output=True, text=True, timeout=120)
     assert fixed.returncode == 0, fixed.stderr
-    assert json.loads(fixed.stdout)["verification"]["equal"] is True
+    assert json.loads(fixed.stdout)["verification"]["tensors"] > 0
     assert_fixed_copy(hf_checkpoint, out)
     refused = subprocess.run([*command, "inspect", str(tmp_path / "absent.pt")], capture_output=True, text=True,
                              timeout=120)
@@ -357,3 +377,107 @@ def test_inspect_and_help_never_import_torch(unirl_checkpoint: Built) -> None:
     )
     result = subprocess.run([sys.executable, "-c", probe, str(unirl_checkpoint.path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------- conventions users expect
+
+
+def test_version_help_and_quiet(unirl_checkpoint: Built, tmp_path: Path) -> None:
+    version = run_cli(["--version"]).stdout
+    assert version == f"optim-repair {optim_repair.__version__} (torch {torch.__version__})\n"
+    assert run_cli(["fix", "-h"]).stdout.startswith("Usage: ")
+    out = tmp_path / "fixed"
+    loud = fix_cli(unirl_checkpoint.path, out, code=0)
+    assert "writing" in loud.stderr
+    quiet = fix_cli(unirl_checkpoint.path, tmp_path / "quiet", "-q", code=0)
+    assert quiet.stderr == "" and "verified" in quiet.stdout, "results only"
+    failed = fix_cli(unirl_checkpoint.path, out, "--quiet", code=5)
+    one_error_line(failed, "already exists"), "errors are still shown"
+
+
+def test_color_choices_and_plain_tables(unirl_checkpoint: Built) -> None:
+    always = run_cli(["inspect", unirl_checkpoint.path, "--color", "always"], code=1).stdout
+    never = run_cli(["inspect", unirl_checkpoint.path, "--color", "never"], code=1, env={"FORCE_COLOR": "1"}).stdout
+    assert "\x1b[" in always and "\x1b[" not in never
+    dumb = run_cli(["inspect", unirl_checkpoint.path], code=1, env={"TERM": "dumb"}).stdout
+    assert "+--" in dumb and "━" not in dumb and "┃" not in dumb
+    assert "┃" in run_cli(["inspect", unirl_checkpoint.path], code=1, env={"TERM": "xterm"}).stdout
+    bad = run_cli(["inspect", unirl_checkpoint.path, "--color", "sometimes"], code=2)
+    one_error_line(bad, "invalid value 'sometimes' for --color: choose auto, always or never")
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [(["fix", "x.pt", "--out", "y.pt", "--fill", "zero"], "invalid value 'zero' for --fill: choose empty or fresh"),
+     (["inspect", "--bogus", "x"], "no such option: --bogus; see '"),
+     (["frobnicate"], "no such command 'frobnicate'; see '")],
+)
+def test_usage_errors_are_one_line_and_a_json_document(args: list[str], fragment: str) -> None:
+    plain = run_cli(args, code=2)
+    line = one_error_line(plain, fragment)
+    assert plain.stdout == "" and "Usage:" not in plain.stderr
+    as_json = run_cli([*args, "--json"], code=2)
+    assert json.loads(as_json.stdout) == error_document("usage", 2, line, None)
+
+
+def test_mistakes_users_make_get_messages_that_say_what_to_do(hf_checkpoint: Built, tmp_path: Path) -> None:
+    weights = hf_checkpoint.path / "model.safetensors"
+    ck.save_safetensors({"w": torch.zeros(2)}, weights)
+    one_error_line(run_cli(["inspect", weights], code=4),
+                   "model weights, not optimizer state; the optimizer is in optimizer.pt beside it")
+    torch.save(models.TwoHeadNet().state_dict(), tmp_path / "pytorch_model.bin")
+    one_error_line(run_cli(["inspect", tmp_path / "pytorch_model.bin"], code=4),
+                   "model weights, not optimizer state; the optimizer is usually in optimizer.pt")
+    typo = hf_checkpoint.path.parent / "checkpont-3"
+    one_error_line(run_cli(["inspect", typo], code=4), f"did you mean {hf_checkpoint.path}?")
+    far = hf_checkpoint.path.parent / "zzz"
+    assert "did you mean" not in one_error_line(run_cli(["inspect", far], code=4), "no such file or directory")
+
+
+def test_out_with_a_trailing_slash_writes_into_that_directory(unirl_checkpoint: Built, tmp_path: Path) -> None:
+    """As ``cp``: for a file, ``--out DIR/`` writes ``DIR/<its name>``."""
+    source = unirl_checkpoint.path / "checkpoint.pt"
+    target = tmp_path / "newdir"
+    target.mkdir()
+    result = run_cli(["fix", source, "--out", f"{target}/", "--json"], code=0)
+    written = target / "checkpoint.pt"
+    assert json.loads(result.stdout)["out"] == str(written) and sorted(target.iterdir()) == [written]
+    (opt,) = optim_repair.inspect(written).optimizers
+    assert opt.missing == () and set(opt.empty) == {"head_unused.weight", "head_unused.bias"}
+    absent = run_cli(["fix", source, "--out", f"{tmp_path / 'absent'}/"], code=5)
+    one_error_line(absent, "no such directory for --out")
+
+
+def test_dry_run_shows_the_plan_and_writes_nothing(unirl_checkpoint: Built, tmp_path: Path) -> None:
+    out = tmp_path / "fixed"
+    report = fix_cli(unirl_checkpoint.path, out, "--dry-run", code=0).stdout
+    assert "dry run" in report and "nothing was written" in report and "free there" in report
+    document = json.loads(fix_cli(unirl_checkpoint.path, out, "--dry-run", "--json", "--fill", "fresh", code=0).stdout)
+    assert document["dry_run"] is True and document["fill"] == "fresh" and document["out"] == str(out)
+    fresh = sum(math.prod(p.shape) * 4 * 2 + 4 for p in models.TwoHeadNet().head_unused.parameters())  # moments, step
+    size = sum(path.stat().st_size for path in unirl_checkpoint.path.rglob("*") if path.is_file())
+    assert document["bytes_to_write"] == size + fresh
+    assert 0 < document["free_bytes"] <= shutil.disk_usage(tmp_path).total
+    assert sorted((a["param"], a["keys"]) for a in document["added"]) == sorted(
+        (p, ["step", "exp_avg", "exp_avg_sq"]) for s in unirl_checkpoint.missing for p in unirl_checkpoint.missing[s])
+    assert_nothing_written(out)
+    refused = fix_cli(unirl_checkpoint.path, out, "--dry-run", "--fill", "fresh", "--optimizer", "lion", code=2)
+    one_error_line(refused, "--optimizer")
+
+
+def test_fix_refuses_up_front_when_the_disk_is_too_small(unirl_checkpoint: Built, tmp_path: Path) -> None:
+    """A tmpfs smaller than the copy, mounted in a user namespace of its own (nothing outside sees it)."""
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs a user namespace to mount a small file system (unshare -rm)")
+    command = " ".join(installed_command())
+    assert (unirl_checkpoint.path / "checkpoint.pt").stat().st_size > 4096
+    script = (f"mount -t tmpfs -o size=4k tmpfs {small} && {command} fix {unirl_checkpoint.path} "
+              f"--out {small}/fixed.pt --json; code=$?; ls -A {small}; exit $code")
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 5, result.stderr
+    document, listing = result.stdout.split("\n}\n")
+    error = json.loads(document + "\n}")["error"]
+    assert error["code"] == "output" and "only" in error["message"] and "are free there" in error["message"]
+    assert listing.strip() == "", "nothing was written"

@@ -31,7 +31,7 @@ def test_the_bug_report_reproducer(bug_report_checkpoint: Built) -> None:
     assert opt.missing == models.BUG_REPORT_MISSING
     assert (len(opt.optimizer.groups), opt.params, len(opt.optimizer.entries)) == (1, 40, 36)
     assert opt.empty == () and opt.malformed == () and not opt.cold
-    assert "cold" not in [w.code for w in opt.warnings] and "phantom-step" not in [w.code for w in opt.warnings]
+    assert "cold" not in [w.code for w in opt.notices] and "phantom-step" not in [w.code for w in opt.notices]
 
 
 @pytest.mark.parametrize(
@@ -42,7 +42,9 @@ def test_each_layout_finds_exactly_the_missing_entries(root: Path, factory: str)
     built = ck.FACTORIES[factory](root)
     assert by_site(built) == {(site.file, site.location): missing for site, missing in built.missing.items()}
     diagnosis = optim_repair.inspect(built.path)
-    assert diagnosis.verdict == "repairable"
+    index = factory in ("hf_trainer", "accelerate", "lightning")  # optimizer.load_state_dict takes absent entries
+    assert diagnosis.verdict == ("healthy" if index else "repairable")
+    assert optim_repair.inspect(built.path, strict=True).verdict == "repairable"
     assert all(opt.malformed == () for opt in diagnosis.optimizers), "no false malformed findings"
 
 
@@ -64,7 +66,7 @@ def test_healthy(healthy_checkpoint: Built) -> None:
     diagnosis = optim_repair.inspect(healthy_checkpoint.path)
     assert diagnosis.verdict == "healthy"
     (opt,) = diagnosis.optimizers
-    assert opt.missing == () and opt.empty == () and opt.malformed == () and opt.warnings == ()
+    assert opt.missing == () and opt.empty == () and opt.malformed == () and opt.notices == ()
 
 
 def test_empty_entries_are_valid_not_missing(empty_entries_checkpoint: Built) -> None:
@@ -81,14 +83,14 @@ def test_cold_optimizer(cold_checkpoint: Built) -> None:
     diagnosis = optim_repair.inspect(cold_checkpoint.path)
     (opt,) = diagnosis.optimizers
     assert opt.cold and opt.missing == (0, 1, 2, 3, 4, 5) and len(opt.optimizer.entries) == 0
-    assert [w.code for w in opt.warnings] == ["cold", "sparse-ok-for-load-state-dict"]
-    assert diagnosis.verdict == "repairable"
+    assert [(n.code, n.severity) for n in opt.notices] == [("cold", "info"), ("sparse-ok-for-load-state-dict", "info")]
+    assert diagnosis.verdict == "healthy" and opt.resumes_as_is and opt.loader == "load_state_dict"
 
 
 def test_phantom_step(phantom_checkpoint: Built) -> None:
     diagnosis = optim_repair.inspect(phantom_checkpoint.path)
     (opt,) = diagnosis.optimizers
-    assert "phantom-step" in [w.code for w in opt.warnings]
+    assert "phantom-step" in [w.code for w in opt.notices]
     assert not opt.cold and opt.missing == () and diagnosis.verdict == "healthy"
 
 
@@ -97,7 +99,7 @@ def test_phantom_step_needs_zero_moments_not_just_step_one(root: Path) -> None:
     built = ck.unirl_torch(root, steps=1)
     (opt,) = optim_repair.inspect(built.path).optimizers
     assert all(isinstance(e.get("step"), TensorMeta) and e.get("step").value == 1 for e in opt.optimizer.entries)
-    assert "phantom-step" not in [w.code for w in opt.warnings]
+    assert "phantom-step" not in [w.code for w in opt.notices]
 
 
 MALFORMED_CODES = {
@@ -188,21 +190,21 @@ def test_shape_reference_comes_from_weights_when_unambiguous() -> None:
 
 def test_cold_and_phantom_are_exclusive_warnings() -> None:
     cold = optimizer([[0, 1]], [])
-    assert [w.code for w in diagnose_optimizer(cold).warnings] == ["cold", "sparse-ok-for-load-state-dict"]
+    assert [w.code for w in diagnose_optimizer(cold).notices] == ["cold", "sparse-ok-for-load-state-dict"]
     all_empty = optimizer([[0, 1]], [StateEntry(0, ()), StateEntry(1, ())])
     d = diagnose_optimizer(all_empty)
-    assert d.cold and d.empty == (0, 1) and "cold" in [w.code for w in d.warnings]
+    assert d.cold and d.empty == (0, 1) and "cold" in [w.code for w in d.notices]
     phantom = optimizer([[0, 1]], [adam_entry(0, (2,), step=1.0, zero=True), adam_entry(1, (2,), step=1.0, zero=True)])
-    codes = [w.code for w in diagnose_optimizer(phantom).warnings]
+    codes = [w.code for w in diagnose_optimizer(phantom).notices]
     assert "phantom-step" in codes and "cold" not in codes
     real = optimizer([[0, 1]], [adam_entry(0, (2,), step=1.0, zero=True), adam_entry(1, (2,), step=1.0, zero=False)])
-    assert "phantom-step" not in [w.code for w in diagnose_optimizer(real).warnings]
+    assert "phantom-step" not in [w.code for w in diagnose_optimizer(real).notices]
 
 
 def test_index_keys_say_that_load_state_dict_accepts_absent_entries(hf_checkpoint: Built) -> None:
     (opt,) = optim_repair.inspect(hf_checkpoint.path).optimizers
     assert opt.optimizer.key_style == "index" and opt.missing
-    assert [w.code for w in opt.warnings] == ["sparse-ok-for-load-state-dict"]
+    assert [w.code for w in opt.notices] == ["sparse-ok-for-load-state-dict"]
 
 
 def test_the_phantom_step_remedy_fits_absent_and_empty_entries(
@@ -210,7 +212,7 @@ def test_the_phantom_step_remedy_fits_absent_and_empty_entries(
 ) -> None:
     def remedy(built: Built) -> str:
         (opt,) = optim_repair.inspect(built.path).optimizers
-        return next(w.detail for w in opt.warnings if w.code == "stock-loader-phantom-step")
+        return next(w.detail for w in opt.notices if w.code == "stock-loader-phantom-step")
 
     both = "optim-repair fix --fill fresh, or load with optim_repair.set_optimizer_state_dict"
     assert both in remedy(unirl_checkpoint)
@@ -226,6 +228,6 @@ def test_python_names_are_the_json_names(unirl_checkpoint: Built) -> None:
     (opt,) = diagnosis.optimizers
     for name, value in document.items():
         python = getattr(opt, name)
-        if name in ("malformed", "warnings"):
+        if name in ("malformed", "notices"):
             python = [{key: getattr(item, key) for key in value[0]} for item in python] if value else list(python)
         assert (list(python) if isinstance(python, tuple) else python) == value, name

@@ -12,6 +12,7 @@ import typer.main
 from optim_repair import render
 from optim_repair.cli import app
 from optim_repair.errors import ExitCode
+from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -66,7 +67,9 @@ _SMALL = (render.MalformedDoc, render.NoticeDoc, render.SkippedDoc, render.Added
 """Documented in one row each, as ``{a, b, c}``."""
 
 
-@pytest.mark.parametrize("field", _fields(render.FixDoc))
+@pytest.mark.parametrize(
+    "field", sorted({*_fields(render.FixDoc), *_fields(render.DryRunDoc), *_fields(render.ErrorDoc)})
+)
 def test_every_json_field_is_documented(field: str) -> None:
     if "{" in field:
         row_name, key = field.split("[]{")
@@ -78,7 +81,34 @@ def test_every_json_field_is_documented(field: str) -> None:
 
 
 @pytest.mark.parametrize("code", ["partial-state", "orphan-state", "duplicate-param", "bad-entry", "shape-mismatch",
-                                  "phantom-step", "stock-loader-phantom-step", "cold", "skipped-unsafe",
-                                  "sparse-ok-for-load-state-dict"])
+                                  "phantom-step", "stock-loader-phantom-step", "dcp-missing-key", "cold",
+                                  "skipped-unsafe", "sparse-ok-for-load-state-dict"])
 def test_every_finding_code_is_documented(code: str) -> None:
     assert f"`{code}`" in CLI_DOC
+
+
+def _help(name: str) -> str:
+    return run_cli([name, "--help"], code=0).stdout
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_help_shows_the_usage_the_docs_show_and_every_exit_code(name: str) -> None:
+    """docs/cli.md is tested against --help: the usage line, the argument's name, and the exit codes."""
+    text = _help(name)
+    usage = re.search(rf"Usage: \S+ {name} \[OPTIONS\](.*)", text)
+    assert usage is not None, text
+    assert f"## `optim-repair {name}{usage.group(1).rstrip()}" in CLI_DOC, usage.group(0)
+    assert "{" not in usage.group(1), "the argument is named CKPT, as in the docs"
+    codes = [int(code) for code in re.findall(r"^\s+(\d+)  ", text.split("Exit codes:")[1], re.MULTILINE)]
+    for code in (ExitCode.USAGE, ExitCode.INPUT, ExitCode.OUTPUT, ExitCode.INTERNAL, ExitCode.INTERRUPTED,
+                 ExitCode.TERMINATED, ExitCode.OK):
+        assert code in codes, (name, code)
+        assert re.search(rf"^\| {int(code)} \|", CLI_DOC, re.MULTILINE)
+
+
+def test_optimizer_help_lists_every_name() -> None:
+    from optim_repair.optimizers import OPTIMIZERS
+
+    text = " ".join(_help("fix").split())
+    assert all(name in text for name in OPTIMIZERS)
+    assert "-h, --help" in text and "-q, --quiet" in text and "--color" in text

@@ -42,7 +42,11 @@ def refused(*args: str | Path, codes: tuple[int, ...] = (3, 4), timeout: float =
     assert result.returncode in codes, (result.returncode, result.stderr[-2000:])
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("optim-repair: error: "), result.stderr[-2000:]
-    assert result.stdout == ""
+    if "--json" in map(str, args):  # the error as one JSON document too
+        error = json.loads(result.stdout)["error"]
+        assert (error["exit_code"], error["message"]) == (result.returncode, lines[0][len("optim-repair: error: "):])
+    else:
+        assert result.stdout == ""
     return lines[0]
 
 
@@ -109,7 +113,7 @@ def test_no_file_is_read_through_a_link(tmp_path: Path) -> None:
     assert "no optimizer state found in any file" in refused("inspect", built.path)
     link = tmp_path / "link.pt"
     link.symlink_to(outside / "optimizer.pt")
-    assert run_cli(["inspect", link], code=None).exit_code == 1, "the argument itself may be a link"
+    assert run_cli(["inspect", link], code=None).exit_code == 0, "the argument itself may be a link"
 
 
 def test_a_link_loop_is_a_short_error(tmp_path: Path) -> None:

@@ -124,6 +124,10 @@ def test_directory_without_any_optimizer_is_an_input_error(root: Path) -> None:
 def test_file_without_optimizer_and_missing_paths_are_input_errors(root: Path) -> None:
     path = root / "weights.pt"
     torch.save(models.TwoHeadNet().state_dict(), path)
+    model_only = r"model weights, not optimizer state; the optimizer is usually in optimizer\.pt"
+    with pytest.raises(InputError, match=model_only):
+        read_checkpoint(path)
+    torch.save({"step": 3}, path)
     with pytest.raises(InputError, match="holds no optimizer state"):
         read_checkpoint(path)
     with pytest.raises(InputError, match="no such file or directory"):

@@ -1,146 +1,32 @@
-"""Everything the user sees: rich reports on stdout, one JSON document for scripts, messages on stderr.
+"""The reports people read: rich tables on stdout, messages, progress and errors on stderr.
 
-The only module that imports rich. JSON never passes through rich: it is ``json.dumps`` of a
-``TypedDict`` with a ``schema_version``.
+The only module that imports rich.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
-from collections.abc import Iterator
-from typing import IO, TextIO, TypedDict, cast
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import IO, Any, Literal, TextIO, cast
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, TaskID, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.progress import Progress as RichProgress
 from rich.table import Table
 from rich.text import Text
 
-from optim_repair.api import FixResult
+from optim_repair.api import DryRun, FixResult
 from optim_repair.demo import DemoReport
-from optim_repair.diagnose import Diagnosis, OptimizerDiagnosis
+from optim_repair.diagnose import Diagnosis, Notice, OptimizerDiagnosis
 from optim_repair.inventory import ParamKey
 from optim_repair.progress import Progress, Step, ignore
+from optim_repair.repair_plan import RepairPlan
 
-SCHEMA_VERSION = 1
 _SHOWN = 8
-
-
-class MalformedDoc(TypedDict):
-    param: ParamKey | None
-    code: str
-    detail: str
-
-
-class NoticeDoc(TypedDict):
-    code: str
-    detail: str
-
-
-class OptimizerDoc(TypedDict):
-    file: str
-    location: str
-    key_style: str
-    groups: int
-    params: int
-    states: int
-    missing: list[ParamKey]
-    empty: list[ParamKey]
-    malformed: list[MalformedDoc]
-    warnings: list[NoticeDoc]
-    cold: bool
-
-
-class SkippedDoc(TypedDict):
-    file: str
-    reason: str
-
-
-class InspectDoc(TypedDict):
-    schema_version: int
-    path: str
-    format: str
-    verdict: str
-    optimizers: list[OptimizerDoc]
-    warnings: list[NoticeDoc]
-    skipped: list[SkippedDoc]
-
-
-class AddedDoc(TypedDict):
-    file: str
-    location: str
-    param: ParamKey
-    keys: list[str]
-
-
-class VerificationDoc(TypedDict):
-    tensors: int
-    bytes: int
-    equal: bool
-    linked: list[str]
-
-
-class FixDoc(InspectDoc):
-    out: str
-    fill: str
-    added: list[AddedDoc]
-    verification: VerificationDoc
-
-
-def _optimizer_doc(opt: OptimizerDiagnosis) -> OptimizerDoc:
-    return {
-        "file": opt.file,
-        "location": opt.location,
-        "key_style": opt.key_style,
-        "groups": opt.groups,
-        "params": opt.params,
-        "states": opt.states,
-        "missing": list(opt.missing),
-        "empty": list(opt.empty),
-        "malformed": [{"param": m.param, "code": m.code, "detail": m.detail} for m in opt.malformed],
-        "warnings": [{"code": w.code, "detail": w.detail} for w in opt.warnings],
-        "cold": opt.cold,
-    }
-
-
-def inspect_document(diagnosis: Diagnosis) -> InspectDoc:
-    inventory = diagnosis.inventory
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "path": inventory.path,
-        "format": inventory.format,
-        "verdict": diagnosis.verdict,
-        "optimizers": [_optimizer_doc(opt) for opt in diagnosis.optimizers],
-        "warnings": [{"code": w.code, "detail": w.detail} for w in diagnosis.warnings],
-        "skipped": [{"file": s.file, "reason": s.reason} for s in inventory.skipped],
-    }
-
-
-def fix_document(result: FixResult) -> FixDoc:
-    base = inspect_document(result.diagnosis)
-    return {
-        **base,
-        "out": str(result.out),
-        "fill": result.plan.fill,
-        "added": [
-            {"file": a.file, "location": a.location, "param": a.param, "keys": [key for key, _ in a.state]}
-            for a in result.plan.additions
-        ],
-        "verification": {
-            "tensors": result.verification.tensors,
-            "bytes": result.verification.bytes,
-            "equal": True,
-            "linked": list(result.verification.linked),
-        },
-    }
-
-
-def print_json(document: InspectDoc | FixDoc) -> None:
-    # ASCII with escapes (a name may hold a lone surrogate), and never NaN, which JSON does not have.
-    sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
 
 
 class _Escaping:
@@ -161,15 +47,42 @@ class _Escaping:
         return self._stream.isatty()
 
 
-def _stdout() -> Console:
-    # Piped reports are not cut at rich's default 80 columns, so that names stay greppable.
-    piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-    stream = cast("IO[str]", _Escaping(sys.stdout))
-    return Console(file=stream, highlight=False, soft_wrap=True, width=200 if piped else None)
+Color = Literal["auto", "always", "never"]
 
 
-def _stderr() -> Console:
-    return Console(file=cast("IO[str]", _Escaping(sys.stderr)), highlight=False, soft_wrap=True)
+@dataclass(frozen=True)
+class Screen:
+    """How the report is shown: ``color`` (``auto`` follows the terminal, NO_COLOR and FORCE_COLOR), and
+    ``quiet``: results only, no progress and no messages (errors are always shown)."""
+
+    color: Color = "auto"
+    quiet: bool = False
+
+    def _console(self, stream: TextIO, width: int | None = None) -> Console:
+        file = cast("IO[str]", _Escaping(stream))
+        if self.color == "auto":
+            return Console(file=file, highlight=False, soft_wrap=True, width=width)
+        if self.color == "never":
+            return Console(file=file, highlight=False, soft_wrap=True, width=width, no_color=True)
+        # always: colour even into a pipe and on a dumb terminal, which rich would otherwise leave plain
+        return Console(
+            file=file, highlight=False, soft_wrap=True, width=width, force_terminal=True, no_color=False,
+            color_system="standard",
+        )  # fmt: skip
+
+    def stdout(self) -> Console:
+        # Piped reports are not cut at rich's default 80 columns, so that names stay greppable.
+        piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+        return self._console(sys.stdout, 200 if piped else None)
+
+    def stderr(self) -> Console:
+        return self._console(sys.stderr)
+
+
+def _table(console: Console, **options: Any) -> Table:
+    """A table drawn in ASCII where the terminal cannot draw boxes (TERM=dumb, a non-UTF-8 encoding)."""
+    plain = os.environ.get("TERM") == "dumb" or not console.encoding.lower().startswith("utf")
+    return Table(box=box.ASCII if plain else box.HEAVY_HEAD, pad_edge=False, **options)
 
 
 def _shown_names(params: tuple[ParamKey, ...]) -> str:
@@ -183,10 +96,15 @@ def _optimizer_label(opt: OptimizerDiagnosis) -> str:
 
 
 _VERDICT_STYLE = {"healthy": "bold green", "repairable": "bold yellow", "malformed": "bold red"}
+_NOTICE_STYLE = {"info": "cyan", "warning": "magenta"}
 
 
-def _optimizer_table(diagnosis: Diagnosis) -> Table:
-    table = Table(show_lines=False, pad_edge=False)
+def _notice_code(notice: Notice) -> tuple[str, str]:
+    return notice.code, _NOTICE_STYLE[notice.severity]
+
+
+def _optimizer_table(console: Console, diagnosis: Diagnosis) -> Table:
+    table = _table(console)
     for column in ("optimizer", "keys", "groups", "params", "states", "missing", "empty", "malformed"):
         table.add_column(
             column, justify="right" if column in ("groups", "params", "states") else "left", overflow="fold"
@@ -213,23 +131,23 @@ def _print_details(console: Console, diagnosis: Diagnosis) -> None:
         for finding in opt.malformed:
             detail = f" in {where}: {finding.param!r}: {finding.detail}"
             console.print(Text.assemble("  ", (finding.code, "red"), detail))
-        for notice in opt.warnings:
-            console.print(Text.assemble("  ", (notice.code, "cyan"), f" in {where}: {notice.detail}"))
-    for notice in diagnosis.warnings:
-        console.print(Text.assemble("  ", (notice.code, "cyan"), f": {notice.detail}"))
+        for notice in opt.notices:
+            console.print(Text.assemble("  ", _notice_code(notice), f" in {where}: {notice.detail}"))
+    for notice in diagnosis.notices:
+        console.print(Text.assemble("  ", _notice_code(notice), f": {notice.detail}"))
     for skipped in diagnosis.inventory.skipped:
         console.print(Text(f"  skipped {skipped.file}: {skipped.reason}", style="dim"))
 
 
-def print_inspect(diagnosis: Diagnosis) -> None:
-    console = _stdout()
+def print_inspect(diagnosis: Diagnosis, screen: Screen) -> None:
+    console = screen.stdout()
     verdict = diagnosis.verdict
     console.print(
         Text.assemble(
             (diagnosis.inventory.path, "bold"), f" ({diagnosis.inventory.format}): ", (verdict, _VERDICT_STYLE[verdict])
         )
     )
-    console.print(_optimizer_table(diagnosis))
+    console.print(_optimizer_table(console, diagnosis))
     _print_details(console, diagnosis)
 
 
@@ -244,28 +162,32 @@ def _human_bytes(count: int) -> str:
     return f"{size:.1f} GiB"
 
 
-def print_fix(result: FixResult) -> None:
-    console = _stdout()
-    console.print(
-        Text.assemble(
-            (result.diagnosis.inventory.path, "bold"), " → ", (str(result.out), "bold"), f" (fill: {result.plan.fill})"
-        )
-    )
-    table = Table(pad_edge=False)
+def _additions_table(console: Console, diagnosis: Diagnosis, plan: RepairPlan) -> Table:
+    table = _table(console)
     table.add_column("optimizer", overflow="fold")
     table.add_column("added", justify="right")
     table.add_column("entries", overflow="fold")
-    kinds = {(file, location): kind for file, location, kind in result.plan.optimizers}
-    for opt in result.diagnosis.optimizers:
+    kinds = {(file, location): kind for file, location, kind in plan.optimizers}
+    for opt in diagnosis.optimizers:
         inv = opt.optimizer
-        added = [a for a in result.plan.additions if (a.file, a.address) == (inv.file, inv.address)]
-        keys = sorted({key for a in added for key, _ in a.state})
+        added = [a for a in plan.additions if (a.file, a.address) == (inv.file, inv.address)]
+        keys = sorted({key for a in added for key in a.keys})
         what = "{}" if not keys else ", ".join(keys)
         kind = kinds.get((inv.file, inv.location))
         label = _optimizer_label(opt) + (f" ({kind})" if kind else "")
         entries = f"{what} for {_shown_names(tuple(a.param for a in added))}" if added else "—"
         table.add_row(Text(label), str(len(added)), Text(entries))
-    console.print(table)
+    return table
+
+
+def print_fix(result: FixResult, screen: Screen) -> None:
+    console = screen.stdout()
+    console.print(
+        Text.assemble(
+            (result.diagnosis.inventory.path, "bold"), " → ", (str(result.out), "bold"), f" (fill: {result.plan.fill})"
+        )
+    )
+    console.print(_additions_table(console, result.diagnosis, result.plan))
     v = result.verification
     console.print(
         f"[bold green]verified[/]: {v.tensors} existing tensors and {_human_bytes(v.bytes)} "
@@ -276,18 +198,34 @@ def print_fix(result: FixResult) -> None:
         console.print(Text(f"hard-linked to the original's, not copied: {_shown_names(v.linked)}"))
 
 
-def print_demo(report: DemoReport, *, kept: bool) -> None:
-    console = _stdout()
+def print_dry_run(planned: DryRun, screen: Screen) -> None:
+    console = screen.stdout()
+    console.print(
+        Text.assemble(
+            ("dry run", "bold yellow"), ": ", (planned.diagnosis.inventory.path, "bold"), " → ",
+            (str(planned.out), "bold"), f" (fill: {planned.plan.fill}); nothing was written",
+        )
+    )  # fmt: skip
+    console.print(_additions_table(console, planned.diagnosis, planned.plan))
+    room = "enough room" if planned.bytes_to_write <= planned.free_bytes else "[bold red]not enough room[/]"
+    console.print(
+        f"would write about {_human_bytes(planned.bytes_to_write)}; {_human_bytes(planned.free_bytes)} free there: "
+        f"{room}"
+    )
+
+
+def print_demo(report: DemoReport, screen: Screen, *, kept: bool) -> None:
+    console = screen.stdout()
     console.rule("1. A real run saved a checkpoint; torch refuses to resume from it")
     console.print(Text(str(report.checkpoint / "checkpoint.pt")))
     console.print(Text.assemble("stock set_optimizer_state_dict: ", (report.stock_error, "red")))
     console.rule("2. optim-repair inspect")
-    print_inspect(report.diagnosis)
+    print_inspect(report.diagnosis, screen)
     console.rule("3. optim-repair fix, both fills")
     for fix in report.fixes:
-        print_fix(fix)
+        print_fix(fix, screen)
     console.rule("4. Resume from each copy and train on with every head in use")
-    table = Table(pad_edge=False)
+    table = _table(console)
     for column in ("fill", "loader", "loads", "continues bit-identically", "max |Δ| vs uninterrupted run"):
         table.add_column(column, overflow="fold")
     for outcome in report.outcomes:
@@ -308,10 +246,11 @@ SHOW_PROGRESS_FROM = 256 << 20
 
 
 @contextlib.contextmanager
-def progress_bar(*, show: bool) -> Iterator[Progress]:
+def progress_bar(screen: Screen, *, show: bool) -> Iterator[Progress]:
     """A progress callback drawing a bar on stderr for writing and verifying (bytes, rate, time left),
-    when ``show``, stderr is a terminal and the copy is long enough to matter; else one that draws nothing."""
-    if not (show and sys.stderr.isatty()):
+    when ``show``, not quiet, stderr is a terminal and the copy is long enough to matter; else one that
+    draws nothing."""
+    if not (show and not screen.quiet and sys.stderr.isatty()):
         yield ignore
         return
     bars: list[RichProgress] = []
@@ -323,7 +262,7 @@ def progress_bar(*, show: bool) -> Iterator[Progress]:
                 return
             bar = RichProgress(
                 TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-                TransferSpeedColumn(), TimeRemainingColumn(), console=_stderr(), transient=True,
+                TransferSpeedColumn(), TimeRemainingColumn(), console=screen.stderr(), transient=True,
             )  # fmt: skip
             bar.start()
             bars.append(bar)
@@ -338,9 +277,15 @@ def progress_bar(*, show: bool) -> Iterator[Progress]:
             bar.stop()
 
 
-def print_error(message: str) -> None:
-    _stderr().print(Text(f"optim-repair: error: {message}", style="bold red"))
+def print_error(message: str, screen: Screen) -> None:
+    screen.stderr().print(Text(f"optim-repair: error: {message}", style="bold red"))
 
 
-def print_message(message: str) -> None:
-    _stderr().print(Text(message, style="dim"))
+def message_printer(screen: Screen) -> Callable[[str], None]:
+    """What prints lines of text for the user on stderr: nothing when quiet."""
+
+    def show(message: str) -> None:
+        if not screen.quiet:
+            screen.stderr().print(Text(message, style="dim"))
+
+    return show

@@ -1,0 +1,56 @@
+"""Everything the user sees: rich reports (``reports``) and one JSON document for scripts (``documents``).
+
+Results go to stdout; messages, progress and errors to stderr.
+"""
+
+from optim_repair.render.documents import (
+    SCHEMA_VERSION,
+    AddedDoc,
+    DryRunDoc,
+    ErrorDoc,
+    FixDoc,
+    InspectDoc,
+    MalformedDoc,
+    NoticeDoc,
+    SkippedDoc,
+    dry_run_document,
+    error_document,
+    fix_document,
+    inspect_document,
+    print_json,
+)
+from optim_repair.render.reports import (
+    Screen,
+    message_printer,
+    print_demo,
+    print_dry_run,
+    print_error,
+    print_fix,
+    print_inspect,
+    progress_bar,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "AddedDoc",
+    "DryRunDoc",
+    "ErrorDoc",
+    "FixDoc",
+    "InspectDoc",
+    "MalformedDoc",
+    "NoticeDoc",
+    "Screen",
+    "SkippedDoc",
+    "dry_run_document",
+    "error_document",
+    "fix_document",
+    "inspect_document",
+    "message_printer",
+    "print_demo",
+    "print_dry_run",
+    "print_error",
+    "print_fix",
+    "print_inspect",
+    "print_json",
+    "progress_bar",
+]

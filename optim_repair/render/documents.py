@@ -1,0 +1,194 @@
+"""The JSON documents: one ``TypedDict`` per document, with a ``schema_version``, written by ``json.dumps``.
+
+JSON never passes through rich. Fields are only added within a schema version; docs/json.md lists them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable
+from typing import TypedDict
+
+from optim_repair.api import DryRun, FixResult, versions
+from optim_repair.diagnose import Diagnosis, Notice, OptimizerDiagnosis
+from optim_repair.inventory import ParamKey
+
+SCHEMA_VERSION = 2
+
+
+class MalformedDoc(TypedDict):
+    param: ParamKey | None
+    code: str
+    detail: str
+
+
+class NoticeDoc(TypedDict):
+    code: str
+    severity: str
+    detail: str
+
+
+class OptimizerDoc(TypedDict):
+    file: str
+    location: str
+    key_style: str
+    loader: str
+    resumes_as_is: bool
+    groups: int
+    params: int
+    states: int
+    missing: list[ParamKey]
+    empty: list[ParamKey]
+    malformed: list[MalformedDoc]
+    notices: list[NoticeDoc]
+    cold: bool
+
+
+class SkippedDoc(TypedDict):
+    file: str
+    reason: str
+
+
+class VersionsDoc(TypedDict):
+    optim_repair: str
+    torch: str | None
+
+
+class InspectDoc(TypedDict):
+    schema_version: int
+    versions: VersionsDoc
+    path: str
+    format: str
+    verdict: str
+    strict: bool
+    optimizers: list[OptimizerDoc]
+    notices: list[NoticeDoc]
+    skipped: list[SkippedDoc]
+
+
+class AddedDoc(TypedDict):
+    file: str
+    location: str
+    param: ParamKey
+    keys: list[str]
+
+
+class VerificationDoc(TypedDict):
+    tensors: int
+    bytes: int
+    linked: list[str]
+
+
+class ErrorDetailDoc(TypedDict):
+    code: str
+    exit_code: int
+    message: str
+    path: str | None
+
+
+class ErrorDoc(TypedDict):
+    schema_version: int
+    error: ErrorDetailDoc
+
+
+class FixDoc(InspectDoc):
+    out: str
+    fill: str
+    added: list[AddedDoc]
+    verification: VerificationDoc
+
+
+class DryRunDoc(InspectDoc):
+    out: str
+    fill: str
+    added: list[AddedDoc]
+    dry_run: bool
+    bytes_to_write: int
+    free_bytes: int
+
+
+def _notice_docs(notices: Iterable[Notice]) -> list[NoticeDoc]:
+    return [{"code": n.code, "severity": n.severity, "detail": n.detail} for n in notices]
+
+
+def _optimizer_doc(opt: OptimizerDiagnosis) -> OptimizerDoc:
+    return {
+        "file": opt.file,
+        "location": opt.location,
+        "key_style": opt.key_style,
+        "loader": opt.loader,
+        "resumes_as_is": opt.resumes_as_is,
+        "groups": opt.groups,
+        "params": opt.params,
+        "states": opt.states,
+        "missing": list(opt.missing),
+        "empty": list(opt.empty),
+        "malformed": [{"param": m.param, "code": m.code, "detail": m.detail} for m in opt.malformed],
+        "notices": _notice_docs(opt.notices),
+        "cold": opt.cold,
+    }
+
+
+def inspect_document(diagnosis: Diagnosis) -> InspectDoc:
+    inventory = diagnosis.inventory
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "versions": _versions(),
+        "path": inventory.path,
+        "format": inventory.format,
+        "verdict": diagnosis.verdict,
+        "strict": diagnosis.strict,
+        "optimizers": [_optimizer_doc(opt) for opt in diagnosis.optimizers],
+        "notices": _notice_docs(diagnosis.notices),
+        "skipped": [{"file": s.file, "reason": s.reason} for s in inventory.skipped],
+    }
+
+
+def _added_docs(result: FixResult | DryRun) -> list[AddedDoc]:
+    return [
+        {"file": a.file, "location": a.location, "param": a.param, "keys": list(a.keys)} for a in result.plan.additions
+    ]
+
+
+def fix_document(result: FixResult) -> FixDoc:
+    return {
+        **inspect_document(result.diagnosis),
+        "out": str(result.out),
+        "fill": result.plan.fill,
+        "added": _added_docs(result),
+        "verification": {
+            "tensors": result.verification.tensors,
+            "bytes": result.verification.bytes,
+            "linked": list(result.verification.linked),
+        },
+    }
+
+
+def dry_run_document(planned: DryRun) -> DryRunDoc:
+    return {
+        **inspect_document(planned.diagnosis),
+        "out": str(planned.out),
+        "fill": planned.plan.fill,
+        "added": _added_docs(planned),
+        "dry_run": True,
+        "bytes_to_write": planned.bytes_to_write,
+        "free_bytes": planned.free_bytes,
+    }
+
+
+def _versions() -> VersionsDoc:
+    found = versions()
+    return {"optim_repair": found.optim_repair, "torch": found.torch}
+
+
+def print_json(document: InspectDoc | FixDoc | DryRunDoc | ErrorDoc) -> None:
+    # ASCII with escapes (a name may hold a lone surrogate), and never NaN, which JSON does not have.
+    sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
+
+
+def error_document(code: str, exit_code: int, message: str, path: str | None) -> ErrorDoc:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "error": {"code": code, "exit_code": exit_code, "message": message, "path": path},
+    }
