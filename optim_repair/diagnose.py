@@ -345,13 +345,23 @@ def diagnose(inventory: CheckpointInventory, *, strict: bool = False) -> Diagnos
             for optimizer in file.optimizers
         )
     notices = []
-    unsafe = [skip for skip in inventory.skipped if skip.unsafe]
+    unsafe = [skip.file for skip in inventory.skipped if skip.kind == "unsafe"]
     if unsafe:
         notices.append(
             Notice(
                 "skipped-unsafe",
-                f"{len(unsafe)} file(s) would import code if loaded and were skipped: "
-                + ", ".join(skip.file for skip in unsafe),
+                f"{len(unsafe)} file(s) would import code if loaded and were skipped: {_shown(tuple(unsafe))}",
+            )
+        )
+    zero = [skip.file for skip in inventory.skipped if skip.kind == "deepspeed-zero"]
+    if zero:
+        notices.append(
+            Notice(
+                "deepspeed-zero",
+                f"DeepSpeed ZeRO partitioned state in {len(zero)} file(s) ({_shown(tuple(zero))}): ZeRO keeps flat "
+                "partitions per group, not per-parameter entries, so missing entries do not apply; DeepSpeed's "
+                "load_checkpoint resumes it",
+                "info",
             )
         )
     return Diagnosis(inventory, tuple(optimizers), tuple(notices), strict)

@@ -144,6 +144,11 @@ class UnsafeInputError(InputError):
 
     code = "unsafe-input"
 
+    def __init__(self, reason: str, *, global_name: str | None = None, **fields: Any) -> None:
+        super().__init__(reason, **fields)
+        self.global_name = global_name
+        """The global refused (``deepspeed.runtime.fp16.loss_scaler.LossScaler``), when one was."""
+
 
 class RepairRefused(OptimRepairError):
     """The checkpoint cannot be repaired as asked: it is malformed, or a fill cannot be built."""

@@ -172,8 +172,9 @@ class Skipped:
 
     file: str
     reason: str
-    unsafe: bool = False
-    """Whether it was skipped because loading it would import code (``weights_only`` refuses it)."""
+    kind: Literal["other", "unsafe", "deepspeed-zero"] = "other"
+    """``unsafe``: loading it would import code (``weights_only`` refuses it); ``deepspeed-zero``: a DeepSpeed
+    checkpoint file, recognised by the classes it names, whose ZeRO partitions have no per-parameter entries."""
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,23 @@ def _weights_beside(neighbours: tuple[Path, ...]) -> tuple[WeightMap, ...]:
     return tuple(weights)
 
 
+_DEEPSPEED = "deepspeed."
+
+
+def _skipped(rel: str, exc: InputError) -> Skipped:
+    """A file not read: one that names DeepSpeed's classes is ZeRO state, reported as such; one that names
+    other code is unsafe; one that is no torch file at all is just skipped."""
+    if not isinstance(exc, UnsafeInputError):
+        return Skipped(rel, exc.reason)
+    if (exc.global_name or "").startswith(_DEEPSPEED):
+        reason = (
+            f"DeepSpeed ZeRO partitioned state (it names {exc.global_name}): per-parameter entries do not apply; "
+            "DeepSpeed's load_checkpoint resumes it"
+        )
+        return Skipped(rel, reason, "deepspeed-zero")
+    return Skipped(rel, exc.reason, "unsafe")
+
+
 def _read_directory(found: Discovery, keep: Parsed | None) -> CheckpointInventory:
     root = found.root
     dcp = keep.dcp if keep else None
@@ -79,7 +96,7 @@ def _read_directory(found: Discovery, keep: Parsed | None) -> CheckpointInventor
                 kept = keep.torch_files if keep else None
                 inventory = read_inventory(found.path(entry), entry.rel, entry.rel, keep=kept)
             except (UnsafeInputError, NotATorchFile) as exc:
-                skipped.append(Skipped(entry.rel, exc.reason, unsafe=isinstance(exc, UnsafeInputError)))
+                skipped.append(_skipped(entry.rel, exc))
                 continue
             except InputError as exc:
                 raise InputError(
@@ -90,7 +107,8 @@ def _read_directory(found: Discovery, keep: Parsed | None) -> CheckpointInventor
                 files.append(inventory)
             else:
                 skipped.append(Skipped(entry.rel, "holds no optimizer state"))
-    if not any(file.optimizers for file in files):
+    zero = any(skip.kind == "deepspeed-zero" for skip in skipped)
+    if not any(file.optimizers for file in files) and not zero:
         raise InputError(f"no optimizer state found in any file ({len(skipped)} file(s) skipped)", path=str(root))
     dcp_only = files and all(file.format == "dcp" for file in files) and any(found.with_role("dcp"))
     fmt: Literal["torch", "dcp"] = "dcp" if dcp_only else "torch"

@@ -23,8 +23,11 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pickle
 import random
 import shlex
+import sys
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,12 +211,109 @@ def petrainer(root: Path, optimizer: str = "adamw", steps: int = 2) -> Built:
 
 
 @dataclass
-class LegacyRandomState:
-    """Stands in for numpy's RNG state in ``rng_state.pth``: a global weights_only refuses."""
+class _NumpyGlobal:
+    """A numpy global, pickled by name (``numpy._core.multiarray._reconstruct``) without numpy installed."""
 
-    kind: str
-    keys: list[int]
-    pos: int
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+
+class _NumpyArray:
+    """Pickles exactly as numpy 2 pickles a 1-d ``uint32`` array (``ndarray.__reduce__``)."""
+
+    def __init__(self, values: Sequence[int]) -> None:
+        self.values = values
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        dtype = _NumpyDType()
+        raw = b"".join(value.to_bytes(4, "little") for value in self.values)
+        reconstruct = _NumpyGlobal("numpy._core.multiarray", "_reconstruct")
+        return reconstruct, (_NumpyGlobal("numpy", "ndarray"), (0,), b"b"), (1, (len(self.values),), dtype, False, raw)
+
+
+class _NumpyDType:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _NumpyGlobal("numpy", "dtype"), ("u4", False, True), (3, "<", None, None, None, -1, -1, 0)
+
+
+class _NumpyPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+    dispatch = pickle._Pickler.dispatch.copy()  # type: ignore[attr-defined]
+
+    def _save_numpy_global(self, obj: _NumpyGlobal) -> None:
+        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+        self.memoize(obj)
+
+    dispatch[_NumpyGlobal] = _save_numpy_global
+
+
+def save_rng_state(path: Path) -> None:
+    """HF Trainer's ``rng_state.pth``: Python's, numpy's and torch's RNG states, with numpy's as numpy pickles it
+    (real numpy when it is installed)."""
+    try:
+        import numpy
+
+        state: Any = numpy.random.RandomState(0).get_state()
+        pickle_module: Any = pickle
+    except ImportError:
+        state = ("MT19937", _NumpyArray(list(range(624))), 624, 0, 0.0)
+        pickle_module = types.SimpleNamespace(Pickler=_NumpyPickler, __name__="pickle")
+    rng = {"python": random.getstate(), "numpy": state, "cpu": torch.get_rng_state()}
+    torch.save(rng, path, pickle_module=pickle_module)
+
+
+class LossScaler:
+    """Stands in for ``deepspeed.runtime.fp16.loss_scaler.LossScaler``, pickled under DeepSpeed's name."""
+
+    def __init__(self) -> None:
+        self.cur_scale = 1.0
+        self.cur_iter = 0
+
+
+def deepspeed_zero(root: Path, steps: int = 3) -> Built:
+    """HF Trainer + DeepSpeed ZeRO-1's ``checkpoint-<steps>/``: ``global_step<steps>/`` holds
+    ``mp_rank_00_model_states.pt`` and ``zero_pp_rank_0_mp_rank_00_optim_states.pt`` (flat fp32 partitions
+    per group, a pickled ``LossScaler``), beside ``latest``, the model and the trainer's files; no optimizer.pt."""
+    model = TwoHeadNet()
+    opt = make_optimizer(model, "adamw")
+    train(model, opt, steps)
+    directory = root / f"checkpoint-{steps}"
+    shards = directory / f"global_step{steps}"
+    shards.mkdir(parents=True)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    partition = {"state": {0: {"step": torch.tensor(float(steps)), "exp_avg": torch.zeros_like(flat),
+                               "exp_avg_sq": torch.zeros_like(flat)}},
+                 "param_groups": [{**opt.param_groups[0], "params": [0]}]}  # fmt: skip
+    # pickle names a class by its module, which it imports: DeepSpeed's, registered for the save only
+    names = ("deepspeed", "deepspeed.runtime", "deepspeed.runtime.fp16", "deepspeed.runtime.fp16.loss_scaler")
+    saved = {name: sys.modules.get(name) for name in names}
+    for name in names:
+        sys.modules[name] = types.ModuleType(name)
+    sys.modules[names[-1]].LossScaler = LossScaler  # type: ignore[attr-defined]
+    LossScaler.__module__ = names[-1]
+    try:
+        optim_states = {"optimizer_state_dict": {"loss_scaler": LossScaler(), "dynamic_loss_scale": False,
+                                                 "overflow": False, "clip_grad": 1.0,
+                                                 "base_optimizer_state": partition,
+                                                 "single_partition_of_fp32_groups": [flat.clone()],
+                                                 "zero_stage": 1, "group_paddings": [0], "partition_count": [1],
+                                                 "ds_version": "0.19.0"},
+                        "ds_config": {"zero_optimization": {"stage": 1}}, "ds_version": "0.19.0"}  # fmt: skip
+        torch.save(optim_states, shards / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        model_states = {"module": model.state_dict(), "buffer_names": [], "optimizer": None,
+                        "param_shapes": [{n: p.shape for n, p in model.named_parameters()}],
+                        "lr_scheduler": None, "loss_scaler": LossScaler(), "ds_version": "0.19.0"}  # fmt: skip
+        torch.save(model_states, shards / "mp_rank_00_model_states.pt")
+    finally:
+        for name, previous in saved.items():
+            if previous is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = previous
+    (directory / "latest").write_text(f"global_step{steps}")
+    save_rng_state(directory / "rng_state.pth")
+    save_safetensors(model.state_dict(), directory / "model.safetensors")
+    _write_json(directory / "trainer_state.json", {"global_step": steps, "epoch": 1.0, "log_history": []})
+    return Built(directory, {})
 
 
 @dataclass
@@ -238,12 +338,7 @@ def hf_trainer(root: Path, optimizer: str = "adamw", groups: int = 1, steps: int
     directory.mkdir(parents=True, exist_ok=True)
     torch.save(opt.state_dict(), directory / "optimizer.pt")
     torch.save(scheduler.state_dict(), directory / "scheduler.pt")
-    rng = {
-        "python": random.getstate(),
-        "numpy": LegacyRandomState("MT19937", list(range(8)), 8),
-        "cpu": torch.get_rng_state(),
-    }
-    torch.save(rng, directory / "rng_state.pth")
+    save_rng_state(directory / "rng_state.pth")
     torch.save(TrainingArguments(output_dir=str(root)), directory / "training_args.bin")
     save_safetensors(model.state_dict(), directory / "model.safetensors")
     _write_json(

@@ -73,7 +73,7 @@ def inspect_json(path: Path, code: int) -> dict[str, Any]:
     for opt in document["optimizers"]:
         check_optimizer_doc(opt)
     for skipped in document["skipped"]:
-        assert set(skipped) == {"file", "reason"}
+        assert set(skipped) == {"file", "kind", "reason"} and skipped["kind"] in ("other", "unsafe", "deepspeed-zero")
     return document
 
 
@@ -111,9 +111,10 @@ def test_inspect_every_layout(root: Path, factory: str) -> None:
 def test_inspect_hf_lists_skipped_neighbours_and_warns(hf_checkpoint: Built) -> None:
     document = inspect_json(hf_checkpoint.path, code=0)
     assert document["skipped"] == [
-        {"file": "rng_state.pth", "reason": "refuses to load global tests.checkpoints.LegacyRandomState"},
-        {"file": "scheduler.pt", "reason": "holds no optimizer state"},
-        {"file": "training_args.bin", "reason": "refuses to load global tests.checkpoints.TrainingArguments"},
+        {"file": "rng_state.pth", "kind": "other", "reason": "holds no optimizer state"},
+        {"file": "scheduler.pt", "kind": "other", "reason": "holds no optimizer state"},
+        {"file": "training_args.bin", "kind": "unsafe",
+         "reason": "refuses to load global tests.checkpoints.TrainingArguments"},
     ]
     assert [(n["code"], n["severity"]) for n in document["notices"]] == [("skipped-unsafe", "warning")]
     assert document["verdict"] == "healthy", "skipped neighbours do not change the verdict"
@@ -481,3 +482,16 @@ def test_fix_refuses_up_front_when_the_disk_is_too_small(unirl_checkpoint: Built
     error = json.loads(document + "\n}")["error"]
     assert error["code"] == "output" and "only" in error["message"] and "are free there" in error["message"]
     assert listing.strip() == "", "nothing was written"
+
+
+def test_a_deepspeed_zero_checkpoint_is_healthy_and_copied(root: Path, tmp_path: Path) -> None:
+    """HF + DeepSpeed ZeRO: no per-parameter entries to judge; a pre-resume script must not refuse it (exit 4)."""
+    built = ck.deepspeed_zero(root)
+    document = inspect_json(built.path, code=0)
+    assert document["verdict"] == "healthy" and document["optimizers"] == []
+    assert [(n["code"], n["severity"]) for n in document["notices"]] == [("deepspeed-zero", "info")]
+    out = tmp_path / "copy"
+    fixed = json.loads(fix_cli(built.path, out, "--json", code=0).stdout)
+    assert fixed["added"] == [] and fixed["verification"]["bytes"] > 0
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == sorted(p.relative_to(built.path)
+                                                                       for p in built.path.rglob("*"))

@@ -88,7 +88,7 @@ def test_a_fifo_is_never_opened(tmp_path: Path) -> None:
     os.mkfifo(built.path / "extra.pt")
     os.mkfifo(built.path / "extra.safetensors")
     document = json.loads(run_cli(["inspect", built.path, "--json"], code=None).stdout)
-    assert {"file": "extra.pt", "reason": "is a FIFO, not a regular file"} in document["skipped"]
+    assert {"file": "extra.pt", "kind": "other", "reason": "is a FIFO, not a regular file"} in document["skipped"]
     assert "extra.pt: is a FIFO; optim-repair copies only" in refused("fix", built.path, "--out", tmp_path / "o")
     alone = ck.unirl_torch(tmp_path / "u").path / "checkpoint.pt"
     line = refused("fix", alone, "--out", tmp_path / "f.pt", "--fill", "fresh", "--model", fifo, timeout=20)

@@ -235,7 +235,7 @@ def test_directory_mode_copies_every_other_file_byte_identical(hf_checkpoint: Bu
     out = tmp_path / "out"
     result = fix(built.path, out)
     assert {s.file: s.reason.split(" ")[0] for s in result.diagnosis.inventory.skipped} == {
-        "nested/blob.bin": "not", "rng_state.pth": "refuses", "scheduler.pt": "holds",
+        "nested/blob.bin": "not", "rng_state.pth": "holds", "scheduler.pt": "holds",
         "training_args.bin": "refuses"}
     assert result.diagnosis.verdict == "healthy", "optimizer.load_state_dict resumes HF's absent entries"
     assert (out / "empty-dir").is_dir()

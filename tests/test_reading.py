@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -62,7 +63,7 @@ def test_hf_neighbours_are_skipped_with_reasons(root: Path) -> None:
     inventory = read_checkpoint(built.path)
     skipped = {s.file: s.reason for s in inventory.skipped}
     assert skipped == {
-        "rng_state.pth": "refuses to load global tests.checkpoints.LegacyRandomState",
+        "rng_state.pth": "holds no optimizer state",  # numpy arrays: data, which weights_only reads
         "scheduler.pt": "holds no optimizer state",
         "training_args.bin": "refuses to load global tests.checkpoints.TrainingArguments",
     }
@@ -143,3 +144,31 @@ def test_unsafe_file_argument_is_refused_naming_the_global(root: Path, marker: P
     with pytest.raises(UnsafeInputError):
         read_checkpoint(unsafe.path)
     assert not marker.exists()
+
+
+def test_numpy_arrays_are_data_not_code(root: Path) -> None:
+    """HF Trainer's rng_state.pth pickles numpy's RNG state (``_reconstruct``, ``ndarray``, ``dtype``), which torch's
+    weights-only loader reads with numpy's safe globals: skipped for holding no optimizer, never as unsafe."""
+    path = root / "rng_state.pth"
+    ck.save_rng_state(path)
+    data = zipfile.ZipFile(path).read("rng_state/data.pkl")
+    assert b"numpy" in data and b"_reconstruct" in data and b"ndarray" in data
+    with pytest.raises(InputError, match="holds no optimizer state"):
+        read_checkpoint(path)
+    beside = ck.hf_trainer(root / "hf").path
+    assert {s.file: s.kind for s in read_checkpoint(beside).skipped}["rng_state.pth"] == "other"
+
+
+def test_a_deepspeed_zero_directory_is_recognised_not_refused(root: Path) -> None:
+    built = ck.deepspeed_zero(root)
+    inventory = read_checkpoint(built.path)
+    assert inventory.optimizers == ()
+    kinds = {s.file: s.kind for s in inventory.skipped}
+    assert kinds == {"global_step3/mp_rank_00_model_states.pt": "deepspeed-zero",
+                     "global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt": "deepspeed-zero",
+                     "rng_state.pth": "other"}  # fmt: skip
+    reason = next(s.reason for s in inventory.skipped if s.file.endswith("optim_states.pt"))
+    assert reason.startswith("DeepSpeed ZeRO partitioned state (it names deepspeed.runtime.fp16.loss_scaler.")
+    assert "per-parameter entries do not apply" in reason
+    with pytest.raises(InputError, match=r"refuses to load global deepspeed\.runtime\.fp16\.loss_scaler\.LossScaler"):
+        read_checkpoint(built.path / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")

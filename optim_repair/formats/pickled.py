@@ -143,6 +143,24 @@ def _storage_dtype(ref: object, source: str) -> str:
     raise InputError(f"unknown storage type {ref.qualname}", path=source)
 
 
+_NUMPY_GLOBALS = frozenset(
+    {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+    }
+)
+"""The globals numpy arrays, scalars and dtypes are pickled with, which torch's weights-only loader reads when
+they are declared safe (HF Trainer's ``rng_state.pth``): data, never code; stand-ins here, never numpy."""
+
+
+def _is_numpy_data(module: str, name: str) -> bool:
+    return (module, name) in _NUMPY_GLOBALS or (module == "numpy.dtypes" and name.endswith("DType"))
+
+
 def _allowed_global(module: str, name: str) -> Any:
     """The stand-in for a global a torch pickle names: a real harmless builtin, or a ``GlobalRef``."""
     if (module, name) in _REAL_GLOBALS:
@@ -157,9 +175,10 @@ def _allowed_global(module: str, name: str) -> Any:
         or (module == "torch.serialization" and name == "_get_layout")
         or (module == "torch" and (name in _TORCH_GLOBALS or name in LEGACY_STORAGES or name in DTYPES))
         or (module == "torch.storage" and name == "UntypedStorage")
+        or _is_numpy_data(module, name)
     )
     if not allowed:
-        raise UnsafeInputError(f"refuses to load global {module}.{name}")
+        raise UnsafeInputError(f"refuses to load global {module}.{name}", global_name=f"{module}.{name}")
     return GlobalRef(module, name)
 
 

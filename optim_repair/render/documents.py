@@ -47,6 +47,7 @@ class OptimizerDoc(TypedDict):
 
 class SkippedDoc(TypedDict):
     file: str
+    kind: str
     reason: str
 
 
@@ -141,7 +142,7 @@ def inspect_document(diagnosis: Diagnosis) -> InspectDoc:
         "strict": diagnosis.strict,
         "optimizers": [_optimizer_doc(opt) for opt in diagnosis.optimizers],
         "notices": _notice_docs(diagnosis.notices),
-        "skipped": [{"file": s.file, "reason": s.reason} for s in inventory.skipped],
+        "skipped": [{"file": s.file, "kind": s.kind, "reason": s.reason} for s in inventory.skipped],
     }
 
 
