@@ -66,9 +66,14 @@ def _missing_shapes(opt: OptimizerDiagnosis, weights: Sequence[WeightMap], where
                 )
         return shapes
     lacking = sorted(str(p) for p in opt.missing if not any(p in w.lookup() for w in weights))
-    what = f"no parameter shapes for {', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''}"
+    looked = ", ".join(w.source for w in weights[:6]) + (f" and {len(weights) - 6} more" if len(weights) > 6 else "")
+    where_looked = f"looked in {looked}" if weights else "the checkpoint holds no model weights"
+    what = (
+        f"no parameter shapes for {len(lacking)} parameter(s) without state "
+        f"({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}); {where_looked}"
+    )
     if not lacking:
-        what = "no model weights that match this optimizer's existing state"
+        what = f"no model weights that match this optimizer's existing state; {where_looked}"
     raise RepairRefused(
         f"{where}: {what}",
         remedy=Remedy(

@@ -7,7 +7,7 @@ names the optimizer sites and their stateless parameters:
 
 * ``unirl_dcp``: UniRL's ``checkpoint-<step>/``: keys ``model`` and ``optim`` (nested
   ``get_optimizer_state_dict``), ``metadata.pt`` beside the shards.
-* ``torchtitan_dcp``: torchtitan's ``step-<n>/``: ``model``, a flattened ``optimizer``
+* ``torchtitan_dcp``: torchtitan's ``step-<n>/``: top-level weights, a flattened ``optimizer``
   (``flatten_optimizer_state_dict=True``), ``lr_scheduler``, ``dataloader``, ``train_state``.
 * ``two_optimizers_dcp``: a generator/discriminator pair, one nested, one flattened.
 * ``sharded_dcp``: what two FSDP ranks write: every tensor split along dim 0 into one chunk per
@@ -154,14 +154,15 @@ def unirl_dcp(root: Path, optimizer: str = "adamw", flatten: bool = False) -> Bu
 
 
 def torchtitan_dcp(root: Path, optimizer: str = "adamw") -> Built:
-    """torchtitan's ``step-<n>/``: ``model``, flattened ``optimizer``, scheduler and dataloader state."""
+    """torchtitan's ``step-<n>/``, as its ``CheckpointManager`` saves it: the model's weights at the top level
+    (``blocks.0.attn.to_q.weight``, not under ``model``), a flattened ``optimizer``, scheduler and dataloader state."""
     model = DeepNet()
     opt = make_optimizer(model, optimizer)
     scheduler = LinearLR(opt, start_factor=0.5, total_iters=10)
     train(model, opt, PRE_STEPS, use_all=False, seed=0, scheduler=scheduler)
     path = root / f"step-{PRE_STEPS}"
     state = {
-        "model": get_model_state_dict(model),
+        **get_model_state_dict(model),
         "optimizer": get_optimizer_state_dict(model, opt, options=options(True)),
         "lr_scheduler": scheduler.state_dict(),
         "dataloader": {"world_size": 1, "dp_rank_0": pickle.dumps({"sample_index": 3 * PRE_STEPS})},
@@ -169,6 +170,13 @@ def torchtitan_dcp(root: Path, optimizer: str = "adamw") -> Built:
     }
     save(state, checkpoint_id=path)
     return Built(path, _missing("optimizer"))
+
+
+def torchtitan_model_only(root: Path) -> Path:
+    """The model-only step torchtitan writes last (``last_save_model_only``): top-level weights, no optimizer."""
+    path = root / f"step-{PRE_STEPS}-model-only"
+    save(get_model_state_dict(trained("adamw").model), checkpoint_id=path)
+    return path
 
 
 def flattened_without_model(root: Path) -> Built:
@@ -291,16 +299,20 @@ def missing_params(opt: OptimizerInventory) -> tuple[str | int, ...]:
     return tuple(param for param in opt.params if opt.entry(param) is None)
 
 
-def resume(path: Path, optimizer: str, key: str, flatten: bool, steps: int = POST_STEPS) -> dict[str, Tensor]:
-    """Load ``path`` with stock DCP into a fresh model (other init) and optimizer, then train with all."""
+def resume(
+    path: Path, optimizer: str, key: str, flatten: bool, steps: int = POST_STEPS, *, top_level: bool = False
+) -> dict[str, Tensor]:
+    """Load ``path`` with stock DCP into a fresh model (other init) and optimizer, then train with all.
+    ``top_level``: the weights sit at the top level, as torchtitan saves them, not under ``model``."""
     model = DeepNet(seed=7)
     opt = make_optimizer(model, optimizer)
+    weights = get_model_state_dict(model)
     state: dict[str, Any] = {
-        "model": get_model_state_dict(model),
+        **(weights if top_level else {"model": weights}),
         key: get_optimizer_state_dict(model, opt, options=options(flatten)),
     }
     load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, {name: state[name] for name in weights} if top_level else state["model"])
     set_optimizer_state_dict(model, opt, state[key], options=options(flatten))
     train(model, opt, steps, use_all=True, seed=1)
     return {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -73,6 +73,7 @@ def test_reads_flattened_torchtitan_layout(tmp_path: Path) -> None:
     inventory = read_dcp(built.path, "")
     opt = only(inventory)  # lr_scheduler, dataloader and train_state are no optimizers
     assert (opt.location, opt.address, opt.key_style) == ("optimizer", ("optimizer",), "name")
+    assert [w.source for w in inventory.weights] == [".:<top level>"], "torchtitan's weights sit at the top level"
     assert opt.params == tuple(inventory.weights[0].lookup())
     assert dk.missing_params(opt) == built.missing[Site("", ("optimizer",))]
     assert {"lr", "betas", "initial_lr", "amsgrad"} <= opt.groups[0].option_keys

@@ -69,7 +69,7 @@ def test_torchtitan_copy_loads_with_stock_dcp(tmp_path: Path) -> None:
     dest = tmp_path / "out"
     additions = repaired(built, {"optimizer": "adamw"}, dest)
     verify_dcp(built.path, dest, additions)
-    dk.resume(dest, "adamw", "optimizer", True)
+    dk.resume(dest, "adamw", "optimizer", True, top_level=True)
     assert [dk.missing_params(opt) for opt in read_dcp(dest, "").optimizers] == [()]
 
 

@@ -9,8 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from optim_repair.formats.dcp import read_dcp
+from tests import checkpoints as ck
 from tests import dcp_checkpoints as dk
 from tests.conftest import run_cli
+from tests.dcp_checkpoints import only
 
 
 def _digests(root: Path) -> dict[str, str]:
@@ -48,9 +51,26 @@ def test_a_torchtitan_checkpoint_is_repaired_into_one_torch_loads(tmp_path: Path
     built = dk.torchtitan_dcp(tmp_path / "in")
     out = tmp_path / "fixed"
     run_cli(["fix", built.path, "--out", out])
-    dk.resume(out, "adamw", "optimizer", True)  # stock dcp.load + set_optimizer_state_dict accept it
+    dk.resume(out, "adamw", "optimizer", True, top_level=True)  # stock dcp.load + set_optimizer_state_dict accept it
     report = json.loads(run_cli(["inspect", out, "--json"]).stdout)
     assert report["verdict"] == "healthy" and report["optimizers"][0]["location"] == "optimizer"
+
+
+def test_shapes_are_found_at_the_top_level_and_in_a_model_only_step(tmp_path: Path) -> None:
+    """torchtitan keeps the weights at the top level, and its last step may hold the model only: both give
+    the shapes of the parameters without state, as the checkpoint itself or as --model."""
+    optimizer_only = dk.flattened_without_model(tmp_path / "in").path
+    refused = run_cli(["fix", optimizer_only, "--out", tmp_path / "a", "--fill", "fresh"], code=3)
+    assert ("no parameter shapes for 2 parameter(s) without state (head.proj.bias, head.proj.weight); "
+            "the checkpoint holds no model weights; pass --model PATH") in refused.stderr
+    model_only = dk.torchtitan_model_only(tmp_path / "titan")
+    run_cli(["fix", optimizer_only, "--out", tmp_path / "b", "--model", model_only])
+    fixed = only(read_dcp(tmp_path / "b", ""))
+    assert dk.missing_params(fixed) == () and {e.param for e in fixed.entries} >= set(dk.HEAD)
+    other = tmp_path / "other.safetensors"
+    ck.save_safetensors({"unrelated.weight": torch.zeros(2)}, other)
+    mismatch = run_cli(["fix", optimizer_only, "--out", tmp_path / "c", "--model", other], code=3)
+    assert f"looked in {other}" in mismatch.stderr
 
 
 def test_fill_empty_is_refused_for_dcp_and_nothing_is_written(tmp_path: Path) -> None:

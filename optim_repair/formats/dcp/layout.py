@@ -17,9 +17,6 @@ from optim_repair.formats.dcp.metadata import DcpMetadata, DcpTensor, KeyPath
 from optim_repair.inventory import ParamKey, TensorMeta
 from optim_repair.repair_plan import AddedValue, Addition
 
-MODEL_KEY = "model"
-"""The top-level key under which trainers (UniRL, torchtitan) save the model's weights."""
-
 Layout = Literal["nested", "flattened"]
 _SECTIONS = ("state", "param_groups")
 
@@ -85,13 +82,16 @@ def find_optimizers(meta: DcpMetadata, source: str) -> list[DcpOptimizer]:
     return found
 
 
-def model_weights(meta: DcpMetadata) -> list[tuple[str, TensorMeta]]:
-    """The tensors saved under the ``model`` key, by parameter name."""
-    found = []
+def model_weights(meta: DcpMetadata, optimizers: Sequence[DcpOptimizer]) -> dict[KeyPath, dict[str, TensorMeta]]:
+    """Every tensor outside the optimizers, by the path of keys that holds it and its name: the model's
+    weights wherever they sit, under ``model`` (UniRL), under any other key, or at the top level
+    (torchtitan saves ``tok_embeddings.weight`` beside ``optimizer.*``)."""
+    taken = {slot.key for optimizer in optimizers for slot in optimizer.slots}
+    found: dict[KeyPath, dict[str, TensorMeta]] = {}
     for key, item in meta.items.items():
         path = meta.path_of(key)
-        if isinstance(item, DcpTensor) and len(path) == 2 and path[0] == MODEL_KEY and isinstance(path[1], str):
-            found.append((path[1], item.meta(key)))
+        if isinstance(item, DcpTensor) and key not in taken and isinstance(path[-1], str):
+            found.setdefault(path[:-1], {})[path[-1]] = item.meta(key)
     return found
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from optim_repair.errors import InputError
-from optim_repair.formats.dcp.layout import MODEL_KEY, DcpOptimizer, dotted, find_optimizers, model_weights
+from optim_repair.formats.dcp.layout import DcpOptimizer, dotted, find_optimizers, model_weights
 from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpBytes, DcpMetadata, DcpTensor, display_path
 from optim_repair.formats.dcp.metadata_reader import read_metadata
 from optim_repair.formats.dcp.storage import check_ranges, read_bytes_entries
@@ -141,14 +141,14 @@ def read_dcp(path: Path, rel: str, *, keep: dict[str, DcpMetadata] | None = None
     ]
     check_ranges(path, meta, rel)
     values = read_bytes_entries(path, meta, wanted, rel)
-    weights = model_weights(meta)
-    known = [name for name, _ in weights]
+    weights = model_weights(meta, optimizers)
+    known = {name for tensors in weights.values() for name in tensors}
     inventories = []
     for optimizer in optimizers:
         if optimizer.layout == "nested":
             groups, entries = _nested_layout(optimizer, meta, values, source)
         else:
-            groups, entries = _flattened_layout(optimizer, meta, values, set(known), source)
+            groups, entries = _flattened_layout(optimizer, meta, values, known, source)
         params = [param for group in groups for param in group.params]
         inventories.append(
             OptimizerInventory(
@@ -160,5 +160,8 @@ def read_dcp(path: Path, rel: str, *, keep: dict[str, DcpMetadata] | None = None
                 entries=entries,
             )
         )
-    weight_maps = (WeightMap(f"{rel or '.'}:{MODEL_KEY}", tuple(weights)),) if weights else ()
+    weight_maps = tuple(
+        WeightMap(f"{rel or '.'}:{dotted(prefix) or '<top level>'}", tuple(tensors.items()))
+        for prefix, tensors in weights.items()
+    )
     return FileInventory(file=rel, format="dcp", optimizers=tuple(inventories), weights=weight_maps)
