@@ -67,6 +67,10 @@ class OptimizerDiagnosis:
         return self.optimizer.key_style
 
     @property
+    def layout(self) -> str:
+        return self.optimizer.layout
+
+    @property
     def groups(self) -> int:
         return len(self.optimizer.groups)
 
@@ -251,6 +255,16 @@ def _dcp_missing_key(optimizer: OptimizerInventory, missing: tuple[ParamKey, ...
     return Notice("dcp-missing-key", f"{detail}; remedy: optim-repair fix (exact fresh state, the default for DCP)")
 
 
+def _flattened_missing(missing: tuple[ParamKey, ...]) -> Notice:
+    """What torch's loader does with a flattened optimizer state dict that lacks entries (pytorch#192224)."""
+    return Notice(
+        "flattened-missing-state",
+        "torch's set_optimizer_state_dict(flatten_optimizer_state_dict=True) fails on the "
+        f"{len(missing)} absent entries (TypeError: float() argument must be a string or a real number, not "
+        "'dict'); remedy: optim-repair fix (exact fresh state, the default for flattened state: it cannot hold {})",
+    )
+
+
 def _index_keyed_sparse(missing: tuple[ParamKey, ...]) -> Notice:
     """Absent entries are what ``optimizer.load_state_dict``, the loader index keys are made for, resumes exactly."""
     return Notice(
@@ -270,6 +284,8 @@ def _loader_notices(
         return [_index_keyed_sparse(missing)] if missing else []
     if loader == "dcp.load":
         return [_dcp_missing_key(optimizer, missing)] if missing else []
+    if optimizer.layout == "flattened":
+        return [_flattened_missing(missing)] if missing else []
     phantom = _stock_loader_phantom(optimizer, len(missing), empty)
     return [phantom] if phantom is not None else []
 

@@ -132,6 +132,9 @@ class OptimizerInventory:
     key_style: Literal["name", "index"]
     groups: tuple[ParamGroup, ...]
     entries: tuple[StateEntry, ...]
+    layout: Literal["nested", "flattened"] = "nested"
+    """``flattened``: ``flatten_optimizer_state_dict=True`` keys (``state.<fqn>.exp_avg``,
+    ``param_groups.<fqn>.lr``), where an entry exists only through its keys, so ``{}`` cannot be stored."""
 
     @property
     def params(self) -> tuple[ParamKey, ...]:

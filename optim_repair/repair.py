@@ -143,12 +143,18 @@ def plan_repair(
             continue
         inv = opt.optimizer
         file = next(f for f in diagnosis.inventory.files if f.file == inv.file)
-        chosen = fill or default_fill(file.format)
-        if chosen == "empty" and file.format == "dcp":
+        stores_empty = file.format != "dcp" and inv.layout == "nested"
+        chosen = fill or ("empty" if stores_empty else "fresh")
+        if chosen == "empty" and not stores_empty:
+            why = (
+                "a DCP checkpoint (DCP drops empty mappings when it saves)"
+                if file.format == "dcp"
+                else "a flattened optimizer state dict (an entry exists only through its state.<name>.<key> keys)"
+            )
             raise RepairRefused(
-                "the empty fill cannot be stored in a DCP checkpoint (DCP drops empty mappings when it saves)",
+                f"the empty fill cannot be stored in {why}",
                 path=inv.file or diagnosis.inventory.path,
-                remedy=Remedy("fill", "fresh", note=", the default for DCP"),
+                remedy=Remedy("fill", "fresh", note=", the default for it"),
             )
         fills.add(chosen)
         if chosen == "empty":
@@ -156,7 +162,7 @@ def plan_repair(
             continue
         where = f"{inv.file or diagnosis.inventory.path}:{inv.location or '<root>'}"
         weights = tuple(model_weights) or (*file.weights, *diagnosis.inventory.weights)
-        kind, fresh = _fresh_additions(opt, optimizer, weights, where, stores_empty=file.format != "dcp")
+        kind, fresh = _fresh_additions(opt, optimizer, weights, where, stores_empty=stores_empty)
         kinds.append(FilledOptimizer(inv.file, inv.location, kind))
         additions.extend(fresh)
     described: PlanFill = fill or default_fill(diagnosis.inventory.format)

@@ -24,8 +24,8 @@ from tests.checkpoints import Built
 from tests.conftest import run_cli
 from tests.support import assert_fixed_copy, assert_nothing_written, installed_command, untouched
 
-OPTIMIZER_FIELDS = {"file", "location", "key_style", "loader", "resumes_as_is", "groups", "params", "states", "missing",
-                    "empty", "malformed", "notices", "cold"}
+OPTIMIZER_FIELDS = {"file", "location", "key_style", "layout", "loader", "resumes_as_is", "groups", "params", "states",
+                    "missing", "empty", "malformed", "notices", "cold"}
 INSPECT_FIELDS = {"schema_version", "versions", "path", "format", "verdict", "strict", "optimizers", "notices",
                   "skipped"}
 FIX_FIELDS = INSPECT_FIELDS | {"out", "added", "verification"}

@@ -33,6 +33,7 @@ class OptimizerDoc(TypedDict):
     file: str
     location: str
     key_style: str
+    layout: str
     loader: str
     resumes_as_is: bool
     groups: int
@@ -118,6 +119,7 @@ def _optimizer_doc(opt: OptimizerDiagnosis) -> OptimizerDoc:
         "file": opt.file,
         "location": opt.location,
         "key_style": opt.key_style,
+        "layout": opt.layout,
         "loader": opt.loader,
         "resumes_as_is": opt.resumes_as_is,
         "groups": opt.groups,

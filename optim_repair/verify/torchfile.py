@@ -15,11 +15,10 @@ from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, VerificationError, shown
 from optim_repair.formats.inputs import open_regular
-from optim_repair.formats.pickled import GlobalRef, Reduced, StorageRef, describe_address, tensor_meta
+from optim_repair.formats.pickled import GlobalRef, Reduced, StorageRef, describe_address, resolve, tensor_meta
 from optim_repair.formats.ranges import same_range
-from optim_repair.formats.torchfile import LegacyTorchFile, TorchFile, open_torch_file
+from optim_repair.formats.torchfile import LegacyTorchFile, TorchFile, entry_slots, open_torch_file
 from optim_repair.formats.unpickling import ZIP_ERRORS
-from optim_repair.inventory import ParamKey
 from optim_repair.repair_plan import Addition, FreshTensor
 from optim_repair.verify.files import Verification
 
@@ -33,11 +32,12 @@ def _float_bits(value: float | complex) -> bytes:
 class _GraphComparison:
     """Walks the original and the copy together; the copy may differ only by the additions."""
 
-    def __init__(self, source: str, additions: Sequence[Addition]) -> None:
+    def __init__(self, source: str, additions: Sequence[Addition], original: Any) -> None:
         self.source = source
-        self.added: dict[tuple[Any, ...], list[ParamKey]] = {}
+        self.added: dict[tuple[Any, ...], list[Any]] = {}
         for addition in additions:
-            self.added.setdefault((*addition.address, "state"), []).append(addition.param)
+            where, keys = entry_slots(resolve(original, addition.address), addition)
+            self.added.setdefault((*addition.address, *where), []).extend(keys)
         self.tensors = 0
         self._seen: set[tuple[int, int]] = set()
 
@@ -88,14 +88,17 @@ class _GraphComparison:
 
 def _check_additions(copy: TorchFile, copy_stream: BinaryIO, additions: Sequence[Addition], source: str) -> None:
     for addition in additions:
-        state = copy.graph.root
-        for step in (*addition.address, "state", addition.param):
-            state = state[step]
+        optimizer = resolve(copy.graph.root, addition.address)
+        slots, keys = entry_slots(optimizer, addition)
         where = f"added entry {shown(addition.param)} at {addition.location or 'the top level'}"
-        if not isinstance(state, dict) or list(state) != [key for key, _ in addition.state]:
-            raise VerificationError(f"{where} is not what was planned", path=source)
-        for key, planned in addition.state:
-            value = state[key]
+        if slots:
+            state = resolve(optimizer, (*slots, *keys))
+            if not isinstance(state, dict) or list(state) != list(addition.keys):
+                raise VerificationError(f"{where} is not what was planned", path=source)
+            values = list(state.values())
+        else:
+            values = [optimizer[key] for key in keys]
+        for (key, planned), value in zip(addition.state, values, strict=True):
             if isinstance(planned, FreshTensor):
                 meta = tensor_meta(value)
                 if meta is None or (meta.dtype, meta.shape) != (planned.dtype, planned.shape):
@@ -156,7 +159,7 @@ def verify_torch_file(
             _same_framing(before, after, a, b, source)
         except ZIP_ERRORS as exc:
             raise VerificationError(f"the copy cannot be read back ({exc})", path=source) from exc
-    comparison = _GraphComparison(source, additions)
+    comparison = _GraphComparison(source, additions, before.graph.root)
     comparison.same(before.graph.root, after.graph.root, ())
     total = 0
     with open_regular(original, source) as a, open_regular(copy, source) as b:

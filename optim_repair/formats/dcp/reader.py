@@ -158,6 +158,7 @@ def read_dcp(path: Path, rel: str, *, keep: dict[str, DcpMetadata] | None = None
                 key_style=key_style(params),
                 groups=groups,
                 entries=entries,
+                layout=optimizer.layout,
             )
         )
     weight_maps = tuple(

@@ -68,6 +68,55 @@ def _is_optimizer(node: Any) -> bool:
     )
 
 
+_FLAT_SECTIONS = ("state.", "param_groups.")
+
+
+def _is_flattened_optimizer(node: Any) -> bool:
+    """``get_optimizer_state_dict(..., options=StateDictOptions(flatten_optimizer_state_dict=True))``:
+    every key is ``state.<fqn>.<key>`` or ``param_groups.<fqn>.<hyperparameter>``, and some are the latter."""
+    return (
+        isinstance(node, dict)
+        and bool(node)
+        and all(isinstance(key, str) and key.startswith(_FLAT_SECTIONS) and key.count(".") >= 2 for key in node)
+        and any(key.startswith("param_groups.") for key in node)
+    )
+
+
+def _unflattened(node: dict[str, Any]) -> dict[str, Any]:
+    """A flattened optimizer state dict in the nested form: entries from the ``state.`` keys (split at the
+    longest parameter name the ``param_groups.`` keys give), and one group per set of equal
+    hyperparameters, in the order the parameters first appear (as torch's groups are, when they differ)."""
+    options: dict[str, dict[str, Any]] = {}
+    for key, value in node.items():
+        if key.startswith("param_groups."):
+            name, option = key[len("param_groups.") :].rsplit(".", 1)
+            options.setdefault(name, {})[option] = value
+    state: dict[str, dict[str, Any]] = {}
+    for key, value in node.items():
+        if key.startswith("state."):
+            flat = key[len("state.") :]
+            name, option = flat.rsplit(".", 1)
+            while name not in options and "." in name:  # a parameter in no group: an orphan, named as it can be
+                name = name.rsplit(".", 1)[0]
+            if name not in options:
+                name = flat.rsplit(".", 1)[0]
+            state.setdefault(name, {})[flat[len(name) + 1 :]] = value
+    groups: list[dict[str, Any]] = []
+    for name, hyperparameters in options.items():
+        group = next((g for g in groups if _same_options(g, hyperparameters)), None)
+        if group is None:
+            group = {**hyperparameters, "params": []}
+            groups.append(group)
+        group["params"].append(name)
+    return {"state": state, "param_groups": groups}
+
+
+def _same_options(group: dict[str, Any], options: dict[str, Any]) -> bool:
+    return group.keys() - {"params"} == options.keys() and all(
+        option_value(group[key]) == option_value(value) for key, value in options.items()
+    )
+
+
 def _state_entry(param: ParamKey, value: Any, reads: _SmallReads) -> StateEntry:
     if not isinstance(value, dict):
         return StateEntry(param, None, "tensor" if is_tensor(value) else type(value).__name__)
@@ -112,8 +161,10 @@ def _probe_phantom(entries: list[StateEntry], reads: _SmallReads) -> list[StateE
 
 
 def _optimizer_inventory(
-    node: dict[Any, Any], file: str, address: tuple[Any, ...], reads: _SmallReads, source: str
+    found: dict[Any, Any], file: str, address: tuple[Any, ...], reads: _SmallReads, source: str
 ) -> OptimizerInventory:
+    flattened = _is_flattened_optimizer(found)
+    node = _unflattened(found) if flattened else found
     _check_keys(node, source, describe_address(address))
     groups = tuple(
         ParamGroup(
@@ -135,6 +186,7 @@ def _optimizer_inventory(
         key_style=key_style(keys),
         groups=groups,
         entries=tuple(entries),
+        layout="flattened" if flattened else "nested",
     )
 
 
@@ -156,7 +208,7 @@ def find_optimizers(root: Any) -> list[tuple[tuple[Any, ...], dict[Any, Any]]]:
     for address, node in walk(root):
         if any(address[: len(outer)] == outer for outer, _ in found):
             continue
-        if _is_optimizer(node):
+        if _is_optimizer(node) or _is_flattened_optimizer(node):
             found.append((address, node))
     return found
 

@@ -17,10 +17,22 @@ from optim_repair.formats.unpickling import ZIP_ERRORS
 from optim_repair.repair_plan import Addition, FreshTensor
 
 
-def _sibling_location(state: dict[Any, Any], key: str) -> str:
+def entry_slots(optimizer: dict[Any, Any], addition: Addition) -> tuple[tuple[Any, ...], list[Any]]:
+    """Where an addition goes in the optimizer state dict at its address: the path of the dict that gains keys
+    (relative to the optimizer), and those keys. Nested: ``state`` gains the parameter. Flattened
+    (``flatten_optimizer_state_dict=True``): the optimizer gains one ``state.<name>.<key>`` key per value."""
+    if "state" in optimizer and "param_groups" in optimizer:
+        return ("state",), [addition.param]
+    return (), [f"state.{addition.param}.{key}" for key in addition.keys]
+
+
+def _sibling_location(optimizer: dict[Any, Any], key: str) -> str:
     """Where the optimizer keeps ``key`` for other parameters (``cuda:0``, or ``cpu`` for a CPU ``step``)."""
-    for entry in state.values():
-        value = entry.get(key) if isinstance(entry, dict) else None
+    if "state" in optimizer and "param_groups" in optimizer:
+        values = [entry.get(key) for entry in optimizer["state"].values() if isinstance(entry, dict)]
+    else:
+        values = [value for name, value in optimizer.items() if name.startswith("state.") and name.endswith(f".{key}")]
+    for value in values:
         if isinstance(value, Reduced) and value.args and isinstance(value.args[0], StorageRef):
             return value.args[0].location
     return "cpu"
@@ -32,11 +44,11 @@ def _add_entries(torch_file: TorchFile, additions: Sequence[Addition]) -> list[N
     taken = set(torch_file.graph.storages)
     created: list[NewStorage] = []
     for addition in additions:
-        state = resolve(torch_file.graph.root, addition.address)["state"]
+        optimizer = resolve(torch_file.graph.root, addition.address)
         entry: dict[str, Any] = {}
         for key, value in addition.state:
             if isinstance(value, FreshTensor):
-                location = _sibling_location(state, key)
+                location = _sibling_location(optimizer, key)
                 storage_key = f"optim-repair-{len(created)}" if legacy else str(len(taken))
                 while storage_key in taken:
                     storage_key += "_"
@@ -46,14 +58,23 @@ def _add_entries(torch_file: TorchFile, additions: Sequence[Addition]) -> list[N
                 created.append((ref, value.nbytes, value.chunks()))
             else:
                 entry[key] = value
-        state[addition.param] = entry
+        where, keys = entry_slots(optimizer, addition)
+        container = resolve(optimizer, where)
+        if where:
+            container[keys[0]] = entry
+        else:
+            container.update(zip(keys, entry.values(), strict=True))
     return created
 
 
 def _remove_entries(torch_file: TorchFile, additions: Sequence[Addition]) -> None:
     """Undo ``_add_entries``: the graph is again the original's (the entries were added last)."""
     for addition in additions:
-        del resolve(torch_file.graph.root, addition.address)["state"][addition.param]
+        optimizer = resolve(torch_file.graph.root, addition.address)
+        where, keys = entry_slots(optimizer, addition)
+        container = resolve(optimizer, where)
+        for key in keys:
+            del container[key]
 
 
 def write_torch_file(
