@@ -113,3 +113,39 @@ def test_optimizer_help_lists_every_name() -> None:
     text = " ".join(_help("fix").split())
     assert all(name in text for name in OPTIMIZERS)
     assert "-h, --help" in text and "-q, --quiet" in text and "--color" in text
+
+
+def _resume_script() -> str:
+    block = README.split("## Before resuming", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    assert block.startswith("#!/bin/sh")
+    return block
+
+
+@pytest.mark.parametrize("factory", ["hf_trainer", "unirl_torch"])
+def test_the_readme_resume_script(tmp_path: Path, factory: str) -> None:
+    """HF Trainer (index keys, absent entries): resumes from the checkpoint itself, copying nothing.
+    UniRL (names): resumes from a verified repaired copy with exact fresh state."""
+    import os
+    import subprocess
+    import sys
+
+    import optim_repair
+    from tests import checkpoints as ck
+
+    built = ck.FACTORIES[factory](tmp_path / "run")
+    script = tmp_path / "resume.sh"
+    script.write_text(_resume_script())
+    (tmp_path / "train.py").write_text("import sys\nprint('resuming from', sys.argv[2])\n")
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    before = sorted(p.name for p in built.path.parent.iterdir())
+    done = subprocess.run(["sh", str(script), f"{built.path}/"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PATH": path}, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    fixed = Path(f"{built.path}-fixed")
+    if factory == "hf_trainer":
+        assert done.stdout == f"resuming from {built.path}\n"
+        assert sorted(p.name for p in built.path.parent.iterdir()) == before, "nothing was copied"
+    else:
+        assert done.stdout == f"resuming from {fixed}\n"
+        assert optim_repair.inspect(fixed).verdict == "healthy"
+        assert optim_repair.plan(fixed).additions == ()
