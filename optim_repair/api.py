@@ -55,6 +55,7 @@ def plan(
     fill: Fill | None = None,
     optimizer: str | None = None,
     model: str | Path | None = None,
+    reset_phantom_step: bool = False,
 ) -> RepairPlan:
     """What ``fix`` would add, and with what, without writing anything (a dry run).
 
@@ -63,7 +64,9 @@ def plan(
     """
     diagnosis = checkpoint if isinstance(checkpoint, Diagnosis) else inspect(checkpoint)
     weights = read_model_weights(Path(model)) if model is not None else ()
-    return plan_repair(diagnosis, fill, optimizer=optimizer, model_weights=weights)
+    return plan_repair(
+        diagnosis, fill, optimizer=optimizer, model_weights=weights, reset_phantom_step=reset_phantom_step
+    )
 
 
 def output_path(checkpoint: Path, out: str | Path) -> Path:
@@ -96,11 +99,12 @@ def dry_run(
     optimizer: str | None = None,
     model: str | Path | None = None,
     link: bool = False,
+    reset_phantom_step: bool = False,
 ) -> DryRun:
     """What ``fix`` with the same arguments would add and write, and the room there is for it; writes nothing."""
     diagnosis = checkpoint if isinstance(checkpoint, Diagnosis) else inspect(checkpoint)
     found = discover(Path(diagnosis.inventory.path))
-    repair = plan(diagnosis, fill=fill, optimizer=optimizer, model=model)
+    repair = plan(diagnosis, fill=fill, optimizer=optimizer, model=model, reset_phantom_step=reset_phantom_step)
     target = output_path(found.root, out)
     needed = space_needed(found, diagnosis.inventory, repair, link=link)
     return DryRun(diagnosis, repair, target, needed, free_space(target))
@@ -134,6 +138,7 @@ def fix(
     force: bool = False,
     link: bool = False,
     sync: bool = True,
+    reset_phantom_step: bool = False,
     progress: Progress = ignore,
     notice: Notice = lambda message: None,
 ) -> FixResult:
@@ -147,7 +152,10 @@ def fix(
     skips syncing the copy to the disk (a scratch copy: a crash may lose it, never the input).
     ``progress`` hears of the bytes written and verified (``optim_repair.progress.Step``); ``notice``
     gets lines of text for the user. For a file, an ``out`` ending in a slash is a directory to write
-    into. Refused up front when the file system holding ``out`` has too little room for the copy.
+    into. ``reset_phantom_step`` also replaces every entry with ``step`` 1 and all-zero moments (what
+    torch's full-state loader gave a parameter without state) by what ``fill`` gives a parameter without
+    state, once every byte of its moments is proven zero. Refused up front when the file system holding
+    ``out`` has too little room for the copy.
     """
     parsed = Parsed()  # what reading parsed, for the writer not to parse it again
     if isinstance(checkpoint, Diagnosis):
@@ -155,7 +163,7 @@ def fix(
     else:
         found = discover(Path(checkpoint))
         diagnosis = diagnose(read_discovered(found, keep=parsed))
-    repair = plan(diagnosis, fill=fill, optimizer=optimizer, model=model)
+    repair = plan(diagnosis, fill=fill, optimizer=optimizer, model=model, reset_phantom_step=reset_phantom_step)
     target = output_path(found.root, out)
     verification = write_copy(
         found,

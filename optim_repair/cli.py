@@ -254,6 +254,14 @@ def fix(
     no_sync: Annotated[
         bool, typer.Option("--no-sync", help="Do not sync the copy to the disk before verifying it (a scratch copy).")
     ] = False,
+    reset_phantom_step: Annotated[
+        bool,
+        typer.Option(
+            "--reset-phantom-step",
+            help="Also turn entries with step=1 and all-zero moments (a phantom step) back into the state the "
+            "optimizer would have: {}, or with --fill fresh its exact fresh state.",
+        ),
+    ] = False,
     dry_run: Annotated[
         bool,
         typer.Option("--dry-run", help="Show what would be added and written, and the free space; write nothing."),
@@ -268,7 +276,15 @@ def fix(
 
     def command() -> int:
         if dry_run:
-            planned = api.dry_run(checkpoint, out, fill=filled, optimizer=optimizer, model=model, link=link)
+            planned = api.dry_run(
+                checkpoint,
+                out,
+                fill=filled,
+                optimizer=optimizer,
+                model=model,
+                link=link,
+                reset_phantom_step=reset_phantom_step,
+            )
             if json:
                 render.print_json(render.dry_run_document(planned))
             else:
@@ -284,6 +300,7 @@ def fix(
                 force=force,
                 link=link,
                 sync=not no_sync,
+                reset_phantom_step=reset_phantom_step,
                 progress=progress,
                 notice=render.message_printer(screen),
             )

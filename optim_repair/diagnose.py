@@ -53,6 +53,9 @@ class OptimizerDiagnosis:
     empty: tuple[ParamKey, ...]
     malformed: tuple[Malformed, ...]
     notices: tuple[Notice, ...]
+    phantom: tuple[ParamKey, ...] = ()
+    """Entries with ``step`` 1 and all-zero moments (as far as inspect reads them): the state torch's full-state
+    loader gives a parameter without state, which ``fix --reset-phantom-step`` turns back."""
 
     @property
     def file(self) -> str:
@@ -191,18 +194,27 @@ def _shape_mismatches(entry: StateEntry, weights: dict[str, TensorMeta]) -> list
     ]
 
 
+def _phantom_entry(entry: StateEntry) -> bool:
+    """``step`` 1 and every moment zero in what inspect read of it: a phantom step's state."""
+    step = entry.get("step")
+    if not isinstance(step, TensorMeta) or step.value != 1:
+        return False
+    moments = [v for k, v in entry.values or () if k in PARAM_SHAPED_KEYS and isinstance(v, TensorMeta)]
+    return bool(moments) and all(moment.zero_head for moment in moments)
+
+
 def _is_phantom(optimizer: OptimizerInventory) -> bool:
     populated = [entry for entry in optimizer.entries if entry.values]
-    if not populated:
-        return False
-    for entry in populated:
-        step = entry.get("step")
-        if not isinstance(step, TensorMeta) or step.value != 1:
-            return False
-        moments = [v for k, v in entry.values or () if k in PARAM_SHAPED_KEYS and isinstance(v, TensorMeta)]
-        if not moments or not all(moment.zero_head for moment in moments):
-            return False
-    return True
+    return bool(populated) and all(_phantom_entry(entry) for entry in populated)
+
+
+def _phantom_entries(phantom: tuple[ParamKey, ...]) -> Notice:
+    return Notice(
+        "phantom-step-entries",
+        f"{len(phantom)} entries have step=1 and all-zero moments ({_shown(phantom)}): the state torch's full-state "
+        "loader gives a parameter without state (UniRL checkpoints before its PR #440 carry it for never-updated "
+        "parameters); fix --reset-phantom-step turns them back into the state the optimizer would have",
+    )
 
 
 def _phantom_kind(optimizer: OptimizerInventory) -> str | None:
@@ -340,6 +352,9 @@ def diagnose_optimizer(
             )
         )
     empty = tuple(entry.param for entry in optimizer.entries if entry.is_empty)
+    phantom = tuple(entry.param for entry in optimizer.entries if entry.values and _phantom_entry(entry))
+    if phantom and not _is_phantom(optimizer):
+        notices.append(_phantom_entries(phantom))
     notices += _loader_notices(optimizer, loader, missing, len(empty))
     return OptimizerDiagnosis(
         optimizer=optimizer,
@@ -348,6 +363,7 @@ def diagnose_optimizer(
         empty=empty,
         malformed=tuple(malformed),
         notices=tuple(notices),
+        phantom=phantom,
     )
 
 

@@ -93,21 +93,34 @@ def _scalar_dtype(opt: OptimizerDiagnosis) -> str:
     return "float32"
 
 
+def _own_shape(opt: OptimizerDiagnosis, param: ParamKey) -> TensorMeta:
+    """A phantom entry's parameter, as its own moments give it (they have the parameter's dtype and shape)."""
+    entry = next(entry for entry in opt.optimizer.entries if entry.param == param)
+    return next(v for k, v in entry.values or () if k in PARAM_SHAPED_KEYS and isinstance(v, TensorMeta))
+
+
 def _fresh_additions(
-    opt: OptimizerDiagnosis, kind: str | None, weights: Sequence[WeightMap], where: str, *, stores_empty: bool
+    opt: OptimizerDiagnosis,
+    kind: str | None,
+    weights: Sequence[WeightMap],
+    where: str,
+    *,
+    stores_empty: bool,
+    reset: tuple[ParamKey, ...],
 ) -> tuple[str, list[Addition]]:
     optimizer = opt.optimizer
     chosen = kind or identify_optimizer(optimizer.groups, optimizer.entries, where=where)
-    shapes = _missing_shapes(opt, weights, where)
+    shapes = _missing_shapes(opt, weights, where) if opt.missing else {}
+    shapes.update({param: _own_shape(opt, param) for param in reset})
     additions = []
     groups = {param: group for group in optimizer.groups for param in group.params}
-    for param in opt.missing:
-        group = groups[param]
+    for param in (*opt.missing, *reset):
         meta = shapes[param]
-        state = fresh_state(chosen, group, ParamSpec(meta.dtype, meta.shape), scalar_dtype=_scalar_dtype(opt))
+        state = fresh_state(chosen, groups[param], ParamSpec(meta.dtype, meta.shape), scalar_dtype=_scalar_dtype(opt))
         if not state and not stores_empty:
             continue  # a stateless optimizer (plain SGD): its fresh state is no state, which DCP cannot store
-        additions.append(Addition(optimizer.file, optimizer.location, optimizer.address, param, state))
+        replaces = param in reset
+        additions.append(Addition(optimizer.file, optimizer.location, optimizer.address, param, state, replaces))
     return chosen, additions
 
 
@@ -128,18 +141,28 @@ def plan_repair(
     *,
     optimizer: str | None = None,
     model_weights: Sequence[WeightMap] = (),
+    reset_phantom_step: bool = False,
 ) -> RepairPlan:
     """The entries to add so that every optimizer has an entry for every listed parameter.
 
-    Without ``fill``, each file gets its format's default: ``{}`` for torch files, fresh state for DCP.
+    Without ``fill``, each file gets its format's default: ``{}`` for torch files, fresh state for DCP
+    and flattened state. ``reset_phantom_step`` also replaces every entry with ``step`` 1 and all-zero
+    moments (a phantom step's state) by what the fill gives a parameter without state.
     """
     _check_arguments(fill, optimizer)
     _refuse_malformed(diagnosis)
+    if reset_phantom_step and not any(opt.phantom for opt in diagnosis.optimizers):
+        raise RepairRefused(
+            "no entry has step=1 and all-zero moments: there is no phantom step to reset (inspect reads no "
+            "values of DCP entries, so it finds none there)",
+            path=diagnosis.inventory.path,
+        )
     additions: list[Addition] = []
     kinds: list[FilledOptimizer] = []
     fills: set[Fill] = set()
     for opt in diagnosis.optimizers:
-        if not opt.missing:
+        reset = opt.phantom if reset_phantom_step else ()
+        if not opt.missing and not reset:
             continue
         inv = opt.optimizer
         file = next(f for f in diagnosis.inventory.files if f.file == inv.file)
@@ -159,10 +182,11 @@ def plan_repair(
         fills.add(chosen)
         if chosen == "empty":
             additions.extend(Addition(inv.file, inv.location, inv.address, param, ()) for param in opt.missing)
+            additions.extend(Addition(inv.file, inv.location, inv.address, param, (), True) for param in reset)
             continue
         where = f"{inv.file or diagnosis.inventory.path}:{inv.location or '<root>'}"
         weights = tuple(model_weights) or (*file.weights, *diagnosis.inventory.weights)
-        kind, fresh = _fresh_additions(opt, optimizer, weights, where, stores_empty=stores_empty)
+        kind, fresh = _fresh_additions(opt, optimizer, weights, where, stores_empty=stores_empty, reset=reset)
         kinds.append(FilledOptimizer(inv.file, inv.location, kind))
         additions.extend(fresh)
     described: PlanFill = fill or default_fill(diagnosis.inventory.format)

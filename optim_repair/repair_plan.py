@@ -41,7 +41,7 @@ AddedValue = FreshTensor | Scalar
 
 @dataclass(frozen=True)
 class Addition:
-    """One state entry to add to one optimizer."""
+    """One state entry to add to one optimizer, or (``replaces``) to put in place of a phantom-step entry."""
 
     file: str
     location: str
@@ -49,6 +49,8 @@ class Addition:
     param: ParamKey
     state: tuple[tuple[str, AddedValue], ...]
     """The entry's keys and values; () adds ``{}``."""
+    replaces: bool = False
+    """Whether it replaces the parameter's entry (``step`` 1, all-zero moments: ``fix --reset-phantom-step``)."""
 
     @property
     def keys(self) -> tuple[str, ...]:

@@ -82,7 +82,7 @@ def test_every_json_field_is_documented(field: str) -> None:
 
 @pytest.mark.parametrize("code", ["partial-state", "orphan-state", "duplicate-param", "bad-entry", "shape-mismatch",
                                   "phantom-step", "stock-loader-phantom-step", "dcp-missing-key",
-                                  "flattened-missing-state", "cold",
+                                  "flattened-missing-state", "phantom-step-entries", "cold",
                                   "skipped-unsafe", "deepspeed-zero", "sparse-ok-for-load-state-dict"])
 def test_every_finding_code_is_documented(code: str) -> None:
     assert f"`{code}`" in CLI_DOC

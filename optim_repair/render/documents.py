@@ -74,6 +74,7 @@ class AddedDoc(TypedDict):
     location: str
     param: ParamKey
     keys: list[str]
+    replaced: bool
 
 
 class VerificationDoc(TypedDict):
@@ -150,7 +151,8 @@ def inspect_document(diagnosis: Diagnosis) -> InspectDoc:
 
 def _added_docs(result: FixResult | DryRun) -> list[AddedDoc]:
     return [
-        {"file": a.file, "location": a.location, "param": a.param, "keys": list(a.keys)} for a in result.plan.additions
+        {"file": a.file, "location": a.location, "param": a.param, "keys": list(a.keys), "replaced": a.replaces}
+        for a in result.plan.additions
     ]
 
 

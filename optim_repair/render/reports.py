@@ -170,14 +170,26 @@ def _additions_table(console: Console, diagnosis: Diagnosis, plan: RepairPlan) -
     kinds = {(file, location): kind for file, location, kind in plan.optimizers}
     for opt in diagnosis.optimizers:
         inv = opt.optimizer
-        added = [a for a in plan.additions if (a.file, a.address) == (inv.file, inv.address)]
-        keys = sorted({key for a in added for key in a.keys})
-        what = "{}" if not keys else ", ".join(keys)
+        mine = [a for a in plan.additions if (a.file, a.address) == (inv.file, inv.address)]
         kind = kinds.get((inv.file, inv.location))
         label = _optimizer_label(opt) + (f" ({kind})" if kind else "")
-        entries = f"{what} for {_shown_names(tuple(a.param for a in added))}" if added else "—"
-        table.add_row(Text(label), str(len(added)), Text(entries))
+        parts = []
+        for replacing, verb in ((False, ""), (True, "in place of phantom step=1 entries: ")):
+            group = [a for a in mine if a.replaces is replacing]
+            if group:
+                keys = sorted({key for a in group for key in a.keys})
+                what = ", ".join(keys) if keys else "{}"
+                parts.append(f"{verb}{what} for {_shown_names(tuple(a.param for a in group))}")
+        replaced = sum(a.replaces for a in mine)
+        count = f"{len(mine)} ({replaced} replaced)" if replaced else str(len(mine))
+        table.add_row(Text(label), count, Text("; ".join(parts) or "—"))
     return table
+
+
+def _changes(plan: RepairPlan) -> str:
+    replaced = sum(addition.replaces for addition in plan.additions)
+    added = len(plan.additions) - replaced
+    return f"{added} added entries" + (f" and the {replaced} replaced phantom-step entries" if replaced else "")
 
 
 def print_fix(result: FixResult, screen: Screen) -> None:
@@ -191,8 +203,7 @@ def print_fix(result: FixResult, screen: Screen) -> None:
     v = result.verification
     console.print(
         f"[bold green]verified[/]: {v.tensors} existing tensors and {_human_bytes(v.bytes)} "
-        f"read back through the file system, bit-identical; the only changes are the "
-        f"{len(result.plan.additions)} added entries"
+        f"read back through the file system, bit-identical; the only changes are the {_changes(result.plan)}"
     )
     if v.linked:
         console.print(Text(f"hard-linked to the original's, not copied: {_shown_names(v.linked)}"))

@@ -17,7 +17,7 @@ from optim_repair.errors import InputError, VerificationError, shown
 from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickled import GlobalRef, Reduced, StorageRef, describe_address, resolve, tensor_meta
 from optim_repair.formats.ranges import same_range
-from optim_repair.formats.torchfile import LegacyTorchFile, TorchFile, entry_slots, open_torch_file
+from optim_repair.formats.torchfile import LegacyTorchFile, TorchFile, entry_edit, open_torch_file
 from optim_repair.formats.unpickling import ZIP_ERRORS
 from optim_repair.repair_plan import Addition, FreshTensor
 from optim_repair.verify.files import Verification
@@ -34,10 +34,14 @@ class _GraphComparison:
 
     def __init__(self, source: str, additions: Sequence[Addition], original: Any) -> None:
         self.source = source
-        self.added: dict[tuple[Any, ...], list[Any]] = {}
+        self.removed: dict[tuple[Any, ...], set[Any]] = {}
+        self.set: dict[tuple[Any, ...], list[Any]] = {}
+        """Per edited dict: the keys removed, and the keys set (added, or replaced in place): the values of those
+        are the planned ones, which ``_check_additions`` proves."""
         for addition in additions:
-            where, keys = entry_slots(resolve(original, addition.address), addition)
-            self.added.setdefault((*addition.address, *where), []).extend(keys)
+            where, removed, keys = entry_edit(resolve(original, addition.address), addition)
+            self.removed.setdefault((*addition.address, *where), set()).update(removed)
+            self.set.setdefault((*addition.address, *where), []).extend(keys)
         self.tensors = 0
         self._seen: set[tuple[int, int]] = set()
 
@@ -79,17 +83,20 @@ class _GraphComparison:
             self.fail(path, f"cannot compare a {type(a).__name__}")
 
     def _same_dict(self, a: dict[Any, Any], b: dict[Any, Any], path: tuple[Any, ...]) -> None:
-        expected = list(a) + self.added.get(path, [])
+        removed, planned = self.removed.get(path, set()), self.set.get(path, [])
+        expected = [key for key in a if key not in removed] + [key for key in planned if key not in a]
         if list(b) != expected:
             self.fail(path, f"keys {shown(list(a))} became {shown(list(b))}")
+        replaced = set(planned)
         for key in a:
-            self.same(a[key], b[key], (*path, key))
+            if key not in removed and key not in replaced:
+                self.same(a[key], b[key], (*path, key))
 
 
 def _check_additions(copy: TorchFile, copy_stream: BinaryIO, additions: Sequence[Addition], source: str) -> None:
     for addition in additions:
         optimizer = resolve(copy.graph.root, addition.address)
-        slots, keys = entry_slots(optimizer, addition)
+        slots, _, keys = entry_edit(optimizer, addition)
         where = f"added entry {shown(addition.param)} at {addition.location or 'the top level'}"
         if slots:
             state = resolve(optimizer, (*slots, *keys))
@@ -111,6 +118,21 @@ def _check_additions(copy: TorchFile, copy_stream: BinaryIO, additions: Sequence
                     raise VerificationError(f"{where}: {key} does not hold the planned values", path=source)
             elif value != planned:
                 raise VerificationError(f"{where}: {key} is {shown(value)}, planned {shown(planned)}", path=source)
+
+
+def _replaced_storages(original: TorchFile, additions: Sequence[Addition]) -> set[str]:
+    """The storages of the original entries that planned replacements take the place of."""
+    found: set[str] = set()
+    for addition in additions:
+        if not addition.replaces:
+            continue
+        optimizer = resolve(original.graph.root, addition.address)
+        where, removed, keys = entry_edit(optimizer, addition)
+        container = resolve(optimizer, where)
+        old = [container[key] for key in (*removed, *keys) if key in container]
+        values = [v for entry in old for v in (entry.values() if isinstance(entry, dict) else [entry])]
+        found.update(meta.storage for meta in map(tensor_meta, values) if meta is not None)
+    return found
 
 
 def _same_framing(before: TorchFile, after: TorchFile, a: BinaryIO, b: BinaryIO, source: str) -> None:
@@ -162,9 +184,12 @@ def verify_torch_file(
     comparison = _GraphComparison(source, additions, before.graph.root)
     comparison.same(before.graph.root, after.graph.root, ())
     total = 0
+    replaced = _replaced_storages(before, additions)
     with open_regular(original, source) as a, open_regular(copy, source) as b:
         for key, ref in before.graph.storages.items():
             twin = after.graph.storages.get(key)
+            if twin is None and key in replaced:
+                continue  # held only by a phantom-step entry the plan replaced
             if twin is None or twin.nbytes != ref.nbytes:
                 raise VerificationError(f"storage {key} is missing from the copy", path=source)
             offset, length = before.storage_range(key)

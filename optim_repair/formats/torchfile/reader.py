@@ -141,22 +141,21 @@ def _check_keys(node: dict[Any, Any], source: str, location: str) -> None:
 
 
 def _probe_phantom(entries: list[StateEntry], reads: _SmallReads) -> list[StateEntry]:
-    """Probe moment heads, but only when every entry's ``step`` is 1: a phantom-step candidate.
+    """Probe the moment heads of the entries whose ``step`` is 1: phantom-step candidates.
 
     At most ``PHANTOM_PROBE_BYTES`` of each moment are read, so the cost stays bounded by the
     number of entries, never by the size of the tensors.
     """
-    populated = [entry for entry in entries if entry.values]
-    steps = [entry.get("step") for entry in populated]
-    if not populated or not all(isinstance(step, TensorMeta) and step.value == 1 for step in steps):
-        return entries
     probed = []
     for entry in entries:
-        values = tuple(
-            (key, reads.zero_head(value) if isinstance(value, TensorMeta) and key != "step" else value)
-            for key, value in entry.values or ()
-        )
-        probed.append(replace(entry, values=values) if entry.values else entry)
+        step = entry.get("step")
+        if entry.values and isinstance(step, TensorMeta) and step.value == 1:
+            values = tuple(
+                (key, reads.zero_head(value) if isinstance(value, TensorMeta) and key != "step" else value)
+                for key, value in entry.values
+            )
+            entry = replace(entry, values=values)
+        probed.append(entry)
     return probed
 
 

@@ -5,11 +5,21 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from optim_repair.dtypes import numel
-from optim_repair.errors import InputError
-from optim_repair.formats.pickled import Reduced, StorageRef, dump_graph, new_tensor, resolve, storage_for
+from optim_repair.dtypes import itemsize, numel
+from optim_repair.errors import InputError, RepairRefused, shown
+from optim_repair.formats.inputs import open_regular
+from optim_repair.formats.pickled import (
+    Reduced,
+    StorageRef,
+    dump_graph,
+    load_graph,
+    new_tensor,
+    resolve,
+    storage_for,
+    tensor_meta,
+)
 from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile, write_legacy
 from optim_repair.formats.torchfile.zipformat import NewStorage, write_zip
@@ -17,13 +27,21 @@ from optim_repair.formats.unpickling import ZIP_ERRORS
 from optim_repair.repair_plan import Addition, FreshTensor
 
 
-def entry_slots(optimizer: dict[Any, Any], addition: Addition) -> tuple[tuple[Any, ...], list[Any]]:
-    """Where an addition goes in the optimizer state dict at its address: the path of the dict that gains keys
-    (relative to the optimizer), and those keys. Nested: ``state`` gains the parameter. Flattened
-    (``flatten_optimizer_state_dict=True``): the optimizer gains one ``state.<name>.<key>`` key per value."""
+def entry_edit(optimizer: dict[Any, Any], addition: Addition) -> tuple[tuple[Any, ...], list[Any], list[Any]]:
+    """How an addition changes the optimizer state dict at its address: the path of the dict it edits (relative
+    to the optimizer), the keys it removes there, and the keys it sets (in place when they exist, else
+    appended). Nested: ``state`` gets the parameter's entry. Flattened (``flatten_optimizer_state_dict=True``):
+    the optimizer gets one ``state.<name>.<key>`` key per value; a replacement removes the keys it does not set."""
     if "state" in optimizer and "param_groups" in optimizer:
-        return ("state",), [addition.param]
-    return (), [f"state.{addition.param}.{key}" for key in addition.keys]
+        return ("state",), [], [addition.param]
+    prefix = f"state.{addition.param}."
+    new = [prefix + key for key in addition.keys]
+    old = [
+        key
+        for key in optimizer
+        if addition.replaces and key.startswith(prefix) and "." not in key[len(prefix) :]  # not "state.<name>.x.y"
+    ]
+    return (), [key for key in old if key not in new], new
 
 
 def _sibling_location(optimizer: dict[Any, Any], key: str) -> str:
@@ -38,43 +56,71 @@ def _sibling_location(optimizer: dict[Any, Any], key: str) -> str:
     return "cpu"
 
 
-def _add_entries(torch_file: TorchFile, additions: Sequence[Addition]) -> list[NewStorage]:
-    """Add the planned entries to the graph; return the new storages, their sizes and their bytes."""
+def _phantom_moments_are_zero(torch_file: TorchFile, stream: BinaryIO, old: Any, addition: Addition) -> None:
+    """Before a phantom-step entry is replaced: every byte of its moments is zero (inspect read their heads)."""
+    values = old.values() if isinstance(old, dict) else old
+    for value in values:
+        meta = tensor_meta(value)
+        if meta is None or meta.numel == 1:
+            continue
+        offset, _ = torch_file.storage_range(meta.storage)
+        stream.seek(offset + meta.storage_offset * itemsize(meta.dtype))
+        left = meta.nbytes
+        while left:
+            chunk = stream.read(min(left, 16 << 20))
+            if not chunk or any(chunk):
+                raise RepairRefused(
+                    f"{shown(addition.param)} at {addition.location or 'the top level'} has a moment that is not all "
+                    "zero: not a phantom step's state, so it is not reset"
+                )
+            left -= len(chunk)
+
+
+def _add_entries(torch_file: TorchFile, additions: Sequence[Addition], src: Path, saved: Undo) -> list[NewStorage]:
+    """Add the planned entries to the graph, keeping in ``saved`` what each edited dict held before; return the
+    new storages, their sizes and their bytes."""
     legacy = isinstance(torch_file, LegacyTorchFile)
     taken = set(torch_file.graph.storages)
     created: list[NewStorage] = []
-    for addition in additions:
-        optimizer = resolve(torch_file.graph.root, addition.address)
-        entry: dict[str, Any] = {}
-        for key, value in addition.state:
-            if isinstance(value, FreshTensor):
-                location = _sibling_location(optimizer, key)
-                storage_key = f"optim-repair-{len(created)}" if legacy else str(len(taken))
-                while storage_key in taken:
-                    storage_key += "_"
-                taken.add(storage_key)
-                ref = storage_for(storage_key, value.dtype, numel(value.shape), legacy=legacy, location=location)
-                entry[key] = new_tensor(ref, value.shape)
-                created.append((ref, value.nbytes, value.chunks()))
+    with open_regular(src, str(src)) as stream:
+        for addition in additions:
+            optimizer = resolve(torch_file.graph.root, addition.address)
+            entry: dict[str, Any] = {}
+            for key, value in addition.state:
+                if isinstance(value, FreshTensor):
+                    location = _sibling_location(optimizer, key)
+                    storage_key = f"optim-repair-{len(created)}" if legacy else str(len(taken))
+                    while storage_key in taken:
+                        storage_key += "_"
+                    taken.add(storage_key)
+                    ref = storage_for(storage_key, value.dtype, numel(value.shape), legacy=legacy, location=location)
+                    entry[key] = new_tensor(ref, value.shape)
+                    created.append((ref, value.nbytes, value.chunks()))
+                else:
+                    entry[key] = value
+            where, removed, keys = entry_edit(optimizer, addition)
+            container = resolve(optimizer, where)
+            saved.setdefault(id(container), (container, list(container.items())))
+            if addition.replaces:
+                old = container[keys[0]] if where else [container[key] for key in (*removed, *keys) if key in container]
+                _phantom_moments_are_zero(torch_file, stream, old, addition)
+            for key in removed:
+                del container[key]
+            if where:
+                container[keys[0]] = entry
             else:
-                entry[key] = value
-        where, keys = entry_slots(optimizer, addition)
-        container = resolve(optimizer, where)
-        if where:
-            container[keys[0]] = entry
-        else:
-            container.update(zip(keys, entry.values(), strict=True))
+                container.update(zip(keys, entry.values(), strict=True))
     return created
 
 
-def _remove_entries(torch_file: TorchFile, additions: Sequence[Addition]) -> None:
-    """Undo ``_add_entries``: the graph is again the original's (the entries were added last)."""
-    for addition in additions:
-        optimizer = resolve(torch_file.graph.root, addition.address)
-        where, keys = entry_slots(optimizer, addition)
-        container = resolve(optimizer, where)
-        for key in keys:
-            del container[key]
+Undo = dict[int, tuple[dict[Any, Any], list[tuple[Any, Any]]]]
+"""Each dict the additions edited, by id, with its items before: restoring them gives the original graph back."""
+
+
+def _undo(saved: Undo) -> None:
+    for container, items in saved.values():
+        container.clear()
+        container.update(items)
 
 
 def write_torch_file(
@@ -94,9 +140,22 @@ def write_torch_file(
     verification need not parse it again.
     """
     torch_file = parsed or open_torch_file(src, source)
-    created = _add_entries(torch_file, additions)
-    data = dump_graph(torch_file.graph.root, torch_file.graph.protocol)
-    _remove_entries(torch_file, additions)
+    replacing = any(addition.replaces for addition in additions)
+    if replacing and isinstance(torch_file, LegacyTorchFile):
+        raise RepairRefused(
+            "resetting a phantom step drops the entry's storages, which a legacy-format file must all keep "
+            "(torch.load refuses a storage the pickle does not name); save it with torch.save's default zip format",
+            path=source,
+        )
+    saved: Undo = {}
+    try:
+        created = _add_entries(torch_file, additions, src, saved)
+        data = dump_graph(torch_file.graph.root, torch_file.graph.protocol)
+    finally:
+        _undo(saved)
+    # the storages only a replaced entry held are not copied: the new pickle names them no more
+    named = set(load_graph(data, source, ours=True).storages) if replacing else set(torch_file.graph.storages)
+    dropped = frozenset(torch_file.graph.storages) - named
     # Opened without O_TRUNC: truncating a file and writing it anew makes ext4 flush it all at close.
     # An OSError (a full disk, ...) is the writer's to report: it names --out, not the temporary file.
     target = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
@@ -106,7 +165,7 @@ def write_torch_file(
         if isinstance(torch_file, LegacyTorchFile):
             write_legacy(torch_file, data, created, target, on_bytes)
         else:
-            write_zip(torch_file, data, created, target, on_bytes)
+            write_zip(torch_file, data, created, target, on_bytes, dropped=dropped)
         if sync:
             os.fsync(target)
     except ZIP_ERRORS as exc:

@@ -138,8 +138,11 @@ def write_zip(
     created: Sequence[NewStorage],
     target: int,
     on_bytes: Callable[[int], None] = lambda nbytes: None,
+    *,
+    dropped: frozenset[str] = frozenset(),
 ) -> None:
-    """Write ``torch_file`` to the descriptor ``target`` with ``data`` as its pickle and ``created`` added.
+    """Write ``torch_file`` to the descriptor ``target`` with ``data`` as its pickle and ``created`` added, and
+    without the records of the ``dropped`` storages (which ``data`` no longer names).
 
     Stored records keep their bytes and CRC-32 and are moved by the kernel; a deflated record (torch
     writes none; never more than ``MAX_FRAMING_BYTES``) is written stored. ``on_bytes`` hears of every
@@ -151,8 +154,11 @@ def write_zip(
             (i for i, info in enumerate(torch_file.records) if info.filename.startswith(f"{torch_file.prefix}data/")),
             default=len(torch_file.records) - 1,
         )
+        gone = {f"{torch_file.prefix}data/{key}" for key in dropped}
         for index, info in enumerate(torch_file.records):
-            if info.filename == f"{torch_file.prefix}data.pkl":
+            if info.filename in gone:
+                pass
+            elif info.filename == f"{torch_file.prefix}data.pkl":
                 writer.add_bytes(info.filename, data, info.date_time, info.external_attr)
             elif info.compress_type == zipfile.ZIP_STORED:
                 offset = _data_offset(raw, info, str(torch_file.path))
