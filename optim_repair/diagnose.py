@@ -342,7 +342,8 @@ def diagnose_optimizer(
     malformed += _partial_entries(optimizer)
     notices = []
     if all(entry.is_empty for entry in optimizer.entries):
-        notices.append(Notice("cold", "no parameter has optimizer state yet: the optimizer never stepped", "info"))
+        cold = "no parameter has optimizer state yet: the optimizer never stepped with a gradient for any of them"
+        notices.append(Notice("cold", cold, "info"))
     elif _is_phantom(optimizer):
         notices.append(
             Notice(
