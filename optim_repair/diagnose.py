@@ -12,6 +12,7 @@ from optim_repair.inventory import (
     CheckpointInventory,
     OptimizerInventory,
     ParamKey,
+    Skipped,
     StateEntry,
     TensorMeta,
     WeightMap,
@@ -105,6 +106,18 @@ class Diagnosis:
     notices: tuple[Notice, ...]
     strict: bool = False
     """Whether any absent entry makes the checkpoint repairable, whatever its loader."""
+
+    @property
+    def path(self) -> str:
+        return self.inventory.path
+
+    @property
+    def format(self) -> str:
+        return self.inventory.format
+
+    @property
+    def skipped(self) -> tuple[Skipped, ...]:
+        return self.inventory.skipped
 
     @property
     def verdict(self) -> Verdict:

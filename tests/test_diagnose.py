@@ -231,3 +231,19 @@ def test_python_names_are_the_json_names(unirl_checkpoint: Built) -> None:
         if name in ("malformed", "notices"):
             python = [{key: getattr(item, key) for key in value[0]} for item in python] if value else list(python)
         assert (list(python) if isinstance(python, tuple) else python) == value, name
+
+
+def test_top_level_python_names_are_the_json_names(unirl_checkpoint: Built, tmp_path: Path) -> None:
+    from optim_repair import render
+
+    diagnosis = optim_repair.inspect(unirl_checkpoint.path)
+    document = render.inspect_document(diagnosis)
+    for name in ("path", "format", "verdict", "strict"):
+        assert getattr(diagnosis, name) == document[name], name  # type: ignore[literal-required]
+    assert [(s.file, s.kind, s.reason) for s in diagnosis.skipped] == [
+        (s["file"], s["kind"], s["reason"]) for s in document["skipped"]]
+    result = optim_repair.fix(diagnosis, tmp_path / "fixed")
+    fixed = render.fix_document(result)
+    assert (str(result.out), result.fill) == (fixed["out"], fixed["fill"])
+    assert [(a.file, a.location, a.param, list(a.keys), a.replaces) for a in result.added] == [
+        (a["file"], a["location"], a["param"], a["keys"], a["replaced"]) for a in fixed["added"]]
