@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from optim_repair.api import DryRun, FixResult, Versions, dry_run, fix, inspect, plan, versions
-    from optim_repair.diagnose import Diagnosis, Malformed, Notice, OptimizerDiagnosis
+    from optim_repair.diagnose import Diagnosis, Malformed, OptimizerDiagnosis
     from optim_repair.errors import (
         ExitCode,
         InputError,
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         UsageError,
         VerificationError,
     )
+    from optim_repair.notices import Notice
     from optim_repair.repair_plan import Addition, FilledOptimizer, FreshTensor, RepairPlan
     from optim_repair.torch_loader import set_optimizer_state_dict
     from optim_repair.verify import Verification
@@ -40,7 +41,8 @@ _HOMES = {
     **dict.fromkeys(
         ("DryRun", "FixResult", "Versions", "dry_run", "fix", "inspect", "plan", "versions"), "optim_repair.api"
     ),
-    **dict.fromkeys(("Diagnosis", "Malformed", "Notice", "OptimizerDiagnosis"), "optim_repair.diagnose"),
+    **dict.fromkeys(("Diagnosis", "Malformed", "OptimizerDiagnosis"), "optim_repair.diagnose"),
+    "Notice": "optim_repair.notices",
     **dict.fromkeys(
         (
             "ExitCode", "InputError", "OptimRepairError", "OutputError", "Remedy", "RepairRefused",

@@ -11,8 +11,9 @@ from collections.abc import Iterable
 from typing import TypedDict
 
 from optim_repair.api import DryRun, FixResult, versions
-from optim_repair.diagnose import Diagnosis, Notice, OptimizerDiagnosis
+from optim_repair.diagnose import Diagnosis, OptimizerDiagnosis
 from optim_repair.inventory import ParamKey
+from optim_repair.notices import Notice
 
 SCHEMA_VERSION = 2
 

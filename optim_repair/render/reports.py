@@ -21,8 +21,9 @@ from rich.text import Text
 
 from optim_repair.api import DryRun, FixResult
 from optim_repair.demo import DemoReport
-from optim_repair.diagnose import Diagnosis, Notice, OptimizerDiagnosis
+from optim_repair.diagnose import Diagnosis, OptimizerDiagnosis
 from optim_repair.inventory import ParamKey
+from optim_repair.notices import Notice
 from optim_repair.progress import Progress, Step, ignore
 from optim_repair.repair_plan import RepairPlan
 

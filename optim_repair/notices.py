@@ -1,0 +1,128 @@
+"""Notices: warnings and information with stable codes, and what each loader does with parameters without state.
+
+The loader a layout implies decides what happens to absent entries, ``{}`` entries and a phantom step's
+state; each notice says so in the user's words. Pure functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from optim_repair.identify import guess_optimizer
+from optim_repair.inventory import OptimizerInventory, ParamKey
+
+Loader = Literal["load_state_dict", "set_optimizer_state_dict", "dcp.load"]
+"""The loader a layout implies: ``optimizer.load_state_dict`` for index keys (``optimizer.state_dict()``),
+torch's ``set_optimizer_state_dict`` for parameter names, ``dcp.load`` for a DCP checkpoint."""
+Severity = Literal["info", "warning"]
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A warning or a piece of information, with a stable ``code``."""
+
+    code: str
+    detail: str
+    severity: Severity = "warning"
+
+
+def _phantom_kind(optimizer: OptimizerInventory) -> str | None:
+    """The optimizer kind, when a phantom step (what torch's full-state loader gives a parameter without
+    state) changes how it trains; None when it does not.
+
+    That loader's ``_init_optim_state`` runs a zero-gradient step on every parameter without state. It
+    is harmless for RMSprop and Adadelta, and for SGD unless momentum is used with dampening; every
+    other lazy optimizer then takes a different first step. Unknown kinds are assumed affected.
+    """
+    kind = guess_optimizer(optimizer.groups, optimizer.entries) or "an unidentified optimizer"
+    if kind in ("rmsprop", "adadelta"):
+        return None
+    if kind == "sgd" and not any(g.option("momentum") and g.option("dampening") for g in optimizer.groups):
+        return None
+    return kind
+
+
+def shown_params(params: tuple[ParamKey, ...], limit: int = 8) -> str:
+    names = ", ".join(str(param) for param in params[:limit])
+    return f"{names}, and {len(params) - limit} more" if len(params) > limit else names
+
+
+def _stock_loader_phantom(optimizer: OptimizerInventory, missing: int, empty: int) -> Notice | None:
+    """What torch's ``set_optimizer_state_dict(full_state_dict=True)`` does to parameters without state."""
+    kind = _phantom_kind(optimizer) if missing or empty else None
+    if kind is None:
+        return None
+    remedies = "load with optim_repair.set_optimizer_state_dict"
+    if missing:
+        remedies = f"optim-repair fix --fill fresh, or {remedies}"
+    if empty:
+        remedies += " ({} entries stay {}: --fill fresh fills absent entries only, so run it on the original)"
+    return Notice(
+        "stock-loader-phantom-step",
+        f"{missing + empty} parameter(s) without state would get a phantom step=1 from torch's stock "
+        f"set_optimizer_state_dict(full_state_dict=True) and train differently ({kind}); remedies: {remedies}",
+    )
+
+
+def _dcp_missing_key(optimizer: OptimizerInventory, missing: tuple[ParamKey, ...]) -> Notice:
+    """What ``dcp.load`` into a ``get_optimizer_state_dict`` template does with absent entries."""
+    detail = f'dcp.load fails with "Missing key in checkpoint state_dict" on the {len(missing)} absent entries'
+    kind = _phantom_kind(optimizer)
+    if kind is not None:
+        detail += (
+            "; with allow_partial_load=True it loads, and set_optimizer_state_dict then gives them a phantom "
+            f"step=1 and they train differently ({kind})"
+        )
+    return Notice("dcp-missing-key", f"{detail}; remedy: optim-repair fix (exact fresh state, the default for DCP)")
+
+
+def _flattened_missing(missing: tuple[ParamKey, ...]) -> Notice:
+    """What torch's loader does with a flattened optimizer state dict that lacks entries (pytorch#192224)."""
+    return Notice(
+        "flattened-missing-state",
+        "torch's set_optimizer_state_dict(flatten_optimizer_state_dict=True) fails on the "
+        f"{len(missing)} absent entries (TypeError: float() argument must be a string or a real number, not "
+        "'dict'); remedy: optim-repair fix (exact fresh state, the default for flattened state: it cannot hold {})",
+    )
+
+
+def _index_keyed_sparse(missing: tuple[ParamKey, ...]) -> Notice:
+    """Absent entries are what ``optimizer.load_state_dict``, the loader index keys are made for, resumes exactly."""
+    return Notice(
+        "sparse-ok-for-load-state-dict",
+        f"optimizer.load_state_dict (HF Trainer, Accelerate, Lightning) resumes the {len(missing)} absent "
+        f"entries exactly, as the optimizer would have created them ({shown_params(missing)}); only a loader that "
+        "needs every entry (torch's set_optimizer_state_dict) needs a repair: inspect --strict counts them",
+        "info",
+    )
+
+
+def loader_notices(
+    optimizer: OptimizerInventory, loader: Loader, missing: tuple[ParamKey, ...], empty: int
+) -> list[Notice]:
+    """What the loader the layout implies does with the parameters that have no state."""
+    if loader == "load_state_dict":
+        return [_index_keyed_sparse(missing)] if missing else []
+    if loader == "dcp.load":
+        return [_dcp_missing_key(optimizer, missing)] if missing else []
+    if optimizer.layout == "flattened":
+        return [_flattened_missing(missing)] if missing else []
+    phantom = _stock_loader_phantom(optimizer, len(missing), empty)
+    return [phantom] if phantom is not None else []
+
+
+def loader_of(key_style: str, file_format: str) -> Loader:
+    """The loader a layout implies (see ``Loader``)."""
+    if file_format == "dcp":
+        return "dcp.load"
+    return "load_state_dict" if key_style == "index" else "set_optimizer_state_dict"
+
+
+def phantom_entries(phantom: tuple[ParamKey, ...]) -> Notice:
+    return Notice(
+        "phantom-step-entries",
+        f"{len(phantom)} entries have step=1 and all-zero moments ({shown_params(phantom)}): the state torch's "
+        "full-state loader gives a parameter without state (UniRL checkpoints before its PR #440 carry it for "
+        "never-updated parameters); fix --reset-phantom-step turns them back into the state the optimizer would have",
+    )
