@@ -235,3 +235,15 @@ def test_refuses_malformed_metadata(tmp_path: Path, edit: str, message: str) -> 
     with pytest.raises(InputError, match=message) as caught:
         read_dcp(path, "")
     assert not isinstance(caught.value, UnsafeInputError)
+
+
+def test_an_empty_key_path_is_no_weight(tmp_path: Path) -> None:
+    """planner_data may map a key to an empty path (a damaged or hand-made .metadata): no name, no weight."""
+    built = dk.unirl_dcp(tmp_path / "in")
+    with (built.path / ".metadata").open("rb") as stream:
+        metadata = pickle.load(stream)
+    metadata.planner_data["model.blocks.0.attn.to_q.weight"] = ()
+    with (built.path / ".metadata").open("wb") as stream:
+        pickle.dump(metadata, stream)
+    inventory = read_dcp(built.path, "")
+    assert "blocks.0.attn.to_q.weight" not in inventory.weights[0].lookup()

@@ -90,7 +90,7 @@ def model_weights(meta: DcpMetadata, optimizers: Sequence[DcpOptimizer]) -> dict
     found: dict[KeyPath, dict[str, TensorMeta]] = {}
     for key, item in meta.items.items():
         path = meta.path_of(key)
-        if isinstance(item, DcpTensor) and key not in taken and isinstance(path[-1], str):
+        if isinstance(item, DcpTensor) and key not in taken and path and isinstance(path[-1], str):
             found.setdefault(path[:-1], {})[path[-1]] = item.meta(key)
     return found
 
