@@ -19,7 +19,7 @@ TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing would slow t
 if TYPE_CHECKING:
     from typing import Any
 
-    from optim_repair.api import DryRun, FixResult, Versions, dry_run, fix, inspect, plan, versions
+    from optim_repair.api import DryRun, FixResult, Versions, compare, dry_run, fix, inspect, plan, versions
     from optim_repair.diagnose import Diagnosis, Malformed, OptimizerDiagnosis
     from optim_repair.errors import (
         ExitCode,
@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
 _HOMES = {
     **dict.fromkeys(
-        ("DryRun", "FixResult", "Versions", "dry_run", "fix", "inspect", "plan", "versions"), "optim_repair.api"
+        ("DryRun", "FixResult", "Versions", "compare", "dry_run", "fix", "inspect", "plan", "versions"),
+        "optim_repair.api",
     ),
     **dict.fromkeys(("Diagnosis", "Malformed", "OptimizerDiagnosis"), "optim_repair.diagnose"),
     "Notice": "optim_repair.notices",
@@ -79,6 +80,7 @@ __all__ = [
     "Verification",
     "VerificationError",
     "Versions",
+    "compare",
     "dry_run",
     "fix",
     "inspect",

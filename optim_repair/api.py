@@ -38,15 +38,23 @@ def versions() -> Versions:
     return Versions(__version__, torch_version)
 
 
-def inspect(path: str | Path, *, strict: bool = False) -> Diagnosis:
+def inspect(path: str | Path, *, strict: bool = False, model: str | Path | None = None) -> Diagnosis:
     """Read ``path`` (a torch file, a checkpoint directory or a DCP directory) and diagnose it.
 
     The verdict answers "will a resume through the loader this layout implies work, and continue
     exactly?": absent entries that ``optimizer.load_state_dict`` (index keys) resumes exactly leave it
-    ``healthy``, unless ``strict``. Reads no tensor bytes (only ``step`` values); never unpickles
+    ``healthy``, unless ``strict``. Each optimizer is compared with ``model`` (a safetensors file or
+    directory of shards, a torch file, a DCP directory), or with the weights beside it when there are
+    some (``OptimizerDiagnosis.model``). Reads no tensor bytes (only ``step`` values); never unpickles
     unsafely. Raises ``optim_repair.errors.InputError`` when there is nothing to inspect.
     """
-    return diagnose(read_discovered(discover(Path(path))), strict=strict)
+    weights = read_model_weights(Path(model)) if model is not None else None
+    return diagnose(read_discovered(discover(Path(path))), strict=strict, model=weights)
+
+
+def compare(checkpoint: str | Path, model: str | Path) -> Diagnosis:
+    """``inspect`` with ``model``: every optimizer compared with that model (``OptimizerDiagnosis.model``)."""
+    return inspect(checkpoint, model=model)
 
 
 def plan(

@@ -182,6 +182,14 @@ _VERDICT_EXIT = {"healthy": ExitCode.OK, "repairable": ExitCode.REPAIRABLE, "mal
 )
 def inspect(
     checkpoint: Checkpoint,
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="PATH",
+            help="Compare each optimizer with this model: safetensors (a file or a directory of shards), torch file "
+            "or DCP directory. Default: the weights beside the optimizer, when there are some.",
+        ),
+    ] = None,
     strict: Annotated[
         bool,
         typer.Option(
@@ -197,7 +205,7 @@ def inspect(
     screen = render.Screen(color, quiet)  # type: ignore[arg-type]
 
     def command() -> int:
-        diagnosis = api.inspect(checkpoint, strict=strict)
+        diagnosis = api.inspect(checkpoint, strict=strict, model=model)
         if json:
             render.print_json(render.inspect_document(diagnosis))
         else:

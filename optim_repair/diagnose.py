@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import Literal
 
+from optim_repair.comparison import ModelComparison, compare, model_of
 from optim_repair.inventory import (
     CheckpointInventory,
     OptimizerInventory,
@@ -47,6 +48,8 @@ class OptimizerDiagnosis:
     empty: tuple[ParamKey, ...]
     malformed: tuple[Malformed, ...]
     notices: tuple[Notice, ...]
+    model: ModelComparison | None = None
+    """The optimizer against its model (``--model``, or the weights beside it), when there is one."""
     phantom: tuple[ParamKey, ...] = ()
     """Entries with ``step`` 1 and all-zero moments (as far as inspect reads them): the state torch's full-state
     loader gives a parameter without state, which ``fix --reset-phantom-step`` turns back."""
@@ -115,10 +118,12 @@ class Diagnosis:
     @property
     def verdict(self) -> Verdict:
         """Will a resume through the loader each layout implies work and continue exactly?"""
-        if any(opt.malformed for opt in self.optimizers):
+        if any(opt.malformed or (opt.model and opt.model.shape_mismatches) for opt in self.optimizers):
             return "malformed"
         if any(opt.missing and (self.strict or not opt.resumes_as_is) for opt in self.optimizers):
             return "repairable"
+        if any(opt.model and not opt.model.matches for opt in self.optimizers):
+            return "repairable"  # names the model does not have: fix --rename or --drop-not-in-model
         return "healthy"
 
 
@@ -273,15 +278,19 @@ def diagnose_optimizer(
     )
 
 
-def diagnose(inventory: CheckpointInventory, *, strict: bool = False) -> Diagnosis:
-    """Every finding about a checkpoint; ``strict``: every absent entry needs a repair, whatever the loader."""
+def diagnose(
+    inventory: CheckpointInventory, *, strict: bool = False, model: Sequence[WeightMap] | None = None
+) -> Diagnosis:
+    """Every finding about a checkpoint; ``strict``: every absent entry needs a repair, whatever the loader.
+    Each optimizer is compared with ``model`` (weight maps), or with the weights beside it that name one of
+    its parameters."""
     optimizers: list[OptimizerDiagnosis] = []
     for file in inventory.files:
         weights = (*file.weights, *inventory.weights)
-        optimizers.extend(
-            diagnose_optimizer(optimizer, weights, loader_of(optimizer.key_style, file.format))
-            for optimizer in file.optimizers
-        )
+        for optimizer in file.optimizers:
+            found = diagnose_optimizer(optimizer, weights, loader_of(optimizer.key_style, file.format))
+            maps = tuple(model) if model is not None else model_of(optimizer, weights)
+            optimizers.append(replace(found, model=compare(optimizer, maps)) if maps else found)
     notices = []
     unsafe = [skip.file for skip in inventory.skipped if skip.kind == "unsafe"]
     if unsafe:

@@ -63,7 +63,7 @@ def _fields(doc_type: type, prefix: str = "") -> list[str]:
     return fields
 
 
-_SMALL = (render.MalformedDoc, render.NoticeDoc, render.SkippedDoc, render.AddedDoc)
+_SMALL = (render.MalformedDoc, render.NoticeDoc, render.SkippedDoc, render.AddedDoc, render.ShapeMismatchDoc)
 """Documented in one row each, as ``{a, b, c}``."""
 
 

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import TypedDict
 
 from optim_repair.api import DryRun, FixResult, versions
+from optim_repair.comparison import ModelComparison
 from optim_repair.diagnose import Diagnosis, OptimizerDiagnosis
 from optim_repair.inventory import ParamKey
 from optim_repair.notices import Notice
@@ -30,6 +31,24 @@ class NoticeDoc(TypedDict):
     detail: str
 
 
+class ShapeMismatchDoc(TypedDict):
+    param: str
+    key: str
+    state_shape: list[int]
+    model_shape: list[int]
+
+
+class ModelDoc(TypedDict):
+    sources: list[str]
+    by_index: bool
+    optimizer_params: int
+    model_params: int
+    not_in_model: list[ParamKey]
+    not_in_optimizer: list[str]
+    shape_mismatches: list[ShapeMismatchDoc]
+    rename: str | None
+
+
 class OptimizerDoc(TypedDict):
     file: str
     location: str
@@ -45,6 +64,7 @@ class OptimizerDoc(TypedDict):
     malformed: list[MalformedDoc]
     notices: list[NoticeDoc]
     cold: bool
+    model: ModelDoc | None
 
 
 class SkippedDoc(TypedDict):
@@ -116,6 +136,24 @@ def _notice_docs(notices: Iterable[Notice]) -> list[NoticeDoc]:
     return [{"code": n.code, "severity": n.severity, "detail": n.detail} for n in notices]
 
 
+def _model_doc(found: ModelComparison | None) -> ModelDoc | None:
+    if found is None:
+        return None
+    return {
+        "sources": list(found.sources),
+        "by_index": found.by_index,
+        "optimizer_params": found.optimizer_params,
+        "model_params": found.model_params,
+        "not_in_model": list(found.not_in_model),
+        "not_in_optimizer": list(found.not_in_optimizer),
+        "shape_mismatches": [
+            {"param": m.param, "key": m.key, "state_shape": list(m.state_shape), "model_shape": list(m.model_shape)}
+            for m in found.shape_mismatches
+        ],
+        "rename": None if found.rename is None else str(found.rename),
+    }
+
+
 def _optimizer_doc(opt: OptimizerDiagnosis) -> OptimizerDoc:
     return {
         "file": opt.file,
@@ -132,6 +170,7 @@ def _optimizer_doc(opt: OptimizerDiagnosis) -> OptimizerDoc:
         "malformed": [{"param": m.param, "code": m.code, "detail": m.detail} for m in opt.malformed],
         "notices": _notice_docs(opt.notices),
         "cold": opt.cold,
+        "model": _model_doc(opt.model),
     }
 
 

@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from optim_repair.api import DryRun, FixResult
+from optim_repair.comparison import ModelComparison
 from optim_repair.demo import DemoReport
 from optim_repair.diagnose import Diagnosis, OptimizerDiagnosis
 from optim_repair.inventory import ParamKey
@@ -134,10 +135,32 @@ def _print_details(console: Console, diagnosis: Diagnosis) -> None:
             console.print(Text.assemble("  ", (finding.code, "red"), detail))
         for notice in opt.notices:
             console.print(Text.assemble("  ", _notice_code(notice), f" in {where}: {notice.detail}"))
+        if opt.model is not None:
+            _print_model(console, where, opt.model)
     for notice in diagnosis.notices:
         console.print(Text.assemble("  ", _notice_code(notice), f": {notice.detail}"))
     for skipped in diagnosis.inventory.skipped:
         console.print(Text(f"  skipped {skipped.file}: {skipped.reason}", style="dim"))
+
+
+def _print_model(console: Console, where: str, found: ModelComparison) -> None:
+    counts = f"{found.optimizer_params} parameters in the optimizer, {found.model_params} in the model"
+    if found.by_index:
+        verdict = "fits" if found.matches else "does not fit"
+        console.print(Text(f"  model for {where}: {counts}: {verdict} (index keys: compared by counts only)"))
+        return
+    console.print(Text(f"  model for {where}: {counts} ({', '.join(found.sources)})"))
+    if found.not_in_model:
+        console.print(Text.assemble("  ", ("not-in-model", "yellow"), f": {_shown_names(found.not_in_model)}"))
+    if found.rename is not None:
+        console.print(Text(f"  every such name maps onto the model's with: fix --rename '{found.rename}'"))
+    for mismatch in found.shape_mismatches:
+        shapes = f"{list(mismatch.state_shape)} but the model's parameter has {list(mismatch.model_shape)}"
+        detail = f": {mismatch.param} {mismatch.key} is {shapes}"
+        console.print(Text.assemble("  ", ("shape-mismatch-model", "red"), detail))
+    if found.not_in_optimizer:
+        names = _shown_names(found.not_in_optimizer)
+        console.print(Text.assemble("  ", ("not-in-optimizer", "cyan"), f" (frozen on purpose, or forgotten): {names}"))
 
 
 def print_inspect(diagnosis: Diagnosis, screen: Screen) -> None:
