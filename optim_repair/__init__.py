@@ -19,7 +19,18 @@ TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing would slow t
 if TYPE_CHECKING:
     from typing import Any
 
-    from optim_repair.api import DryRun, FixResult, Versions, compare, dry_run, fix, inspect, plan, versions
+    from optim_repair.api import (
+        DryRun,
+        FixResult,
+        Versions,
+        compare,
+        dry_run,
+        fix,
+        inspect,
+        model_changes,
+        plan,
+        versions,
+    )
     from optim_repair.diagnose import Diagnosis, Malformed, OptimizerDiagnosis
     from optim_repair.errors import (
         ExitCode,
@@ -39,7 +50,10 @@ if TYPE_CHECKING:
 
 _HOMES = {
     **dict.fromkeys(
-        ("DryRun", "FixResult", "Versions", "compare", "dry_run", "fix", "inspect", "plan", "versions"),
+        (
+            "DryRun", "FixResult", "Versions", "compare", "dry_run", "fix", "inspect", "model_changes", "plan",
+            "versions",
+        ),
         "optim_repair.api",
     ),
     **dict.fromkeys(("Diagnosis", "Malformed", "OptimizerDiagnosis"), "optim_repair.diagnose"),
@@ -84,6 +98,7 @@ __all__ = [
     "dry_run",
     "fix",
     "inspect",
+    "model_changes",
     "plan",
     "set_optimizer_state_dict",
     "versions",

@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 from optim_repair.diagnose import Diagnosis, diagnose
 from optim_repair.discovery import discover
+from optim_repair.operations import NO_OPERATIONS, Operations
 from optim_repair.output import free_space, space_needed, write_copy
 from optim_repair.progress import Notice, Progress, ignore
 from optim_repair.reading import Parsed, read_discovered, read_model_weights
@@ -64,6 +66,7 @@ def plan(
     optimizer: str | None = None,
     model: str | Path | None = None,
     reset_phantom_step: bool = False,
+    operations: Operations = NO_OPERATIONS,
 ) -> RepairPlan:
     """What ``fix`` would add, and with what, without writing anything (a dry run).
 
@@ -73,8 +76,29 @@ def plan(
     diagnosis = checkpoint if isinstance(checkpoint, Diagnosis) else inspect(checkpoint)
     weights = read_model_weights(Path(model)) if model is not None else ()
     return plan_repair(
-        diagnosis, fill, optimizer=optimizer, model_weights=weights, reset_phantom_step=reset_phantom_step
+        diagnosis,
+        fill,
+        optimizer=optimizer,
+        model_weights=weights,
+        reset_phantom_step=reset_phantom_step,
+        operations=operations,
     )
+
+
+def model_changes(
+    *,
+    rename: Sequence[tuple[str, str]] = (),
+    drop: Sequence[str] = (),
+    drop_not_in_model: bool = False,
+    add_from_model: bool = False,
+    to_group: int | None = None,
+) -> Operations:
+    """What ``fix`` changes when the model changed, applied in the order rename, drop, add: ``rename`` holds
+    (regular expression, replacement) pairs applied to every parameter name in ``state`` and ``param_groups``;
+    ``drop`` regular expressions remove matching parameters; ``drop_not_in_model`` removes the parameters the
+    model lacks; ``add_from_model`` adds every model parameter no group holds to group ``to_group`` (the only
+    group by default), filled like an absent entry."""
+    return Operations(tuple(rename), tuple(drop), drop_not_in_model, add_from_model, to_group)
 
 
 def output_path(checkpoint: Path, out: str | Path) -> Path:
@@ -108,11 +132,15 @@ def dry_run(
     model: str | Path | None = None,
     link: bool = False,
     reset_phantom_step: bool = False,
+    operations: Operations = NO_OPERATIONS,
 ) -> DryRun:
     """What ``fix`` with the same arguments would add and write, and the room there is for it; writes nothing."""
     diagnosis = checkpoint if isinstance(checkpoint, Diagnosis) else inspect(checkpoint)
     found = discover(Path(diagnosis.inventory.path))
-    repair = plan(diagnosis, fill=fill, optimizer=optimizer, model=model, reset_phantom_step=reset_phantom_step)
+    repair = plan(
+        diagnosis, fill=fill, optimizer=optimizer, model=model, reset_phantom_step=reset_phantom_step,
+        operations=operations,
+    )  # fmt: skip
     target = output_path(found.root, out)
     needed = space_needed(found, diagnosis.inventory, repair, link=link)
     return DryRun(diagnosis, repair, target, needed, free_space(target))
@@ -147,6 +175,7 @@ def fix(
     link: bool = False,
     sync: bool = True,
     reset_phantom_step: bool = False,
+    operations: Operations = NO_OPERATIONS,
     progress: Progress = ignore,
     notice: Notice = lambda message: None,
 ) -> FixResult:
@@ -162,7 +191,8 @@ def fix(
     gets lines of text for the user. For a file, an ``out`` ending in a slash is a directory to write
     into. ``reset_phantom_step`` also replaces every entry with ``step`` 1 and all-zero moments (what
     torch's full-state loader gave a parameter without state) by what ``fill`` gives a parameter without
-    state, once every byte of its moments is proven zero. Refused up front when the file system holding
+    state, once every byte of its moments is proven zero. ``operations`` (see ``model_changes()``) rename,
+    drop and add parameters first, when the model changed. Refused up front when the file system holding
     ``out`` has too little room for the copy.
     """
     parsed = Parsed()  # what reading parsed, for the writer not to parse it again
@@ -171,7 +201,10 @@ def fix(
     else:
         found = discover(Path(checkpoint))
         diagnosis = diagnose(read_discovered(found, keep=parsed))
-    repair = plan(diagnosis, fill=fill, optimizer=optimizer, model=model, reset_phantom_step=reset_phantom_step)
+    repair = plan(
+        diagnosis, fill=fill, optimizer=optimizer, model=model, reset_phantom_step=reset_phantom_step,
+        operations=operations,
+    )  # fmt: skip
     target = output_path(found.root, out)
     verification = write_copy(
         found,

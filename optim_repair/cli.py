@@ -12,7 +12,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from optim_repair import api, render
-from optim_repair.errors import ExitCode, OptimRepairError, Remedy, Terminated
+from optim_repair.errors import ExitCode, OptimRepairError, Remedy, Terminated, UsageError
 from optim_repair.optimizers import OPTIMIZERS
 
 _COMMON_EXITS = {
@@ -95,6 +95,14 @@ def _choice(option: str, choices: list[str]) -> Callable[[str], str]:
         )
 
     return parse
+
+
+def _rename(text: str) -> tuple[str, str]:
+    """``--rename OLD=NEW``: split at the first ``=`` (a replacement may hold one; a pattern rarely does)."""
+    old, equals, new = text.partition("=")
+    if not equals or not old:
+        raise UsageError(f"{{argument}} takes OLD=NEW, not {text!r}", argument="rename")
+    return old, new
 
 
 def _version(value: bool) -> None:
@@ -262,6 +270,32 @@ def fix(
     no_sync: Annotated[
         bool, typer.Option("--no-sync", help="Do not sync the copy to the disk before verifying it (a scratch copy).")
     ] = False,
+    rename: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="OLD=NEW",
+            help="Rename parameters: a Python regular expression and its replacement, applied to every name in "
+            "state and param_groups (repeatable; before --drop and --add-from-model).",
+        ),
+    ] = None,
+    drop: Annotated[
+        list[str] | None,
+        typer.Option(metavar="PATTERN", help="Drop the parameters whose name matches (repeatable)."),
+    ] = None,
+    drop_not_in_model: Annotated[
+        bool, typer.Option("--drop-not-in-model", help="Drop every parameter the model does not have.")
+    ] = False,
+    add_from_model: Annotated[
+        bool,
+        typer.Option(
+            "--add-from-model",
+            help="Add every model parameter no param group holds (to --to-group), filled as --fill says.",
+        ),
+    ] = False,
+    to_group: Annotated[
+        int | None,
+        typer.Option(metavar="N", help="The param group (0-based) --add-from-model adds to; default: the only one."),
+    ] = None,
     reset_phantom_step: Annotated[
         bool,
         typer.Option(
@@ -283,6 +317,13 @@ def fix(
     filled: Any = fill
 
     def command() -> int:
+        changes = api.model_changes(
+            rename=[_rename(text) for text in rename or ()],
+            drop=drop or (),
+            drop_not_in_model=drop_not_in_model,
+            add_from_model=add_from_model,
+            to_group=to_group,
+        )
         if dry_run:
             planned = api.dry_run(
                 checkpoint,
@@ -292,6 +333,7 @@ def fix(
                 model=model,
                 link=link,
                 reset_phantom_step=reset_phantom_step,
+                operations=changes,
             )
             if json:
                 render.print_json(render.dry_run_document(planned))
@@ -309,6 +351,7 @@ def fix(
                 link=link,
                 sync=not no_sync,
                 reset_phantom_step=reset_phantom_step,
+                operations=changes,
                 progress=progress,
                 notice=render.message_printer(screen),
             )

@@ -117,4 +117,13 @@ def model_of(optimizer: OptimizerInventory, weights: Sequence[WeightMap]) -> tup
     if optimizer.key_style == "index":
         return tuple(weights)
     names = set(optimizer.params)
-    return tuple(weight_map for weight_map in weights if any(name in names for name, _ in weight_map.tensors))
+    sharing = tuple(weight_map for weight_map in weights if any(name in names for name, _ in weight_map.tensors))
+    if sharing:
+        return sharing
+    # none names a parameter: the model of a run whose names a wrapper changed (``_orig_mod.``, ``module.``)
+    params = [str(param) for param in dict.fromkeys(optimizer.params)]
+    return tuple(
+        weight_map
+        for weight_map in weights
+        if params and _explaining_rename(params, {name for name, _ in weight_map.tensors}) is not None
+    )

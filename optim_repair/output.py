@@ -52,10 +52,15 @@ def _write_file(
     # The writer and the verifier report the storages they move and compare; the rest of the file
     # (its pickle, headers and framing) is reported when each is done, so that stages end at the total.
     written = _Tally(meter.writing)
-    original = write_torch_file(src, source, additions, dest, sync=sync, parsed=parsed, on_bytes=written)
+    changes = plan.changes_for(rel)
+    original = write_torch_file(
+        src, source, additions, dest, changes=changes, sync=sync, parsed=parsed, on_bytes=written
+    )
     written.top_up(size)
     verified = _Tally(meter.verifying)
-    verification = verify_torch_file(src, dest, source, additions, parsed=original, on_bytes=verified)
+    verification = verify_torch_file(
+        src, dest, source, additions, changes=changes, parsed=original, on_bytes=verified
+    )
     verified.top_up(size)
     return verification
 
@@ -147,7 +152,7 @@ def _write_directory(
         elif entry.dcp is not None and entry.member_name() == METADATA_FILE and planned[entry.dcp].entries:
             continue  # replaced by the metadata write_dcp wrote
         elif entry.rel in optimizer_files:
-            if plan.for_file(entry.rel):
+            if plan.for_file(entry.rel) or plan.changes_for(entry.rel):
                 notice(f"writing {entry.rel}")
             kept = parsed.torch_files.get(entry.rel)
             total += _write_file(source, target, entry.rel, plan, sync=sync, parsed=kept, meter=meter)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
-from optim_repair.diagnose import Diagnosis, OptimizerDiagnosis
+from optim_repair.comparison import model_of
+from optim_repair.diagnose import Diagnosis, OptimizerDiagnosis, diagnose_optimizer
 from optim_repair.errors import Remedy, RepairRefused, UsageError, shown
 from optim_repair.identify import identify_optimizer
 from optim_repair.inventory import ParamKey, TensorMeta, WeightMap
+from optim_repair.operations import NO_OPERATIONS, Operations, apply_operations
 from optim_repair.optimizers import OPTIMIZERS, PARAM_SHAPED_KEYS, ParamSpec, fresh_state
-from optim_repair.repair_plan import Addition, Fill, FilledOptimizer, PlanFill, RepairPlan
+from optim_repair.repair_plan import Addition, Fill, FilledOptimizer, ParamChange, PlanFill, RepairPlan
 
 
 def default_fill(format: str) -> Fill:
@@ -142,12 +145,15 @@ def plan_repair(
     optimizer: str | None = None,
     model_weights: Sequence[WeightMap] = (),
     reset_phantom_step: bool = False,
+    operations: Operations = NO_OPERATIONS,
 ) -> RepairPlan:
     """The entries to add so that every optimizer has an entry for every listed parameter.
 
     Without ``fill``, each file gets its format's default: ``{}`` for torch files, fresh state for DCP
     and flattened state. ``reset_phantom_step`` also replaces every entry with ``step`` 1 and all-zero
-    moments (a phantom step's state) by what the fill gives a parameter without state.
+    moments (a phantom step's state) by what the fill gives a parameter without state. ``operations``
+    rename, drop and add parameters first (``operations``); the parameters they add are filled like
+    absent ones.
     """
     _check_arguments(fill, optimizer)
     _refuse_malformed(diagnosis)
@@ -160,12 +166,23 @@ def plan_repair(
     additions: list[Addition] = []
     kinds: list[FilledOptimizer] = []
     fills: set[Fill] = set()
-    for opt in diagnosis.optimizers:
+    changes: list[ParamChange] = []
+    for original in diagnosis.optimizers:
+        file = next(f for f in diagnosis.inventory.files if f.file == original.optimizer.file)
+        opt, joined = original, {}
+        if operations:
+            where = f"{original.optimizer.file or diagnosis.inventory.path}:{original.optimizer.location or '<root>'}"
+            if file.format == "dcp":
+                raise RepairRefused(f"{where}: renames, drops and additions are not written into DCP checkpoints yet")
+            model = tuple(model_weights) or model_of(original.optimizer, (*file.weights, *diagnosis.inventory.weights))
+            applied = apply_operations(original.optimizer, operations, model, where)
+            opt = diagnose_optimizer(applied.optimizer, model, original.loader)
+            changes.extend(applied.changes)
+            joined = applied.joined
         reset = opt.phantom if reset_phantom_step else ()
         if not opt.missing and not reset:
             continue
         inv = opt.optimizer
-        file = next(f for f in diagnosis.inventory.files if f.file == inv.file)
         stores_empty = file.format != "dcp" and inv.layout == "nested"
         chosen = fill or ("empty" if stores_empty else "fresh")
         if chosen == "empty" and not stores_empty:
@@ -181,15 +198,18 @@ def plan_repair(
             )
         fills.add(chosen)
         if chosen == "empty":
-            additions.extend(Addition(inv.file, inv.location, inv.address, param, ()) for param in opt.missing)
+            additions.extend(
+                Addition(inv.file, inv.location, inv.address, param, (), group=joined.get(param))
+                for param in opt.missing
+            )
             additions.extend(Addition(inv.file, inv.location, inv.address, param, (), True) for param in reset)
             continue
         where = f"{inv.file or diagnosis.inventory.path}:{inv.location or '<root>'}"
         weights = tuple(model_weights) or (*file.weights, *diagnosis.inventory.weights)
         kind, fresh = _fresh_additions(opt, optimizer, weights, where, stores_empty=stores_empty, reset=reset)
         kinds.append(FilledOptimizer(inv.file, inv.location, kind))
-        additions.extend(fresh)
+        additions.extend(replace(addition, group=joined.get(addition.param)) for addition in fresh)
     described: PlanFill = fill or default_fill(diagnosis.inventory.format)
     if fill is None and fills:
         described = fills.pop() if len(fills) == 1 else "mixed"
-    return RepairPlan(described, tuple(additions), tuple(kinds))
+    return RepairPlan(described, tuple(additions), tuple(kinds), tuple(changes))

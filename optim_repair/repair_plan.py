@@ -51,10 +51,25 @@ class Addition:
     """The entry's keys and values; () adds ``{}``."""
     replaces: bool = False
     """Whether it replaces the parameter's entry (``step`` 1, all-zero moments: ``fix --reset-phantom-step``)."""
+    group: int | None = None
+    """For a parameter in no param group (``fix --add-from-model``): the group it joins, at the end of its
+    ``params``; None for a parameter a group already lists."""
 
     @property
     def keys(self) -> tuple[str, ...]:
         return tuple(key for key, _ in self.state)
+
+
+@dataclass(frozen=True)
+class ParamChange:
+    """One parameter of one optimizer renamed (``new``), or dropped (``new`` is None): its state entry and its
+    place in ``param_groups`` both. Applied before additions, which name parameters by their new names."""
+
+    file: str
+    location: str
+    address: tuple[ParamKey, ...]
+    old: ParamKey
+    new: ParamKey | None
 
 
 class FilledOptimizer(NamedTuple):
@@ -71,6 +86,11 @@ class RepairPlan:
     additions: tuple[Addition, ...]
     optimizers: tuple[FilledOptimizer, ...] = ()
     """For a fresh fill: each optimizer the plan fills, with its kind."""
+    changes: tuple[ParamChange, ...] = ()
+    """Parameters renamed or dropped (``fix --rename``, ``--drop``, ``--drop-not-in-model``)."""
 
     def for_file(self, file: str) -> tuple[Addition, ...]:
         return tuple(addition for addition in self.additions if addition.file == file)
+
+    def changes_for(self, file: str) -> tuple[ParamChange, ...]:
+        return tuple(change for change in self.changes if change.file == file)

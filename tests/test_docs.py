@@ -63,7 +63,10 @@ def _fields(doc_type: type, prefix: str = "") -> list[str]:
     return fields
 
 
-_SMALL = (render.MalformedDoc, render.NoticeDoc, render.SkippedDoc, render.AddedDoc, render.ShapeMismatchDoc)
+_SMALL = (
+    render.MalformedDoc, render.NoticeDoc, render.SkippedDoc, render.AddedDoc, render.ShapeMismatchDoc,
+    render.ChangedDoc,
+)  # fmt: skip
 """Documented in one row each, as ``{a, b, c}``."""
 
 

@@ -6,6 +6,7 @@ Results go to stdout; messages, progress and errors to stderr.
 from optim_repair.render.documents import (
     SCHEMA_VERSION,
     AddedDoc,
+    ChangedDoc,
     DryRunDoc,
     ErrorDoc,
     FixDoc,
@@ -34,6 +35,7 @@ from optim_repair.render.reports import (
 __all__ = [
     "SCHEMA_VERSION",
     "AddedDoc",
+    "ChangedDoc",
     "DryRunDoc",
     "ErrorDoc",
     "FixDoc",

@@ -96,6 +96,14 @@ class AddedDoc(TypedDict):
     param: ParamKey
     keys: list[str]
     replaced: bool
+    group: int | None
+
+
+class ChangedDoc(TypedDict):
+    file: str
+    location: str
+    old: ParamKey
+    new: ParamKey | None
 
 
 class VerificationDoc(TypedDict):
@@ -119,6 +127,7 @@ class ErrorDoc(TypedDict):
 class FixDoc(InspectDoc):
     out: str
     fill: str
+    changed: list[ChangedDoc]
     added: list[AddedDoc]
     verification: VerificationDoc
 
@@ -126,6 +135,7 @@ class FixDoc(InspectDoc):
 class DryRunDoc(InspectDoc):
     out: str
     fill: str
+    changed: list[ChangedDoc]
     added: list[AddedDoc]
     dry_run: bool
     bytes_to_write: int
@@ -191,9 +201,14 @@ def inspect_document(diagnosis: Diagnosis) -> InspectDoc:
 
 def _added_docs(result: FixResult | DryRun) -> list[AddedDoc]:
     return [
-        {"file": a.file, "location": a.location, "param": a.param, "keys": list(a.keys), "replaced": a.replaces}
+        {"file": a.file, "location": a.location, "param": a.param, "keys": list(a.keys), "replaced": a.replaces,
+         "group": a.group}
         for a in result.plan.additions
-    ]
+    ]  # fmt: skip
+
+
+def _changed_docs(result: FixResult | DryRun) -> list[ChangedDoc]:
+    return [{"file": c.file, "location": c.location, "old": c.old, "new": c.new} for c in result.plan.changes]
 
 
 def fix_document(result: FixResult) -> FixDoc:
@@ -201,6 +216,7 @@ def fix_document(result: FixResult) -> FixDoc:
         **inspect_document(result.diagnosis),
         "out": str(result.out),
         "fill": result.plan.fill,
+        "changed": _changed_docs(result),
         "added": _added_docs(result),
         "verification": {
             "tensors": result.verification.tensors,
@@ -215,6 +231,7 @@ def dry_run_document(planned: DryRun) -> DryRunDoc:
         **inspect_document(planned.diagnosis),
         "out": str(planned.out),
         "fill": planned.plan.fill,
+        "changed": _changed_docs(planned),
         "added": _added_docs(planned),
         "dry_run": True,
         "bytes_to_write": planned.bytes_to_write,

@@ -213,7 +213,29 @@ def _additions_table(console: Console, diagnosis: Diagnosis, plan: RepairPlan) -
 def _changes(plan: RepairPlan) -> str:
     replaced = sum(addition.replaces for addition in plan.additions)
     added = len(plan.additions) - replaced
-    return f"{added} added entries" + (f" and the {replaced} replaced phantom-step entries" if replaced else "")
+    parts = [f"{added} added entries"]
+    if replaced:
+        parts.append(f"the {replaced} replaced phantom-step entries")
+    renamed = sum(change.new is not None for change in plan.changes)
+    dropped = len(plan.changes) - renamed
+    if renamed:
+        parts.append(f"{renamed} renamed parameters")
+    if dropped:
+        parts.append(f"{dropped} dropped parameters")
+    return ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
+
+
+def _print_changes(console: Console, plan: RepairPlan) -> None:
+    renamed = [c for c in plan.changes if c.new is not None]
+    dropped = [c.old for c in plan.changes if c.new is None]
+    joined = [a.param for a in plan.additions if a.group is not None]
+    if renamed:
+        shown = _shown_names(tuple(f"{c.old} → {c.new}" for c in renamed))
+        console.print(Text(f"renamed {len(renamed)} parameters: {shown}"))
+    if dropped:
+        console.print(Text(f"dropped {len(dropped)} parameters: {_shown_names(tuple(dropped))}"))
+    if joined:
+        console.print(Text(f"added {len(joined)} model parameters to their param group: {_shown_names(tuple(joined))}"))
 
 
 def print_fix(result: FixResult, screen: Screen) -> None:
@@ -223,6 +245,7 @@ def print_fix(result: FixResult, screen: Screen) -> None:
             (result.diagnosis.inventory.path, "bold"), " → ", (str(result.out), "bold"), f" (fill: {result.plan.fill})"
         )
     )
+    _print_changes(console, result.plan)
     console.print(_additions_table(console, result.diagnosis, result.plan))
     v = result.verification
     console.print(
@@ -241,6 +264,7 @@ def print_dry_run(planned: DryRun, screen: Screen) -> None:
             (str(planned.out), "bold"), f" (fill: {planned.plan.fill}); nothing was written",
         )
     )  # fmt: skip
+    _print_changes(console, planned.plan)
     console.print(_additions_table(console, planned.diagnosis, planned.plan))
     room = "enough room" if planned.bytes_to_write <= planned.free_bytes else "[bold red]not enough room[/]"
     console.print(

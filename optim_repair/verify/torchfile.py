@@ -19,7 +19,7 @@ from optim_repair.formats.pickled import GlobalRef, Reduced, StorageRef, describ
 from optim_repair.formats.ranges import same_range
 from optim_repair.formats.torchfile import LegacyTorchFile, TorchFile, entry_edit, open_torch_file
 from optim_repair.formats.unpickling import ZIP_ERRORS
-from optim_repair.repair_plan import Addition, FreshTensor
+from optim_repair.repair_plan import Addition, FreshTensor, ParamChange
 from optim_repair.verify.files import Verification
 
 
@@ -30,10 +30,18 @@ def _float_bits(value: float | complex) -> bytes:
 
 
 class _GraphComparison:
-    """Walks the original and the copy together; the copy may differ only by the additions."""
+    """Walks the original and the copy together; the copy may differ only by the planned changes and additions."""
 
-    def __init__(self, source: str, additions: Sequence[Addition], original: Any) -> None:
+    def __init__(
+        self, source: str, additions: Sequence[Addition], original: Any, changes: Sequence[ParamChange] = ()
+    ) -> None:
         self.source = source
+        self.edited: dict[tuple[Any, ...], tuple[list[ParamChange], list[Addition]]] = {}
+        """The optimizers whose parameters were renamed, dropped or joined a group, by address: compared by
+        ``_same_optimizer``, which maps each original name to its new one."""
+        for address in {c.address for c in changes} | {a.address for a in additions if a.group is not None}:
+            mine = [c for c in changes if c.address == address], [a for a in additions if a.address == address]
+            self.edited[address] = mine
         self.removed: dict[tuple[Any, ...], set[Any]] = {}
         self.set: dict[tuple[Any, ...], list[Any]] = {}
         """Per edited dict: the keys removed, and the keys set (added, or replaced in place): the values of those
@@ -57,7 +65,9 @@ class _GraphComparison:
             return
         if isinstance(a, (dict, list, tuple, Reduced, StorageRef)):
             self._seen.add(pair)
-        if isinstance(a, dict):
+        if isinstance(a, dict) and path in self.edited:
+            self._same_optimizer(a, b, path)
+        elif isinstance(a, dict):
             self._same_dict(a, b, path)
         elif isinstance(a, (list, tuple)):
             if len(a) != len(b):
@@ -92,6 +102,63 @@ class _GraphComparison:
             if key not in removed and key not in replaced:
                 self.same(a[key], b[key], (*path, key))
 
+    def _same_optimizer(self, a: dict[Any, Any], b: dict[Any, Any], path: tuple[Any, ...]) -> None:
+        changes, additions = self.edited[path]
+        mapping = {change.old: change.new for change in changes}
+        replaced = {addition.param for addition in additions if addition.replaces}
+        if "state" not in a or "param_groups" not in a:
+            self._same_flattened(a, b, path, mapping, additions)
+            return
+        if list(a) != list(b):
+            self.fail(path, f"keys {shown(list(a))} became {shown(list(b))}")
+        for key in a:
+            if key not in ("state", "param_groups"):
+                self.same(a[key], b[key], (*path, key))
+        kept = [_renamed(mapping, name) for name in a["state"] if _renamed(mapping, name) is not None]
+        expected = kept + [x.param for x in additions if x.param not in kept]
+        if list(b["state"]) != expected:
+            self.fail((*path, "state"), f"keys {shown(list(a['state']))} became {shown(list(b['state']))}")
+        for name, value in a["state"].items():
+            new = _renamed(mapping, name)
+            if new is not None and new not in replaced:
+                self.same(value, b["state"][new], (*path, "state", new))
+        groups_a, groups_b = a["param_groups"], b["param_groups"]
+        if len(groups_a) != len(groups_b):
+            self.fail((*path, "param_groups"), f"{len(groups_a)} groups became {len(groups_b)}")
+        for index, (group, twin) in enumerate(zip(groups_a, groups_b, strict=True)):
+            where = (*path, "param_groups", index)
+            if list(group) != list(twin):
+                self.fail(where, f"keys {shown(list(group))} became {shown(list(twin))}")
+            params = [_renamed(mapping, p) for p in group["params"] if _renamed(mapping, p) is not None]
+            params += [x.param for x in additions if x.group == index]
+            if list(twin["params"]) != params:
+                self.fail((*where, "params"), f"{shown(group['params'])} became {shown(twin['params'])}")
+            for key in group:
+                if key != "params":
+                    self.same(group[key], twin[key], (*where, key))
+
+    def _same_flattened(
+        self, a: dict[Any, Any], b: dict[Any, Any], path: tuple[Any, ...], mapping: dict[Any, Any], additions: Any
+    ) -> None:
+        renamed: dict[Any, Any] = {}
+        for key in a:
+            section = "state." if key.startswith("state.") else "param_groups."
+            name, _, leaf = key[len(section) :].rpartition(".")
+            new = _renamed(mapping, name)
+            if new is not None:
+                renamed[key] = f"{section}{new}.{leaf}"
+        planned = [f"state.{x.param}.{k}" for x in additions for k in x.keys]
+        expected = list(renamed.values()) + [key for key in planned if key not in renamed.values()]
+        if list(b) != expected:
+            self.fail(path, f"keys {shown(list(a))} became {shown(list(b))}")
+        for key, new in renamed.items():
+            if new not in planned:
+                self.same(a[key], b[new], (*path, new))
+
+
+def _renamed(mapping: dict[Any, Any], name: Any) -> Any:
+    return mapping.get(name, name)
+
 
 def _check_additions(copy: TorchFile, copy_stream: BinaryIO, additions: Sequence[Addition], source: str) -> None:
     for addition in additions:
@@ -120,9 +187,21 @@ def _check_additions(copy: TorchFile, copy_stream: BinaryIO, additions: Sequence
                 raise VerificationError(f"{where}: {key} is {shown(value)}, planned {shown(planned)}", path=source)
 
 
-def _replaced_storages(original: TorchFile, additions: Sequence[Addition]) -> set[str]:
-    """The storages of the original entries that planned replacements take the place of."""
+def _replaced_storages(
+    original: TorchFile, additions: Sequence[Addition], changes: Sequence[ParamChange]
+) -> set[str]:
+    """The storages of the original entries that planned replacements take the place of, or drops remove."""
     found: set[str] = set()
+    for change in changes:
+        if change.new is None:
+            optimizer = resolve(original.graph.root, change.address)
+            if "state" in optimizer and "param_groups" in optimizer:
+                old = optimizer["state"].get(change.old, {})
+                values = list(old.values()) if isinstance(old, dict) else [old]
+            else:
+                prefix = f"state.{change.old}."
+                values = [v for k, v in optimizer.items() if k.startswith(prefix) and "." not in k[len(prefix) :]]
+            found.update(meta.storage for meta in map(tensor_meta, values) if meta is not None)
     for addition in additions:
         if not addition.replaces:
             continue
@@ -163,10 +242,12 @@ def verify_torch_file(
     source: str,
     additions: Sequence[Addition],
     *,
+    changes: Sequence[ParamChange] = (),
     parsed: TorchFile | None = None,
     on_bytes: Callable[[int], None] = lambda nbytes: None,
 ) -> Verification:
-    """Prove ``copy`` equals ``original`` plus ``additions``; raise VerificationError otherwise.
+    """Prove ``copy`` equals ``original`` with ``changes`` (renames, drops) and ``additions`` applied; raise
+    VerificationError otherwise.
 
     ``parsed`` is the original as the writer parsed it, not parsed again; ``on_bytes`` hears of every
     storage compared, by its size.
@@ -181,10 +262,10 @@ def verify_torch_file(
             _same_framing(before, after, a, b, source)
         except ZIP_ERRORS as exc:
             raise VerificationError(f"the copy cannot be read back ({exc})", path=source) from exc
-    comparison = _GraphComparison(source, additions, before.graph.root)
+    comparison = _GraphComparison(source, additions, before.graph.root, changes)
     comparison.same(before.graph.root, after.graph.root, ())
     total = 0
-    replaced = _replaced_storages(before, additions)
+    replaced = _replaced_storages(before, additions, changes)
     with open_regular(original, source) as a, open_regular(copy, source) as b:
         for key, ref in before.graph.storages.items():
             twin = after.graph.storages.get(key)

@@ -20,11 +20,12 @@ from optim_repair.formats.pickled import (
     storage_for,
     tensor_meta,
 )
+from optim_repair.formats.torchfile.changes import changed_optimizer, put
 from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile, write_legacy
 from optim_repair.formats.torchfile.zipformat import NewStorage, write_zip
 from optim_repair.formats.unpickling import ZIP_ERRORS
-from optim_repair.repair_plan import Addition, FreshTensor
+from optim_repair.repair_plan import Addition, FreshTensor, ParamChange
 
 
 def entry_edit(optimizer: dict[Any, Any], addition: Addition) -> tuple[tuple[Any, ...], list[Any], list[Any]]:
@@ -110,6 +111,8 @@ def _add_entries(torch_file: TorchFile, additions: Sequence[Addition], src: Path
                 container[keys[0]] = entry
             else:
                 container.update(zip(keys, entry.values(), strict=True))
+            if addition.group is not None:  # a parameter in no group: the group's params list is a new one
+                optimizer["param_groups"][addition.group]["params"].append(addition.param)
     return created
 
 
@@ -129,31 +132,42 @@ def write_torch_file(
     additions: Sequence[Addition],
     dest: Path,
     *,
+    changes: Sequence[ParamChange] = (),
     sync: bool = True,
     parsed: TorchFile | None = None,
     on_bytes: Callable[[int], None] = lambda nbytes: None,
 ) -> TorchFile:
-    """Write ``src`` with ``additions`` applied to ``dest`` (created if need be): every other byte of
-    meaning unchanged, synced to the disk unless ``sync`` is false.
+    """Write ``src`` with ``changes`` (renames, drops), then ``additions`` applied to ``dest`` (created if need
+    be): every other byte of meaning unchanged, synced to the disk unless ``sync`` is false.
 
     ``parsed`` is ``src`` as reading already parsed it. Returns the original as parsed, so that
     verification need not parse it again.
     """
     torch_file = parsed or open_torch_file(src, source)
-    replacing = any(addition.replaces for addition in additions)
+    replacing = any(addition.replaces for addition in additions) or any(c.new is None for c in changes)
     if replacing and isinstance(torch_file, LegacyTorchFile):
         raise RepairRefused(
-            "resetting a phantom step drops the entry's storages, which a legacy-format file must all keep "
-            "(torch.load refuses a storage the pickle does not name); save it with torch.save's default zip format",
+            "resetting a phantom step or dropping a parameter drops storages, which a legacy-format file must all "
+            "keep (torch.load refuses a storage the pickle does not name); save it with torch.save's zip format",
             path=source,
         )
+    graph = torch_file.graph
+    original_root = graph.root
+    edited = {a.address for a in additions if a.group is not None} | {c.address for c in changes}
+    swapped = [(address, resolve(original_root, address)) for address in sorted(edited, key=len)]
     saved: Undo = {}
     try:
+        for address, optimizer in swapped:
+            mine = [change for change in changes if change.address == address]
+            graph.root = put(graph.root, address, changed_optimizer(optimizer, mine))
         created = _add_entries(torch_file, additions, src, saved)
-        data = dump_graph(torch_file.graph.root, torch_file.graph.protocol)
+        data = dump_graph(graph.root, graph.protocol)
     finally:
         _undo(saved)
-    # the storages only a replaced entry held are not copied: the new pickle names them no more
+        for address, optimizer in reversed(swapped):
+            graph.root = put(graph.root, address, optimizer)
+        graph.root = original_root
+    # the storages only a replaced or dropped entry held are not copied: the new pickle names them no more
     named = set(load_graph(data, source, ours=True).storages) if replacing else set(torch_file.graph.storages)
     dropped = frozenset(torch_file.graph.storages) - named
     # Opened without O_TRUNC: truncating a file and writing it anew makes ext4 flush it all at close.

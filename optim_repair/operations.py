@@ -1,0 +1,152 @@
+"""Renaming, dropping and adding parameters when the model changed: which parameters change, and how. Pure.
+
+Applied in the order rename, drop, add, to the optimizer's inventory itself: what comes out is the optimizer
+as the repaired copy will hold it, whose parameters without state (the added ones among them) the fill then
+fills like any other.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from optim_repair.errors import Remedy, RepairRefused, UsageError, shown
+from optim_repair.inventory import OptimizerInventory, ParamGroup, ParamKey, WeightMap
+from optim_repair.repair_plan import ParamChange
+
+
+@dataclass(frozen=True)
+class Operations:
+    """What ``fix`` is asked to change besides filling entries (its ``--rename``, ``--drop``, ... options)."""
+
+    renames: tuple[tuple[str, str], ...] = ()
+    """Regular expressions and their replacements, applied to every parameter name in turn."""
+    drops: tuple[str, ...] = ()
+    """Regular expressions: parameters whose (renamed) name matches one are dropped."""
+    drop_not_in_model: bool = False
+    add_from_model: bool = False
+    to_group: int | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.renames or self.drops or self.drop_not_in_model or self.add_from_model)
+
+
+NO_OPERATIONS = Operations()
+
+
+@dataclass(frozen=True)
+class Applied:
+    """An optimizer after the operations: its inventory as the copy will hold it, the renames and drops that
+    take it there, and the model parameters it gains (which have no state yet), with their group."""
+
+    optimizer: OptimizerInventory
+    changes: tuple[ParamChange, ...]
+    joined: dict[ParamKey, int]
+
+
+def _pattern(text: str, option: str) -> re.Pattern[str]:
+    try:
+        return re.compile(text)
+    except re.error as exc:
+        raise UsageError(f"{{argument}} {shown(text)} is not a regular expression ({exc})", argument=option) from exc
+
+
+def _renamed(names: Sequence[str], renames: Sequence[tuple[str, str]], where: str) -> dict[str, str]:
+    current = {name: name for name in names}
+    for old, new in renames:
+        pattern = _pattern(old, "rename")
+        if not any(pattern.search(name) for name in current.values()):
+            raise RepairRefused(f"{where}: the rename {shown(f'{old}={new}')} matches no parameter name")
+        try:
+            current = {name: pattern.sub(new, now) for name, now in current.items()}
+        except (re.error, IndexError) as exc:
+            raise UsageError(f"{{argument}} {shown(new)} is no valid replacement ({exc})", argument="rename") from exc
+    seen: dict[str, str] = {}
+    for name, now in current.items():
+        if now in seen:
+            merged = f"{shown(seen[now])} and {shown(name)}"
+            raise RepairRefused(f"{where}: the renames give {merged} one name, {shown(now)}")
+        seen[now] = name
+    return current
+
+
+def _model_names(model: Sequence[WeightMap], where: str, option: str) -> list[str]:
+    if not model:
+        raise RepairRefused(
+            f"{where}: {option} needs the model, and none was found beside the optimizer",
+            remedy=Remedy("model", "PATH", placeholder=True, note=" with the model's weights"),
+        )
+    return list(dict.fromkeys(name for weight_map in model for name, _ in weight_map.tensors))
+
+
+def apply_operations(
+    optimizer: OptimizerInventory, operations: Operations, model: Sequence[WeightMap], where: str
+) -> Applied:
+    """``optimizer`` renamed, pruned and extended as ``operations`` ask; refused with the reason when they cannot
+    be applied (index keys name no parameter; a rename that matches nothing or merges two names)."""
+    if optimizer.key_style == "index":
+        raise RepairRefused(
+            f"{where}: renames, drops and additions need parameter names; this optimizer is keyed by indices "
+            "(optimizer.state_dict()), which name no parameter, so which index is which model parameter cannot "
+            "be told from the checkpoint"
+        )
+    if operations.add_from_model and optimizer.layout == "flattened":
+        raise RepairRefused(f"{where}: adding parameters to a flattened optimizer state dict is not supported")
+    names = [str(param) for param in dict.fromkeys(optimizer.params)]
+    renamed = _renamed(names, operations.renames, where)
+    dropped: set[str] = set()
+    for text in operations.drops:
+        pattern = _pattern(text, "drop")
+        matched = {name for name, now in renamed.items() if pattern.search(now)}
+        if not matched:
+            raise RepairRefused(f"{where}: the drop pattern {shown(text)} matches no parameter name")
+        dropped |= matched
+    if operations.drop_not_in_model:
+        known = set(_model_names(model, where, "dropping the parameters the model lacks"))
+        dropped |= {name for name, now in renamed.items() if now not in known}
+    changes = tuple(
+        ParamChange(optimizer.file, optimizer.location, optimizer.address, name, None if name in dropped else now)
+        for name, now in renamed.items()
+        if name in dropped or now != name
+    )
+    joined: dict[ParamKey, int] = {}
+    if operations.add_from_model:
+        group = _target_group(optimizer, operations.to_group, where)
+        listed = {now for name, now in renamed.items() if name not in dropped}
+        model_names = _model_names(model, where, "adding the model's parameters")
+        joined = {name: group for name in model_names if name not in listed}
+    kept = {name: now for name, now in renamed.items() if name not in dropped}
+    groups = tuple(
+        ParamGroup(
+            (
+                *(kept[str(param)] for param in group.params if str(param) in kept),
+                *(name for name, index in joined.items() if index == number),
+            ),
+            group.options,
+        )
+        for number, group in enumerate(optimizer.groups)
+    )
+    entries = tuple(
+        replace(entry, param=kept[str(entry.param)]) if str(entry.param) in kept else entry
+        for entry in optimizer.entries
+        if str(entry.param) in kept or str(entry.param) not in renamed  # an orphan entry is kept as it is
+    )
+    return Applied(replace(optimizer, groups=groups, entries=entries), changes, joined)
+
+
+def _target_group(optimizer: OptimizerInventory, to_group: int | None, where: str) -> int:
+    if to_group is None:
+        if len(optimizer.groups) == 1:
+            return 0
+        raise UsageError(
+            f"{where}: the optimizer has {len(optimizer.groups)} param groups; {{argument}} says which one the "
+            "added parameters join",
+            argument="to_group",
+        )
+    if not 0 <= to_group < len(optimizer.groups):
+        raise UsageError(
+            f"{where}: {{argument}} {to_group} is not a param group (0 to {len(optimizer.groups) - 1})",
+            argument="to_group",
+        )
+    return to_group
