@@ -156,10 +156,10 @@ def write_zip(
         )
         gone = {f"{torch_file.prefix}data/{key}" for key in dropped}
         for index, info in enumerate(torch_file.records):
-            if info.filename in gone:
-                pass
-            elif info.filename == f"{torch_file.prefix}data.pkl":
+            if info.filename == f"{torch_file.prefix}data.pkl":
                 writer.add_bytes(info.filename, data, info.date_time, info.external_attr)
+            elif info.filename in gone:
+                on_bytes(info.file_size)  # not copied, but part of the work the progress counts
             elif info.compress_type == zipfile.ZIP_STORED:
                 offset = _data_offset(raw, info, str(torch_file.path))
                 writer.add_copy(
