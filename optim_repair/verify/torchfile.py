@@ -8,7 +8,6 @@ byteorder/version records or the legacy header. The only differences allowed are
 from __future__ import annotations
 
 import struct
-import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -18,6 +17,7 @@ from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickled import GlobalRef, Reduced, StorageRef, describe_address, resolve, tensor_meta
 from optim_repair.formats.ranges import same_range
 from optim_repair.formats.torchfile import LegacyTorchFile, TorchFile, entry_edit, open_torch_file
+from optim_repair.formats.torchfile.zipformat import read_record
 from optim_repair.formats.unpickling import ZIP_ERRORS
 from optim_repair.repair_plan import Addition, FreshTensor, ParamChange
 from optim_repair.verify.files import Verification
@@ -229,11 +229,12 @@ def _same_framing(before: TorchFile, after: TorchFile, a: BinaryIO, b: BinaryIO,
             raise changed("header")
         return
     copied = after.framing()
-    with zipfile.ZipFile(a) as original, zipfile.ZipFile(b) as copy:
-        for name, info in before.framing().items():
-            twin = copied.get(name)
-            if twin is None or twin.file_size != info.file_size or original.read(info) != copy.read(twin):
-                raise changed(f"record {name}")
+    for name, info in before.framing().items():
+        twin = copied.get(name)
+        if twin is None or twin.file_size != info.file_size:
+            raise changed(f"record {name}")
+        if read_record(a, info, source) != read_record(b, twin, source):
+            raise changed(f"record {name}")
 
 
 def verify_torch_file(
@@ -260,7 +261,7 @@ def verify_torch_file(
     with open_regular(original, source) as a, open_regular(copy, source) as b:
         try:
             _same_framing(before, after, a, b, source)
-        except ZIP_ERRORS as exc:
+        except (*ZIP_ERRORS, InputError) as exc:
             raise VerificationError(f"the copy cannot be read back ({exc})", path=source) from exc
     comparison = _GraphComparison(source, additions, before.graph.root, changes)
     comparison.same(before.graph.root, after.graph.root, ())

@@ -48,9 +48,9 @@ def entry_edit(optimizer: dict[Any, Any], addition: Addition) -> tuple[tuple[Any
 def _sibling_location(optimizer: dict[Any, Any], key: str) -> str:
     """Where the optimizer keeps ``key`` for other parameters (``cuda:0``, or ``cpu`` for a CPU ``step``)."""
     if "state" in optimizer and "param_groups" in optimizer:
-        values = [entry.get(key) for entry in optimizer["state"].values() if isinstance(entry, dict)]
+        values = (entry.get(key) for entry in optimizer["state"].values() if isinstance(entry, dict))
     else:
-        values = [value for name, value in optimizer.items() if name.startswith("state.") and name.endswith(f".{key}")]
+        values = (value for name, value in optimizer.items() if name.startswith("state.") and name.endswith(f".{key}"))
     for value in values:
         if isinstance(value, Reduced) and value.args and isinstance(value.args[0], StorageRef):
             return value.args[0].location
@@ -101,7 +101,8 @@ def _add_entries(torch_file: TorchFile, additions: Sequence[Addition], src: Path
                     entry[key] = value
             where, removed, keys = entry_edit(optimizer, addition)
             container = resolve(optimizer, where)
-            saved.setdefault(id(container), (container, list(container.items())))
+            if id(container) not in saved:
+                saved[id(container)] = (container, list(container.items()))
             if addition.replaces:
                 old = container[keys[0]] if where else [container[key] for key in (*removed, *keys) if key in container]
                 _phantom_moments_are_zero(torch_file, stream, old, addition)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 import zipfile
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,18 @@ def _check_records(records: list[zipfile.ZipInfo], prefix: str, source: str) -> 
             )
 
 
+def read_record(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> bytes:
+    """A framing record's bytes (never more than ``MAX_FRAMING_BYTES``: ``_check_records``), stored or deflated,
+    read from its local header: the archive's directory is not parsed again for them."""
+    stream.seek(_data_offset(stream, info, source))
+    raw = stream.read(info.compress_size)
+    stored = info.compress_type == zipfile.ZIP_STORED
+    data = raw if stored else zlib.decompressobj(-15).decompress(raw, info.file_size + 1)
+    if len(data) != info.file_size or zlib.crc32(data) != info.CRC:
+        raise InputError(f"damaged zip archive (record {shown(info.filename)} fails its size or CRC)", path=source)
+    return data
+
+
 def _read_pickle(archive: zipfile.ZipFile, info: zipfile.ZipInfo, source: str) -> bytes:
     """The pickle record, read only up to ``MAX_PICKLE_BYTES`` whatever its header claims."""
     if info.file_size > MAX_PICKLE_BYTES:
@@ -149,7 +162,7 @@ def write_zip(
     record written, by its size.
     """
     writer = ZipWriter(target)
-    with open_regular(torch_file.path, str(torch_file.path)) as raw, zipfile.ZipFile(raw) as source:
+    with open_regular(torch_file.path, str(torch_file.path)) as raw:
         last_storage = max(
             (i for i, info in enumerate(torch_file.records) if info.filename.startswith(f"{torch_file.prefix}data/")),
             default=len(torch_file.records) - 1,
@@ -167,7 +180,8 @@ def write_zip(
                 )
                 on_bytes(info.file_size)
             else:
-                writer.add_bytes(info.filename, source.read(info), info.date_time, info.external_attr)
+                record = read_record(raw, info, str(torch_file.path))
+                writer.add_bytes(info.filename, record, info.date_time, info.external_attr)
             if index == last_storage:
                 for ref, size, chunks in created:
                     name = f"{torch_file.prefix}data/{ref.key}"
