@@ -203,3 +203,19 @@ def test_operations_that_cannot_apply_are_refused(tmp_path: Path, hf_checkpoint:
         assert_nothing_written(out)
     index = run_cli(["fix", hf_checkpoint.path, "--out", out, "--drop", "x"], code=3)
     assert "keyed by indices" in index.stderr
+
+
+def test_an_optimizer_inside_a_tuple_is_changed_too(tmp_path: Path) -> None:
+    """``torch.save((weights, optimizer))``: the tuple is rebuilt around the changed optimizer, the original graph
+    kept as it was for verification."""
+    model = TwoHeadNet()
+    opt = make_optimizer(model, "adamw")
+    train(model, opt, 2, use_all=True)
+    path = tmp_path / "pair.pt"
+    torch.save((get_model_state_dict(model), get_optimizer_state_dict(model, opt)), path)
+    out = tmp_path / "fixed.pt"
+    run_cli(["fix", path, "--out", out, "--drop", "^head_unused\\."])
+    weights, optimizer = torch.load(out, weights_only=True)
+    kept = ["trunk.weight", "trunk.bias", "head_used.weight", "head_used.bias"]
+    assert set(optimizer["state"]) == set(kept) and optimizer["param_groups"][0]["params"] == kept
+    assert weights.keys() == get_model_state_dict(model).keys()

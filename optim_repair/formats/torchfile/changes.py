@@ -36,12 +36,25 @@ def changed_optimizer(optimizer: dict[Any, Any], changes: Sequence[ParamChange])
     return edited
 
 
-def put(root: Any, address: tuple[Any, ...], value: Any) -> Any:
-    """Put ``value`` at ``address`` in the graph ``root``; return the (possibly new) root."""
+Undo = list[tuple[Any, Any, Any]]
+"""The containers ``put`` changed in place, with the key and the child each held before."""
+
+
+def put(root: Any, address: tuple[Any, ...], value: Any, undo: Undo) -> Any:
+    """Put ``value`` at ``address`` in the graph ``root``; return the (possibly new) root. A tuple on the way is
+    rebuilt; a dict or list is changed in place, and ``undo`` records what it held."""
     if not address:
         return value
-    parent = root
-    for step in address[:-1]:
-        parent = parent[step]
-    parent[address[-1]] = value
+    head, rest = address[0], address[1:]
+    child = put(root[head], rest, value, undo)
+    if isinstance(root, tuple):
+        return (*root[:head], child, *root[head + 1 :])
+    undo.append((root, head, root[head]))
+    root[head] = child
     return root
+
+
+def restore(undo: Undo) -> None:
+    """Undo what ``put`` changed in place, latest first."""
+    for container, key, child in reversed(undo):
+        container[key] = child

@@ -20,7 +20,8 @@ from optim_repair.formats.pickled import (
     storage_for,
     tensor_meta,
 )
-from optim_repair.formats.torchfile.changes import changed_optimizer, put
+from optim_repair.formats.torchfile.changes import Undo as SwapUndo
+from optim_repair.formats.torchfile.changes import changed_optimizer, put, restore
 from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile, write_legacy
 from optim_repair.formats.torchfile.zipformat import NewStorage, write_zip
@@ -155,18 +156,17 @@ def write_torch_file(
     graph = torch_file.graph
     original_root = graph.root
     edited = {a.address for a in additions if a.group is not None} | {c.address for c in changes}
-    swapped = [(address, resolve(original_root, address)) for address in sorted(edited, key=len)]
     saved: Undo = {}
+    swapped: SwapUndo = []
     try:
-        for address, optimizer in swapped:
+        for address in sorted(edited, key=len):
             mine = [change for change in changes if change.address == address]
-            graph.root = put(graph.root, address, changed_optimizer(optimizer, mine))
+            graph.root = put(graph.root, address, changed_optimizer(resolve(graph.root, address), mine), swapped)
         created = _add_entries(torch_file, additions, src, saved)
         data = dump_graph(graph.root, graph.protocol)
     finally:
         _undo(saved)
-        for address, optimizer in reversed(swapped):
-            graph.root = put(graph.root, address, optimizer)
+        restore(swapped)
         graph.root = original_root
     # the storages only a replaced or dropped entry held are not copied: the new pickle names them no more
     named = set(load_graph(data, source, ours=True).storages) if replacing else set(torch_file.graph.storages)
