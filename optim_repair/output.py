@@ -148,8 +148,17 @@ def _write_directory(
             target.mkdir(exist_ok=True)
             notice(f"writing {entry.rel or 'DCP checkpoint'}")
             additions = plan.for_file(entry.rel)
-            planned[entry.rel] = write_dcp(source, additions, target, sync=sync, original=parsed.dcp.get(entry.rel))
-        elif entry.dcp is not None and entry.member_name() == METADATA_FILE and planned[entry.dcp].entries:
+            groups = {
+                optimizer.address: [group.params for group in optimizer.groups]
+                for file in inventory.files
+                if file.file == entry.rel
+                for optimizer in file.optimizers
+            }
+            planned[entry.rel] = write_dcp(
+                source, additions, target, sync=sync, original=parsed.dcp.get(entry.rel),
+                changes=plan.changes_for(entry.rel), groups=groups,
+            )  # fmt: skip
+        elif entry.dcp is not None and entry.member_name() == METADATA_FILE and planned[entry.dcp].rewrites_metadata:
             continue  # replaced by the metadata write_dcp wrote
         elif entry.rel in optimizer_files:
             if plan.for_file(entry.rel) or plan.changes_for(entry.rel):

@@ -219,3 +219,62 @@ def test_an_optimizer_inside_a_tuple_is_changed_too(tmp_path: Path) -> None:
     kept = ["trunk.weight", "trunk.bias", "head_used.weight", "head_used.bias"]
     assert set(optimizer["state"]) == set(kept) and optimizer["param_groups"][0]["params"] == kept
     assert weights.keys() == get_model_state_dict(model).keys()
+
+
+def _prefixed(state: dict[str, Any], prefix: str, flatten: bool) -> dict[str, Any]:
+    """An optimizer state dict as a wrapper's run names it: every parameter name gains ``prefix``."""
+    if flatten:
+        return {f"{key.split('.', 1)[0]}.{prefix}{key.split('.', 1)[1]}": value for key, value in state.items()}
+    return {"state": {f"{prefix}{name}": entry for name, entry in state["state"].items()},
+            "param_groups": [{**group, "params": [f"{prefix}{name}" for name in group["params"]]}
+                             for group in state["param_groups"]]}  # fmt: skip
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
+def test_a_dcp_checkpoint_is_renamed_through_its_metadata_alone(tmp_path: Path, flatten: bool) -> None:
+    """A DDP-style ``module.`` prefix on a DCP checkpoint's optimizer: --rename with --link writes a new
+    ``.metadata`` and a small shard (the ``params`` lists, the fresh moments of the unused head), hard-links every
+    original shard, and stock dcp.load + set_optimizer_state_dict resume bit-identically."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tests import dcp_checkpoints as dk
+
+    run = dk.trained("adamw")
+    optimizer = get_optimizer_state_dict(run.model, run.optimizer, options=dk.options(flatten))
+    path = tmp_path / "checkpoint"
+    state = {"model": get_model_state_dict(run.model), "optim": _prefixed(optimizer, "module.", flatten)}
+    save(state, checkpoint_id=path)
+    (found,) = optim_repair.inspect(path).optimizers
+    assert found.model is not None and str(found.model.rename) == "^module\\.="
+    out = tmp_path / "fixed"
+    document = json.loads(run_cli(["fix", path, "--out", out, "--rename", "^module\\.=", "--link", "--json"]).stdout)
+    assert len(document["changed"]) == len(list(run.model.parameters()))
+    assert sorted(a["param"] for a in document["added"]) == sorted(dk.HEAD)
+    shard = "__0_0.distcp"
+    assert (out / shard).stat().st_ino == (path / shard).stat().st_ino, "no shard bytes copied"
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted([*(p.name for p in path.iterdir()), "__optim_repair_0.distcp"])
+    resumed = dk.resume(out, "adamw", "optim", flatten)
+    expected = dk.uninterrupted("adamw")
+    assert all(torch.equal(resumed[name], expected[name]) for name in expected)
+    dcp_to_torch_save(out, tmp_path / "whole.pt")  # torch's own converter reads the renamed planner_data
+    assert optim_repair.inspect(out).verdict == "healthy"
+
+
+def test_a_dcp_parameter_is_dropped_from_state_and_params(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tests import dcp_checkpoints as dk
+
+    built = dk.unirl_dcp(tmp_path / "in")
+    out = tmp_path / "fixed"
+    document = json.loads(run_cli(["fix", built.path, "--out", out, "--drop", "^blocks\\.1\\.", "--json"]).stdout)
+    dropped = sorted(c["old"] for c in document["changed"])
+    assert dropped and all(name.startswith("blocks.1.") for name in dropped)
+    (fixed,) = optim_repair.inspect(out).optimizers
+    assert not any(str(p).startswith("blocks.1.") for p in fixed.optimizer.params) and fixed.missing == ()
+    dcp_to_torch_save(out, tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)["optim"]
+    assert not any(name.startswith("blocks.1.") for name in whole["state"])
+    assert not any(name.startswith("blocks.1.") for name in whole["param_groups"][0]["params"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from optim_repair.discovery import Entry, discover
 from optim_repair.errors import InputError, VerificationError, shown
-from optim_repair.formats.dcp.layout import NewEntry, PlannedEntries, plan_entries
+from optim_repair.formats.dcp.layout import NewEntry, PlannedEntries, Rekeyed, plan_entries
 from optim_repair.formats.dcp.metadata import (
     METADATA_FILE,
     DcpBytes,
@@ -30,13 +30,16 @@ from optim_repair.repair_plan import Addition, FreshTensor
 from optim_repair.verify.files import Verification, same_file
 
 
-def _check_ranges(src: Path, dest: Path, original: DcpMetadata, copy: DcpMetadata) -> int:
-    """Every original entry's bytes, found through the copy's own metadata, are the original's; each pair
-    of shards is opened once and read in offset order (not at all when the copy's is a hard link to it).
-    Returns the bytes proven."""
+def _check_ranges(src: Path, dest: Path, original: DcpMetadata, copy: DcpMetadata, rekeyed: Rekeyed) -> int:
+    """Every original entry's bytes, found through the copy's own metadata under its new key, are the original's
+    (but those of dropped entries and rewritten ``params`` lists); each pair of shards is opened once and read in
+    offset order (not at all when the copy's is a hard link to it). Returns the bytes proven."""
     by_files: dict[tuple[str, str], list[tuple[str, DcpStorage, DcpStorage]]] = {}
     for index, info in original.storage.items():
-        copied = copy.storage.get(index)
+        new = rekeyed.new_key(index[0])
+        if new is None or index[0] in rekeyed.params:
+            continue
+        copied = copy.storage.get((new, index[1]))
         if copied is None or copied.transforms != info.transforms or copied.length != info.length:
             raise VerificationError(f"the bytes of {index[0]} differ from the original's", path=dest)
         by_files.setdefault((info.relative_path, copied.relative_path), []).append((index[0], info, copied))
@@ -70,10 +73,19 @@ def _check_addition(dest: Path, copy: DcpMetadata, entry: NewEntry) -> None:
             raise VerificationError(f"{entry.key} is not a {value.dtype} tensor of shape {value.shape}", path=dest)
         _check_fresh_tensor(dest / info.relative_path, info, value, where)
         return
-    data = dict(read_ranges(dest, {entry.key: info}, str(dest)))[entry.key]
+    _check_saved(dest, copy, entry.key, value)
+
+
+def _check_saved(dest: Path, copy: DcpMetadata, key: str, value: object) -> None:
+    """The bytes entry ``key`` of the copy holds ``value`` (a plain value, or a rewritten ``params`` list)."""
+    info = copy.storage.get((key, None))
+    if info is None or copy.items.get(key) != DcpBytes():
+        raise VerificationError(f"{key} is stored nowhere", path=dest)
+    where = f"{display_path(str(dest), info.relative_path)}:{key}"
+    data = dict(read_ranges(dest, {key: info}, str(dest)))[key]
     saved = read_saved_object(untransform(data, info.transforms, where), where).root
-    if item != DcpBytes() or type(saved) is not type(value) or saved != value:
-        raise VerificationError(f"{entry.key} does not hold {shown(value)}", path=dest)
+    if type(saved) is not type(value) or saved != value:
+        raise VerificationError(f"{key} does not hold {shown(value)}", path=dest)
 
 
 def _check_fresh_tensor(shard: Path, info: DcpStorage, value: FreshTensor, where: str) -> None:
@@ -107,7 +119,7 @@ def verify_dcp(src: Path, dest: Path, additions: Sequence[Addition]) -> Verifica
 def verify_planned_dcp(src: Path, dest: Path, planned: PlannedEntries, members: Sequence[Entry]) -> Verification:
     """``verify_dcp`` for the entries the writer planned and the files discovery listed, found anew by neither."""
     try:
-        verification = _verify_entries(src, dest, planned.original, planned.entries)
+        verification = _verify_entries(src, dest, planned)
         _verify_members(src, dest, planned.original, members)
     except (InputError, OSError) as exc:
         raise VerificationError(f"the copy cannot be read back ({exc})", path=str(dest)) from exc
@@ -136,17 +148,25 @@ def _verify_members(src: Path, dest: Path, original: DcpMetadata, members: Seque
             raise VerificationError(f"differs from {source}", path=target)
 
 
-def _verify_entries(src: Path, dest: Path, original: DcpMetadata, entries: Sequence[NewEntry]) -> Verification:
+def _verify_entries(src: Path, dest: Path, planned: PlannedEntries) -> Verification:
+    original, entries, rekeyed = planned.original, planned.entries, planned.rekeyed
     copy = read_metadata(dest, str(dest), ours=True)
-    expected = set(original.items) | {entry.key for entry in entries}
+    renamed = {key: rekeyed.new_key(key) for key in original.items}
+    expected = {new for new in renamed.values() if new is not None} | {entry.key for entry in entries}
     if set(copy.items) != expected:
         extra, missing = sorted(set(copy.items) - expected), sorted(expected - set(copy.items))
         raise VerificationError(f"the copy's keys differ (unexpected {extra[:3]}, missing {missing[:3]})", path=dest)
     for key, item in original.items.items():
-        if copy.items[key] != item or copy.path_of(key) != original.path_of(key):
+        new = renamed[key]
+        if new is None:
+            continue
+        path = rekeyed.paths[new] if new != key else original.path_of(key)
+        if copy.items[new] != item or copy.path_of(new) != path:
             raise VerificationError(f"the metadata of {key} changed", path=dest)
-    compared = _check_ranges(src, dest, original, copy)
+    compared = _check_ranges(src, dest, original, copy, rekeyed)
     for entry in entries:
         _check_addition(dest, copy, entry)
+    for key, names in rekeyed.params.items():
+        _check_saved(dest, copy, key, names)
     tensors = sum(isinstance(item, DcpTensor) for item in original.items.values())
     return Verification(tensors=tensors, bytes=compared)

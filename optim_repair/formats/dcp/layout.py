@@ -8,14 +8,14 @@ metadata's ``planner_data`` (the original key paths), never by guessing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 from optim_repair.errors import InputError, RepairRefused, shown
 from optim_repair.formats.dcp.metadata import DcpMetadata, DcpTensor, KeyPath
 from optim_repair.inventory import ParamKey, TensorMeta
-from optim_repair.repair_plan import AddedValue, Addition
+from optim_repair.repair_plan import AddedValue, Addition, ParamChange
 
 Layout = Literal["nested", "flattened"]
 _SECTIONS = ("state", "param_groups")
@@ -105,11 +105,80 @@ class NewEntry:
 
 
 @dataclass(frozen=True)
+class Rekeyed:
+    """What renames and drops do to a checkpoint's metadata keys: each changed key's new key (None: dropped),
+    the key paths of the new keys, and the ``params`` lists (nested layout) that are written anew."""
+
+    keys: Mapping[str, str | None] = field(default_factory=dict)
+    paths: Mapping[str, KeyPath] = field(default_factory=dict)
+    params: Mapping[str, list[ParamKey]] = field(default_factory=dict)
+
+    def new_key(self, key: str) -> str | None:
+        return self.keys.get(key, key)
+
+
+@dataclass(frozen=True)
 class PlannedEntries:
     """A plan's additions to one DCP checkpoint as new metadata entries, computed once for writer and verifier."""
 
     original: DcpMetadata
     entries: tuple[NewEntry, ...]
+    rekeyed: Rekeyed = field(default_factory=Rekeyed)
+
+    @property
+    def rewrites_metadata(self) -> bool:
+        """Whether the copy gets a new ``.metadata`` (else the original's is copied as it is)."""
+        return bool(self.entries or self.rekeyed.keys or self.rekeyed.params)
+
+
+def _param_of(flat: str, names: Collection[ParamKey]) -> str | None:
+    """The longest parameter name ``flat`` (``<name>.<key>``) starts with, followed by a dot."""
+    end = len(flat)
+    while (end := flat.rfind(".", 0, end)) > 0:
+        if flat[:end] in names:
+            return flat[:end]
+    return None
+
+
+def rekey(
+    meta: DcpMetadata,
+    changes: Sequence[ParamChange],
+    groups: Mapping[KeyPath, Sequence[Sequence[ParamKey]]],
+    source: str,
+) -> Rekeyed:
+    """The metadata keys ``changes`` rename or drop, in each optimizer's layout; ``groups`` holds each changed
+    optimizer's ``params`` lists, by its address, as reading found them."""
+    keys: dict[str, str | None] = {}
+    paths: dict[str, KeyPath] = {}
+    params: dict[str, list[ParamKey]] = {}
+    for optimizer in find_optimizers(meta, source):
+        mapping = {change.old: change.new for change in changes if change.address == optimizer.root}
+        if not mapping:
+            continue
+        lists = groups[optimizer.root]
+        names = {param for group in lists for param in group}
+        for slot in optimizer.slots:
+            if optimizer.layout == "nested" and slot.section == "param_groups":
+                index = slot.rest[0]
+                if dotted(slot.rest[1:]) == "params" and isinstance(index, int) and index < len(lists):
+                    kept = [new for new in (mapping.get(p, p) for p in lists[index]) if new is not None]
+                    if kept != list(lists[index]):
+                        params[slot.key] = kept
+                continue
+            name = slot.rest[0] if optimizer.layout == "nested" else _param_of(slot.flat, names)
+            if name not in mapping:
+                continue
+            new = mapping[name]
+            if new is None:
+                keys[slot.key] = None
+                continue
+            if optimizer.layout == "nested":
+                path: KeyPath = (*slot.root, slot.section, new, *slot.rest[1:])
+            else:
+                path = (*slot.root, f"{slot.section}.{new}{slot.flat[len(str(name)) :]}", *slot.rest)
+            keys[slot.key] = dotted(path)
+            paths[dotted(path)] = path
+    return Rekeyed(keys, paths, params)
 
 
 def plan_entries(meta: DcpMetadata, additions: Sequence[Addition], source: str) -> PlannedEntries:

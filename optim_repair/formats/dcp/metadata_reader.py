@@ -39,7 +39,11 @@ class MetadataRecord:
     state: Any = None
 
     def __setstate__(self, state: Any) -> None:
-        self.state = state
+        # As pickle's BUILD treats an object without __setstate__: a dict state updates the one it has.
+        if isinstance(state, dict) and isinstance(self.state, dict):
+            self.state = {**self.state, **state}
+        else:
+            self.state = state
 
 
 def _record_class(kind: str) -> type[MetadataRecord]:
@@ -292,3 +296,42 @@ def _extensible(data: bytes, unpickler: AllowlistUnpickler, root: MetadataRecord
         return None
     described, planner, stored = (found[table] for table in tables)
     return MetadataPickle(data, end, (described, planner, stored))
+
+
+@dataclass(frozen=True)
+class MemoObjects:
+    """Where the unpickler's memo holds a ``.metadata``'s objects: the ``Metadata`` itself, each entry's
+    description, each key path, and each storage entry's ``MetadataIndex`` (with its fields) and ``_StorageInfo``,
+    in the pickle's order, for a writer that rebuilds the tables from references to them."""
+
+    root: int
+    items: dict[str, int]
+    paths: dict[str, int]
+    storage: list[tuple[str, tuple[int, ...] | None, Any, int, int]]
+    """(fqn, chunk offsets, ``index`` field, memo index of the ``MetadataIndex``, of the ``_StorageInfo``)."""
+
+
+def memo_objects(pickled: MetadataPickle, source: str) -> MemoObjects:
+    """The memo indices of ``pickled``'s objects, from unpickling it again (it was checked when it was read)."""
+    unpickler = _unpickler(pickled.data, source)
+    root = unpickler.load_safely("DCP metadata pickle", ours=True)
+    where = {id(value): index for index, value in unpickler.memo.copy().items()}
+    fields = root.state
+
+    def index_of(value: Any) -> int:
+        if id(value) not in where:
+            raise InputError("its pickle does not keep every metadata object in its memo", path=source)
+        return where[id(value)]
+
+    storage = []
+    for key_record, info in fields["storage_data"].items():
+        state = key_record.state or {}
+        offset = state.get("offset")
+        offsets = None if offset is None else _int_tuple(offset, "a chunk offset", source)
+        storage.append((str(state.get("fqn")), offsets, state.get("index"), index_of(key_record), index_of(info)))
+    return MemoObjects(
+        index_of(root),
+        {key: index_of(value) for key, value in fields["state_dict_metadata"].items()},
+        {key: index_of(value) for key, value in fields["planner_data"].items()},
+        storage,
+    )

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import pickle
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
-from optim_repair.formats.dcp.layout import NewEntry
+from optim_repair.formats.dcp.layout import NewEntry, Rekeyed
 from optim_repair.formats.dcp.metadata import MetadataPickle
+from optim_repair.formats.dcp.metadata_reader import MemoObjects
 from optim_repair.repair_plan import FreshTensor
 
 _METADATA = "torch.distributed.checkpoint.metadata"
@@ -24,6 +26,8 @@ _CONTIGUOUS = 0
 """``_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT``: every fresh tensor is contiguous."""
 
 Field = Callable[[], None] | str | int | None
+Place = tuple[str, int, int]
+"""Where an entry's bytes are: its shard, offset and length."""
 """A dataclass field's value: text, an integer, None, or a function that emits it."""
 
 
@@ -128,46 +132,142 @@ def _storage_index(ops: _Ops, entry: NewEntry) -> None:
         ops.fields([("fqn", entry.key), ("offset", None), ("index", None)])
 
 
-def _batched(ops: _Ops, table: int, entries: Sequence[NewEntry], item: Callable[[NewEntry], None]) -> None:
-    """Fetch the memoized dict ``table`` and set one item per entry, ``_BATCH`` per SETITEMS."""
-    for start in range(0, len(entries), _BATCH):
-        ops.get(table)
-        ops.op(pickle.MARK)
-        for entry in entries[start : start + _BATCH]:
-            item(entry)
-        ops.op(pickle.SETITEMS)
+class _Batches:
+    """Items set on the dict on the stack, ``_BATCH`` per MARK ... SETITEMS, as the pickler batches them."""
+
+    def __init__(self, ops: _Ops) -> None:
+        self.ops = ops
+        self.count = 0
+
+    def item(self) -> None:
+        """Call before the key and value of each item."""
+        if self.count % _BATCH == 0:
+            if self.count:
+                self.ops.op(pickle.SETITEMS)
+            self.ops.op(pickle.MARK)
+        self.count += 1
+
+    def close(self) -> None:
+        if self.count:
+            self.ops.op(pickle.SETITEMS)
 
 
-def extended_metadata(
-    original: MetadataPickle, entries: Sequence[NewEntry], placed: Sequence[tuple[str, int, int]]
+def rebuilt_metadata(
+    original: MetadataPickle,
+    objects: MemoObjects,
+    rekeyed: Rekeyed,
+    entries: Sequence[NewEntry],
+    placed: Mapping[str, Place],
 ) -> bytes:
-    """The original ``.metadata`` with ``entries`` added; ``placed`` holds each entry's shard, offset and length."""
+    """The original ``.metadata`` with its three tables rebuilt: every kept entry a reference to the original's
+    own object (renamed keys get a new key path and ``MetadataIndex``), dropped entries left out, rewritten
+    ``params`` lists and ``entries`` stored where ``placed`` says (shard, offset, length, by key), and the
+    ``Metadata`` given the new tables by BUILD."""
+    ops = _Ops()
+    ops.get(objects.root)
+    ops.op(pickle.EMPTY_DICT + pickle.MARK)
+    ops.text("state_dict_metadata")
+    ops.op(pickle.EMPTY_DICT)
+    batches = _Batches(ops)
+    for key, memo in objects.items.items():
+        new = rekeyed.new_key(key)
+        if new is not None:
+            batches.item()
+            ops.text(new)
+            ops.get(memo)
+    for entry in entries:
+        batches.item()
+        ops.text(entry.key)
+        _description(ops, entry)
+    batches.close()
+    ops.text("planner_data")
+    ops.op(pickle.EMPTY_DICT)
+    batches = _Batches(ops)
+    for key, memo in objects.paths.items():
+        new = rekeyed.new_key(key)
+        if new is not None:
+            batches.item()
+            ops.text(new)
+            if new == key:
+                ops.get(memo)
+            else:
+                _path(ops, rekeyed.paths[new])
+    for entry in entries:
+        batches.item()
+        ops.text(entry.key)
+        _path(ops, entry.path)
+    batches.close()
+    ops.text("storage_data")
+    ops.op(pickle.EMPTY_DICT)
+    batches = _Batches(ops)
+    for fqn, offsets, chunk_index, key_memo, info_memo in objects.storage:
+        new = rekeyed.new_key(fqn)
+        if new is None:
+            continue
+        batches.item()
+        if fqn in rekeyed.params:  # a params list written anew, into the new shard
+            ops.get(key_memo)
+            _info(ops, placed[fqn])
+        elif new != fqn:
+            _index(ops, new, offsets, chunk_index)
+            ops.get(info_memo)
+        else:
+            ops.get(key_memo)
+            ops.get(info_memo)
+    for entry in entries:
+        batches.item()
+        _storage_index(ops, entry)
+        _info(ops, placed[entry.key])
+    batches.close()
+    ops.op(pickle.SETITEMS + pickle.BUILD)
+    return original.data[: original.end - 1] + pickle.MARK + bytes(ops.out) + pickle.POP_MARK + pickle.STOP
+
+
+def _description(ops: _Ops, entry: NewEntry) -> None:
+    if isinstance(entry.value, FreshTensor):
+        _tensor_metadata(ops, entry.value)
+    else:
+        ops.new(_METADATA, "BytesStorageMetadata")
+
+
+def _path(ops: _Ops, path: Sequence[str | int]) -> None:
+    ops.op(pickle.MARK)
+    for part in path:
+        ops.key_part(part)
+    ops.op(pickle.TUPLE)
+
+
+def _index(ops: _Ops, fqn: str, offsets: Sequence[int] | None, chunk_index: Any) -> None:
+    """A ``MetadataIndex`` for the key ``fqn`` (a renamed entry's), with the original's offsets and index."""
+    ops.new(_METADATA, "MetadataIndex")
+    offset: Field = None if offsets is None else (lambda: ops.size(offsets))
+    ops.fields([("fqn", fqn), ("offset", offset), ("index", chunk_index if isinstance(chunk_index, int) else None)])
+
+
+def _info(ops: _Ops, place: Place) -> None:
+    shard, offset, length = place
+    ops.new("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+    ops.fields([("relative_path", shard), ("offset", offset), ("length", length)])
+
+
+def extended_metadata(original: MetadataPickle, entries: Sequence[NewEntry], placed: Mapping[str, Place]) -> bytes:
+    """The original ``.metadata`` with ``entries`` added to its tables; ``placed`` holds each entry's shard,
+    offset and length, by key."""
     described, planner, stored = original.tables
     ops = _Ops()
-
-    def describe(entry: NewEntry) -> None:
-        ops.text(entry.key)
-        if isinstance(entry.value, FreshTensor):
-            _tensor_metadata(ops, entry.value)
-        else:
-            ops.new(_METADATA, "BytesStorageMetadata")
-
-    def path(entry: NewEntry) -> None:
-        ops.text(entry.key)
-        ops.op(pickle.MARK)
-        for part in entry.path:
-            ops.key_part(part)
-        ops.op(pickle.TUPLE)
-
-    where = {entry.key: place for entry, place in zip(entries, placed, strict=True)}
-
-    def storage(entry: NewEntry) -> None:
-        _storage_index(ops, entry)
-        shard, offset, length = where[entry.key]
-        ops.new("torch.distributed.checkpoint.filesystem", "_StorageInfo")
-        ops.fields([("relative_path", shard), ("offset", offset), ("length", length)])
-
-    _batched(ops, described, entries, describe)
-    _batched(ops, planner, entries, path)
-    _batched(ops, stored, entries, storage)
+    for table, section in ((described, 0), (planner, 1), (stored, 2)):
+        ops.get(table)
+        batches = _Batches(ops)
+        for entry in entries:
+            batches.item()
+            if section == 2:
+                _storage_index(ops, entry)
+                _info(ops, placed[entry.key])
+                continue
+            ops.text(entry.key)
+            if section == 0:
+                _description(ops, entry)
+            else:
+                _path(ops, entry.path)
+        batches.close()
     return original.data[: original.end - 1] + pickle.MARK + bytes(ops.out) + pickle.POP_MARK + pickle.STOP

@@ -8,19 +8,21 @@ which follows the discovery list), and gains one shard holding the new entries a
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from optim_repair.dtypes import numel
 from optim_repair.errors import InputError, OutputError
-from optim_repair.formats.dcp.layout import PlannedEntries, plan_entries
-from optim_repair.formats.dcp.metadata import METADATA_FILE, SHARD_SUFFIX, DcpMetadata, display_path
-from optim_repair.formats.dcp.metadata_reader import read_metadata
-from optim_repair.formats.dcp.metadata_writer import extended_metadata
+from optim_repair.formats.dcp.layout import PlannedEntries, plan_entries, rekey
+from optim_repair.formats.dcp.metadata import METADATA_FILE, SHARD_SUFFIX, DcpMetadata, KeyPath, display_path
+from optim_repair.formats.dcp.metadata_reader import memo_objects, read_metadata
+from optim_repair.formats.dcp.metadata_writer import Place, extended_metadata, rebuilt_metadata
 from optim_repair.formats.pickled import dump_graph, new_tensor, storage_for
 from optim_repair.formats.ranges import write_all
 from optim_repair.formats.torchfile.zipwriter import ZipWriter
-from optim_repair.repair_plan import AddedValue, Addition, FreshTensor
+from optim_repair.inventory import ParamKey
+from optim_repair.repair_plan import AddedValue, Addition, FreshTensor, ParamChange
 
 
 def _shard_name(src: Path) -> str:
@@ -65,18 +67,26 @@ def write_dcp(
     *,
     sync: bool = True,
     original: DcpMetadata | None = None,
+    changes: Sequence[ParamChange] = (),
+    groups: Mapping[KeyPath, Sequence[Sequence[ParamKey]]] | None = None,
 ) -> PlannedEntries:
-    """Write into the directory ``dest`` the shard and ``.metadata`` that add ``additions`` to ``src``.
+    """Write into the directory ``dest`` the shard and ``.metadata`` that rename and drop ``changes`` and add
+    ``additions`` to ``src``.
 
-    Writes nothing when there is nothing to add; every original file but ``.metadata`` is the
-    caller's to copy. The new ``.metadata`` is the original pickle, as the safe reader checked it,
-    extended by the new entries (``metadata_writer``). Returns the planned entries, for verification.
-    With ``sync``, what it writes is synced to the disk. ``original`` is ``src``'s metadata as reading
-    already read it.
+    Writes nothing when there is nothing to change; every original file but ``.metadata`` is the caller's
+    to copy: renames and drops rewrite no shard. The new ``.metadata`` is the original pickle, as the safe
+    reader checked it, extended by the new entries, or (with changes) with its tables rebuilt from
+    references to its own objects (``metadata_writer``); rewritten ``params`` lists and new entries go to
+    one new shard. ``groups`` holds the ``params`` lists of each changed optimizer, by address, as reading
+    found them. Returns the planned entries, for verification. With ``sync``, what it writes is synced to
+    the disk. ``original`` is ``src``'s metadata as reading already read it.
     """
     source = display_path(str(src), METADATA_FILE)
-    planned = plan_entries(original or read_metadata(src, str(src)), additions, source)
-    if planned.entries:
+    meta = original or read_metadata(src, str(src))
+    planned = plan_entries(meta, additions, source)
+    if changes:
+        planned = replace(planned, rekeyed=rekey(meta, changes, groups or {}, source))
+    if planned.entries or changes:
         _write_entries(src, planned, dest, source, sync=sync)
     return planned
 
@@ -91,22 +101,30 @@ def _write_entries(src: Path, planned: PlannedEntries, dest: Path, source: str, 
             path=source,
         )
     shard = _shard_name(src)
-    placed: list[tuple[str, int, int]] = []
+    placed: dict[str, Place] = {}
+    rekeyed = planned.rekeyed
+    values: list[tuple[str, AddedValue]] = [(entry.key, entry.value) for entry in planned.entries]
+    values += [(key, names) for key, names in rekeyed.params.items()]  # type: ignore[misc]
     try:
         descriptor = os.open(dest / shard, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
             position = 0
-            for entry in planned.entries:
-                length = _write_value(descriptor, position, entry.value)
-                placed.append((shard, position, length))
+            for key, value in values:
+                length = _write_value(descriptor, position, value)
+                placed[key] = (shard, position, length)
                 position += length
             if sync:
                 os.fsync(descriptor)
         finally:
             os.close(descriptor)
+        if rekeyed.keys or rekeyed.params:
+            objects = memo_objects(extensible, source)
+            data = rebuilt_metadata(extensible, objects, rekeyed, planned.entries, placed)
+        else:
+            data = extended_metadata(extensible, planned.entries, placed)
         descriptor = os.open(dest / METADATA_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
-            write_all(descriptor, extended_metadata(extensible, planned.entries, placed), 0)
+            write_all(descriptor, data, 0)
             if sync:
                 os.fsync(descriptor)
         finally:
