@@ -172,8 +172,6 @@ def plan_repair(
         opt, joined = original, {}
         if operations:
             where = f"{original.optimizer.file or diagnosis.inventory.path}:{original.optimizer.location or '<root>'}"
-            if file.format == "dcp" and operations.add_from_model:
-                raise RepairRefused(f"{where}: adding the model's parameters to a DCP checkpoint is not supported yet")
             model = tuple(model_weights) or model_of(original.optimizer, (*file.weights, *diagnosis.inventory.weights))
             applied = apply_operations(original.optimizer, operations, model, where)
             opt = diagnose_optimizer(applied.optimizer, model, original.loader)

@@ -278,3 +278,29 @@ def test_a_dcp_parameter_is_dropped_from_state_and_params(tmp_path: Path) -> Non
     whole = torch.load(tmp_path / "whole.pt", weights_only=True)["optim"]
     assert not any(name.startswith("blocks.1.") for name in whole["state"])
     assert not any(name.startswith("blocks.1.") for name in whole["param_groups"][0]["params"])
+
+
+def test_a_layer_unfrozen_between_runs_joins_a_dcp_checkpoint(tmp_path: Path) -> None:
+    """FSDP2-style DCP: the head was frozen (in no group) and is unfrozen into group 0; against the run that never
+    stopped and appends it to group 0 at the same step."""
+    from torch.distributed.checkpoint import save
+
+    from tests import dcp_checkpoints as dk
+
+    model = dk.DeepNet()
+    model.head.requires_grad_(False)
+    opt = make_optimizer(model, "adamw")
+    train(model, opt, dk.PRE_STEPS, use_all=True)
+    path = tmp_path / "checkpoint"
+    save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    model.head.requires_grad_(True)
+    opt.param_groups[0]["params"].extend(model.head.parameters())
+    train(model, opt, dk.POST_STEPS, use_all=True, seed=1)
+    expected = _params(model)
+
+    out = tmp_path / "fixed"
+    document = json.loads(run_cli(["fix", path, "--out", out, "--add-from-model", "--json"]).stdout)
+    assert document["fill"] == "fresh" and sorted(a["param"] for a in document["added"]) == sorted(dk.HEAD)
+    assert {a["group"] for a in document["added"]} == {0}
+    resumed = dk.resume(out, "adamw", "optim", False)
+    assert all(torch.equal(resumed[name], expected[name]) for name in expected)

@@ -145,15 +145,18 @@ def rekey(
     changes: Sequence[ParamChange],
     groups: Mapping[KeyPath, Sequence[Sequence[ParamKey]]],
     source: str,
+    joined: Sequence[Addition] = (),
 ) -> Rekeyed:
-    """The metadata keys ``changes`` rename or drop, in each optimizer's layout; ``groups`` holds each changed
-    optimizer's ``params`` lists, by its address, as reading found them."""
+    """The metadata keys ``changes`` rename or drop, in each optimizer's layout, and the ``params`` lists they and
+    the parameters that ``joined`` a group change; ``groups`` holds each changed optimizer's ``params`` lists, by
+    its address, as reading found them."""
     keys: dict[str, str | None] = {}
     paths: dict[str, KeyPath] = {}
     params: dict[str, list[ParamKey]] = {}
     for optimizer in find_optimizers(meta, source):
         mapping = {change.old: change.new for change in changes if change.address == optimizer.root}
-        if not mapping:
+        joining = [addition for addition in joined if addition.address == optimizer.root]
+        if not mapping and not joining:
             continue
         lists = groups[optimizer.root]
         names = {param for group in lists for param in group}
@@ -162,6 +165,7 @@ def rekey(
                 index = slot.rest[0]
                 if dotted(slot.rest[1:]) == "params" and isinstance(index, int) and index < len(lists):
                     kept = [new for new in (mapping.get(p, p) for p in lists[index]) if new is not None]
+                    kept += [addition.param for addition in joining if addition.group == index]
                     if kept != list(lists[index]):
                         params[slot.key] = kept
                 continue

@@ -84,8 +84,9 @@ def write_dcp(
     source = display_path(str(src), METADATA_FILE)
     meta = original or read_metadata(src, str(src))
     planned = plan_entries(meta, additions, source)
-    if changes:
-        planned = replace(planned, rekeyed=rekey(meta, changes, groups or {}, source))
+    joined = [addition for addition in additions if addition.group is not None]
+    if changes or joined:
+        planned = replace(planned, rekeyed=rekey(meta, changes, groups or {}, source, joined))
     if planned.entries or changes:
         _write_entries(src, planned, dest, source, sync=sync)
     return planned
