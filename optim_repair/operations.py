@@ -91,8 +91,6 @@ def apply_operations(
             "(optimizer.state_dict()), which name no parameter, so which index is which model parameter cannot "
             "be told from the checkpoint"
         )
-    if operations.add_from_model and optimizer.layout == "flattened":
-        raise RepairRefused(f"{where}: adding parameters to a flattened optimizer state dict is not supported")
     names = [str(param) for param in dict.fromkeys(optimizer.params)]
     renamed = _renamed(names, operations.renames, where)
     dropped: set[str] = set()

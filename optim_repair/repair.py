@@ -9,7 +9,7 @@ from optim_repair.comparison import model_of
 from optim_repair.diagnose import Diagnosis, OptimizerDiagnosis, diagnose_optimizer
 from optim_repair.errors import Remedy, RepairRefused, UsageError, shown
 from optim_repair.identify import identify_optimizer
-from optim_repair.inventory import ParamKey, TensorMeta, WeightMap
+from optim_repair.inventory import OptimizerInventory, ParamKey, TensorMeta, WeightMap
 from optim_repair.operations import NO_OPERATIONS, Operations, apply_operations
 from optim_repair.optimizers import OPTIMIZERS, PARAM_SHAPED_KEYS, ParamSpec, fresh_state
 from optim_repair.repair_plan import Addition, Fill, FilledOptimizer, ParamChange, PlanFill, RepairPlan
@@ -127,6 +127,17 @@ def _fresh_additions(
     return chosen, additions
 
 
+def _group_members(optimizer: OptimizerInventory, joined: dict[ParamKey, int]) -> dict[ParamKey, ParamKey]:
+    """For each parameter joining a group: a parameter already in it, whose hyperparameters it takes."""
+    members = {}
+    for param, group in joined.items():
+        listed = [member for member in optimizer.groups[group].params if member not in joined]
+        if not listed:
+            raise RepairRefused(f"param group {group} lists no parameter whose hyperparameters an added one could take")
+        members[param] = listed[0]
+    return members
+
+
 def _check_arguments(fill: str | None, optimizer: str | None) -> None:
     if fill is not None and fill not in ("empty", "fresh"):
         raise UsageError(f"fill must be 'empty' or 'fresh', not {shown(fill)}")
@@ -195,6 +206,7 @@ def plan_repair(
                 remedy=Remedy("fill", "fresh", note=", the default for it"),
             )
         fills.add(chosen)
+        like = _group_members(inv, joined) if inv.layout == "flattened" else {}
         if chosen == "empty":
             additions.extend(
                 Addition(inv.file, inv.location, inv.address, param, (), group=joined.get(param))
@@ -206,7 +218,9 @@ def plan_repair(
         weights = tuple(model_weights) or (*file.weights, *diagnosis.inventory.weights)
         kind, fresh = _fresh_additions(opt, optimizer, weights, where, stores_empty=stores_empty, reset=reset)
         kinds.append(FilledOptimizer(inv.file, inv.location, kind))
-        additions.extend(replace(addition, group=joined.get(addition.param)) for addition in fresh)
+        additions.extend(
+            replace(addition, group=joined.get(addition.param), like=like.get(addition.param)) for addition in fresh
+        )
     described: PlanFill = fill or default_fill(diagnosis.inventory.format)
     if fill is None and fills:
         described = fills.pop() if len(fills) == 1 else "mixed"

@@ -54,6 +54,9 @@ class Addition:
     group: int | None = None
     """For a parameter in no param group (``fix --add-from-model``): the group it joins, at the end of its
     ``params``; None for a parameter a group already lists."""
+    like: ParamKey | None = None
+    """For a parameter joining a group of a flattened state dict, which repeats the group's hyperparameters for
+    each parameter: a parameter of that group, whose hyperparameters it takes."""
 
     @property
     def keys(self) -> tuple[str, ...]:

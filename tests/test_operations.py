@@ -304,3 +304,45 @@ def test_a_layer_unfrozen_between_runs_joins_a_dcp_checkpoint(tmp_path: Path) ->
     assert {a["group"] for a in document["added"]} == {0}
     resumed = dk.resume(out, "adamw", "optim", False)
     assert all(torch.equal(resumed[name], expected[name]) for name in expected)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "dcp"])
+def test_a_layer_joins_a_flattened_optimizer_with_its_groups_hyperparameters(tmp_path: Path, fmt: str) -> None:
+    """torchtitan-style flattened state (``param_groups.<name>.<hp>`` for every parameter): the unfrozen head takes
+    the hyperparameters of a member of group 0, and resumes as in the run that never stopped."""
+    from torch.distributed.checkpoint import save
+
+    from tests import dcp_checkpoints as dk
+
+    model = dk.DeepNet()
+    model.head.requires_grad_(False)
+    opt = make_optimizer(model, "adamw")
+    train(model, opt, dk.PRE_STEPS, use_all=True)
+    state = {"model": get_model_state_dict(model),
+             "optim": get_optimizer_state_dict(model, opt, options=dk.options(True))}  # fmt: skip
+    path = tmp_path / ("checkpoint" if fmt == "dcp" else "checkpoint.pt")
+    if fmt == "dcp":
+        save(state, checkpoint_id=path)
+    else:
+        torch.save(state, path)
+    model.head.requires_grad_(True)
+    opt.param_groups[0]["params"].extend(model.head.parameters())
+    train(model, opt, dk.POST_STEPS, use_all=True, seed=1)
+    expected = _params(model)
+
+    out = tmp_path / ("fixed" if fmt == "dcp" else "fixed.pt")
+    document = json.loads(run_cli(["fix", path, "--out", out, "--add-from-model", "--fill", "fresh", "--json"]).stdout)
+    assert sorted(a["param"] for a in document["added"]) == sorted(dk.HEAD)
+    if fmt == "dcp":
+        resumed = dk.resume(out, "adamw", "optim", True)
+    else:
+        saved = torch.load(out, weights_only=True)
+        flat = saved["optim"]
+        assert flat["param_groups.head.proj.bias.lr"] == flat["param_groups.blocks.0.attn.to_q.weight.lr"]
+        resumed_model = dk.DeepNet(seed=7)
+        resumed_opt = make_optimizer(resumed_model, "adamw")
+        set_model_state_dict(resumed_model, saved["model"])
+        set_optimizer_state_dict(resumed_model, resumed_opt, saved["optim"], options=dk.options(True))
+        train(resumed_model, resumed_opt, dk.POST_STEPS, use_all=True, seed=1)
+        resumed = _params(resumed_model)
+    assert all(torch.equal(resumed[name], expected[name]) for name in expected)

@@ -153,6 +153,7 @@ def _verify_entries(src: Path, dest: Path, planned: PlannedEntries) -> Verificat
     copy = read_metadata(dest, str(dest), ours=True)
     renamed = {key: rekeyed.new_key(key) for key in original.items}
     expected = {new for new in renamed.values() if new is not None} | {entry.key for entry in entries}
+    expected |= set(rekeyed.aliases)
     if set(copy.items) != expected:
         extra, missing = sorted(set(copy.items) - expected), sorted(expected - set(copy.items))
         raise VerificationError(f"the copy's keys differ (unexpected {extra[:3]}, missing {missing[:3]})", path=dest)
@@ -168,5 +169,9 @@ def _verify_entries(src: Path, dest: Path, planned: PlannedEntries) -> Verificat
         _check_addition(dest, copy, entry)
     for key, names in rekeyed.params.items():
         _check_saved(dest, copy, key, names)
+    for alias, (shared, path) in rekeyed.aliases.items():
+        same_bytes = copy.storage.get((alias, None)) == original.storage.get((shared, None))
+        if copy.items[alias] != original.items[shared] or copy.path_of(alias) != path or not same_bytes:
+            raise VerificationError(f"{alias} does not share the bytes of {shared}", path=dest)
     tensors = sum(isinstance(item, DcpTensor) for item in original.items.values())
     return Verification(tensors=tensors, bytes=compared)

@@ -147,13 +147,25 @@ class _GraphComparison:
             new = _renamed(mapping, name)
             if new is not None:
                 renamed[key] = f"{section}{new}.{leaf}"
-        planned = [f"state.{x.param}.{k}" for x in additions for k in x.keys]
-        expected = list(renamed.values()) + [key for key in planned if key not in renamed.values()]
+        planned: list[str] = []  # in the writer's order: each addition's state keys, then its hyperparameters
+        copied: dict[str, Any] = {}  # a joining parameter's hyperparameters: its group member's, as they were
+        for x in additions:
+            planned += [f"state.{x.param}.{k}" for k in x.keys]
+            if x.like is not None:
+                prefix = f"param_groups.{x.like}."
+                for key, new in renamed.items():
+                    if new.startswith(prefix) and "." not in new[len(prefix) :]:
+                        copied[f"param_groups.{x.param}.{new[len(prefix) :]}"] = key
+                        planned.append(f"param_groups.{x.param}.{new[len(prefix) :]}")
+        kept = set(renamed.values())
+        expected = list(renamed.values()) + [key for key in planned if key not in kept]
         if list(b) != expected:
             self.fail(path, f"keys {shown(list(a))} became {shown(list(b))}")
         for key, new in renamed.items():
             if new not in planned:
                 self.same(a[key], b[new], (*path, new))
+        for new, key in copied.items():
+            self.same(a[key], b[new], (*path, new))
 
 
 def _renamed(mapping: dict[Any, Any], name: Any) -> Any:

@@ -112,6 +112,9 @@ class Rekeyed:
     keys: Mapping[str, str | None] = field(default_factory=dict)
     paths: Mapping[str, KeyPath] = field(default_factory=dict)
     params: Mapping[str, list[ParamKey]] = field(default_factory=dict)
+    aliases: Mapping[str, tuple[str, KeyPath]] = field(default_factory=dict)
+    """New keys that hold an existing entry's bytes, by the key they share them with, and their key paths: the
+    hyperparameters a flattened layout repeats for a parameter that joins a group."""
 
     def new_key(self, key: str) -> str | None:
         return self.keys.get(key, key)
@@ -128,7 +131,7 @@ class PlannedEntries:
     @property
     def rewrites_metadata(self) -> bool:
         """Whether the copy gets a new ``.metadata`` (else the original's is copied as it is)."""
-        return bool(self.entries or self.rekeyed.keys or self.rekeyed.params)
+        return bool(self.entries or self.rekeyed.keys or self.rekeyed.params or self.rekeyed.aliases)
 
 
 def _param_of(flat: str, names: Collection[ParamKey]) -> str | None:
@@ -153,6 +156,7 @@ def rekey(
     keys: dict[str, str | None] = {}
     paths: dict[str, KeyPath] = {}
     params: dict[str, list[ParamKey]] = {}
+    aliases: dict[str, tuple[str, KeyPath]] = {}
     for optimizer in find_optimizers(meta, source):
         mapping = {change.old: change.new for change in changes if change.address == optimizer.root}
         joining = [addition for addition in joined if addition.address == optimizer.root]
@@ -170,6 +174,14 @@ def rekey(
                         params[slot.key] = kept
                 continue
             name = slot.rest[0] if optimizer.layout == "nested" else _param_of(slot.flat, names)
+            if name is None:
+                continue
+            now = mapping.get(name, name)
+            for addition in joining:  # flattened: a joining parameter repeats its group member's hyperparameters
+                if slot.section == "param_groups" and addition.like is not None and now == addition.like:
+                    flat = f"param_groups.{addition.param}{slot.flat[len(str(name)) :]}"
+                    alias: KeyPath = (*slot.root, flat, *slot.rest)
+                    aliases[dotted(alias)] = (slot.key, alias)
             if name not in mapping:
                 continue
             new = mapping[name]
@@ -182,7 +194,7 @@ def rekey(
                 path = (*slot.root, f"{slot.section}.{new}{slot.flat[len(str(name)) :]}", *slot.rest)
             keys[slot.key] = dotted(path)
             paths[dotted(path)] = path
-    return Rekeyed(keys, paths, params)
+    return Rekeyed(keys, paths, params, aliases)
 
 
 def plan_entries(meta: DcpMetadata, additions: Sequence[Addition], source: str) -> PlannedEntries:

@@ -175,6 +175,10 @@ def rebuilt_metadata(
             batches.item()
             ops.text(new)
             ops.get(memo)
+    for alias, (source, _) in rekeyed.aliases.items():
+        batches.item()
+        ops.text(alias)
+        ops.get(objects.items[source])
     for entry in entries:
         batches.item()
         ops.text(entry.key)
@@ -192,6 +196,10 @@ def rebuilt_metadata(
                 ops.get(memo)
             else:
                 _path(ops, rekeyed.paths[new])
+    for alias, (_, path) in rekeyed.aliases.items():
+        batches.item()
+        ops.text(alias)
+        _path(ops, path)
     for entry in entries:
         batches.item()
         ops.text(entry.key)
@@ -214,6 +222,12 @@ def rebuilt_metadata(
         else:
             ops.get(key_memo)
             ops.get(info_memo)
+    by_key = {fqn: (offsets, chunk_index, info_memo) for fqn, offsets, chunk_index, _, info_memo in objects.storage}
+    for alias, (source, _) in rekeyed.aliases.items():
+        offsets, chunk_index, info_memo = by_key[source]
+        batches.item()
+        _index(ops, alias, offsets, chunk_index)
+        ops.get(info_memo)
     for entry in entries:
         batches.item()
         _storage_index(ops, entry)

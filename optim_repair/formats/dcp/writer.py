@@ -118,7 +118,7 @@ def _write_entries(src: Path, planned: PlannedEntries, dest: Path, source: str, 
                 os.fsync(descriptor)
         finally:
             os.close(descriptor)
-        if rekeyed.keys or rekeyed.params:
+        if rekeyed.keys or rekeyed.params or rekeyed.aliases:
             objects = memo_objects(extensible, source)
             data = rebuilt_metadata(extensible, objects, rekeyed, planned.entries, placed)
         else:

@@ -113,7 +113,16 @@ def _add_entries(torch_file: TorchFile, additions: Sequence[Addition], src: Path
                 container[keys[0]] = entry
             else:
                 container.update(zip(keys, entry.values(), strict=True))
-            if addition.group is not None:  # a parameter in no group: the group's params list is a new one
+            if addition.like is not None:  # flattened: the group's hyperparameters, repeated for the new parameter
+                prefix = f"param_groups.{addition.like}."
+                container.update(
+                    {
+                        f"param_groups.{addition.param}.{key[len(prefix) :]}": value
+                        for key, value in list(container.items())
+                        if key.startswith(prefix) and "." not in key[len(prefix) :]
+                    }
+                )
+            elif addition.group is not None:  # a parameter in no group: the group's params list is a new one
                 optimizer["param_groups"][addition.group]["params"].append(addition.param)
     return created
 
