@@ -8,11 +8,13 @@ fills like any other.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from optim_repair.errors import Remedy, RepairRefused, UsageError, shown
-from optim_repair.inventory import OptimizerInventory, ParamGroup, ParamKey, WeightMap
+from optim_repair.inventory import OptimizerInventory, ParamGroup, ParamKey, TensorMeta, WeightMap
+from optim_repair.optimizers import PARAM_SHAPED_KEYS
 from optim_repair.repair_plan import ParamChange
 
 
@@ -84,13 +86,9 @@ def apply_operations(
     optimizer: OptimizerInventory, operations: Operations, model: Sequence[WeightMap], where: str
 ) -> Applied:
     """``optimizer`` renamed, pruned and extended as ``operations`` ask; refused with the reason when they cannot
-    be applied (index keys name no parameter; a rename that matches nothing or merges two names)."""
+    be applied (a rename that matches nothing or merges two names; what indices cannot say)."""
     if optimizer.key_style == "index":
-        raise RepairRefused(
-            f"{where}: renames, drops and additions need parameter names; this optimizer is keyed by indices "
-            "(optimizer.state_dict()), which name no parameter, so which index is which model parameter cannot "
-            "be told from the checkpoint"
-        )
+        return _by_index(optimizer, operations, model, where)
     names = [str(param) for param in dict.fromkeys(optimizer.params)]
     renamed = _renamed(names, operations.renames, where)
     dropped: set[str] = set()
@@ -131,6 +129,43 @@ def apply_operations(
         if str(entry.param) in kept or str(entry.param) not in renamed  # an orphan entry is kept as it is
     )
     return Applied(replace(optimizer, groups=groups, entries=entries), changes, joined)
+
+
+def _by_index(
+    optimizer: OptimizerInventory, operations: Operations, model: Sequence[WeightMap], where: str
+) -> Applied:
+    """An index-keyed optimizer (``optimizer.state_dict()``) names no parameter: renames and drops, which pick
+    parameters by name, cannot apply. Adding the model's parameters can, by count: the model's parameters beyond
+    the optimizer's join a group as the next indices, once the shapes of the optimizer's moments are found among
+    the model's; ``optimizer.load_state_dict`` then maps them in the order the resuming optimizer lists them."""
+    if operations.renames or operations.drops or operations.drop_not_in_model:
+        raise RepairRefused(
+            f"{where}: this optimizer is keyed by indices (optimizer.state_dict()), which name no parameter, so "
+            "which index a name or the model's parameter is cannot be told from the checkpoint: renames and drops "
+            "need parameter names"
+        )
+    group = _target_group(optimizer, operations.to_group, where)
+    names = _model_names(model, where, "adding the model's parameters")
+    shapes = {name: meta.shape for weight_map in model for name, meta in weight_map.tensors}
+    listed = list(dict.fromkeys(optimizer.params))
+    moments: Counter[tuple[int, ...]] = Counter()
+    for entry in optimizer.entries:  # one moment per entry: the shape of its parameter
+        shaped = [v.shape for k, v in entry.values or () if k in PARAM_SHAPED_KEYS and isinstance(v, TensorMeta)]
+        if shaped:
+            moments[shaped[0]] += 1
+    available = Counter(shapes[name] for name in names)
+    if any(count > available[shape] for shape, count in moments.items()):
+        raise RepairRefused(f"{where}: the model's shapes do not hold this optimizer's moments: it is not its model")
+    extra = len(names) - len(listed)
+    if extra <= 0:
+        raise RepairRefused(f"{where}: the model has no parameter beyond the optimizer's {len(listed)}: nothing to add")
+    first = max((p for p in listed if isinstance(p, int)), default=-1) + 1
+    joined: dict[ParamKey, int] = {index: group for index in range(first, first + extra)}
+    groups = tuple(
+        ParamGroup((*g.params, *(p for p, n in joined.items() if n == number)), g.options)
+        for number, g in enumerate(optimizer.groups)
+    )
+    return Applied(replace(optimizer, groups=groups), (), joined)
 
 
 def _target_group(optimizer: OptimizerInventory, to_group: int | None, where: str) -> int:

@@ -346,3 +346,39 @@ def test_a_layer_joins_a_flattened_optimizer_with_its_groups_hyperparameters(tmp
         train(resumed_model, resumed_opt, dk.POST_STEPS, use_all=True, seed=1)
         resumed = _params(resumed_model)
     assert all(torch.equal(resumed[name], expected[name]) for name in expected)
+
+
+def test_a_layer_unfrozen_between_runs_joins_an_index_keyed_optimizer(tmp_path: Path) -> None:
+    """HF-style ``optimizer.state_dict()`` beside ``model.safetensors``: the model's parameters beyond the
+    optimizer's join group 0 as its next indices; ``optimizer.load_state_dict`` resumes as the run that never
+    stopped and appended the unfrozen layer to group 0."""
+    model = TwoHeadNet()
+    model.head_unused.requires_grad_(False)
+    opt = make_optimizer(model, "adamw")
+    train(model, opt, STEPS, use_all=True)
+    checkpoint = tmp_path / "checkpoint-3"
+    checkpoint.mkdir()
+    torch.save(opt.state_dict(), checkpoint / "optimizer.pt")
+    weights = {name: value.clone() for name, value in model.state_dict().items()}
+    ck.save_safetensors(weights, checkpoint / "model.safetensors")
+    model.head_unused.requires_grad_(True)
+    opt.param_groups[0]["params"].extend(model.head_unused.parameters())
+    train(model, opt, MORE, use_all=True, seed=1)
+    expected = _params(model)
+
+    out = tmp_path / "fixed"
+    document = json.loads(run_cli(["fix", checkpoint, "--out", out, "--add-from-model", "--json"]).stdout)
+    assert [(a["param"], a["group"], a["keys"]) for a in document["added"]] == [(4, 0, []), (5, 0, [])]
+    resumed_model = TwoHeadNet(seed=3)
+    resumed_model.load_state_dict(weights)
+    resumed_model.head_unused.requires_grad_(False)
+    resumed_opt = make_optimizer(resumed_model, "adamw")
+    resumed_model.head_unused.requires_grad_(True)
+    resumed_opt.param_groups[0]["params"].extend(resumed_model.head_unused.parameters())
+    resumed_opt.load_state_dict(torch.load(out / "optimizer.pt", weights_only=True))
+    train(resumed_model, resumed_opt, MORE, use_all=True, seed=1)
+    resumed = _params(resumed_model)
+    assert all(torch.equal(resumed[name], expected[name]) for name in expected)
+    with pytest.raises(ValueError, match="doesn't match the size of optimizer's group"):
+        unrepaired = make_optimizer(resumed_model, "adamw")
+        unrepaired.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
