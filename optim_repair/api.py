@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from optim_repair.diagnose import Diagnosis, diagnose
 from optim_repair.discovery import discover
+from optim_repair.errors import Remedy, UsageError
 from optim_repair.operations import NO_OPERATIONS, Operations
 from optim_repair.output import free_space, space_needed, write_copy
 from optim_repair.progress import Notice, Progress, ignore
@@ -98,6 +99,12 @@ def model_changes(
     ``drop`` regular expressions remove matching parameters; ``drop_not_in_model`` removes the parameters the
     model lacks; ``add_from_model`` adds every model parameter no group holds to group ``to_group`` (the only
     group by default), filled like an absent entry."""
+    if to_group is not None and not add_from_model:
+        raise UsageError(
+            "{argument} only says which group the model's added parameters join",
+            argument="to_group",
+            remedy=Remedy("add_from_model"),
+        )
     return Operations(tuple(rename), tuple(drop), drop_not_in_model, add_from_model, to_group)
 
 

@@ -196,6 +196,7 @@ def test_operations_that_cannot_apply_are_refused(tmp_path: Path, hf_checkpoint:
         (["--rename", "no-equals-sign"], 2, "--rename takes OLD=NEW"),
         (["--drop", "^absent"], 3, "the drop pattern '^absent' matches no parameter name"),
         (["--add-from-model"], 3, "needs the model, and none was found beside the optimizer"),
+        (["--to-group", "1"], 2, "--to-group only says which group the model's added parameters join; pass --add"),
     ]
     for args, code, fragment in cases:
         result = run_cli(["fix", path, "--out", out, *args], code=code)
