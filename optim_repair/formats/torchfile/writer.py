@@ -58,12 +58,14 @@ def _sibling_location(optimizer: dict[Any, Any], key: str) -> str:
     return "cpu"
 
 
-def _phantom_moments_are_zero(torch_file: TorchFile, stream: BinaryIO, old: Any, addition: Addition) -> None:
-    """Before a phantom-step entry is replaced: every byte of its moments is zero (inspect read their heads)."""
-    values = old.values() if isinstance(old, dict) else old
-    for value in values:
+def _phantom_moments_are_zero(
+    torch_file: TorchFile, stream: BinaryIO, old: Sequence[tuple[str, Any]], addition: Addition
+) -> None:
+    """Before a phantom-step entry is replaced: every byte of its moments is zero (inspect read their heads).
+    ``old`` is the entry's keys and values."""
+    for key, value in old:
         meta = tensor_meta(value)
-        if meta is None or meta.numel == 1:
+        if meta is None or key == "step":
             continue
         offset, _ = torch_file.storage_range(meta.storage)
         stream.seek(offset + meta.storage_offset * itemsize(meta.dtype))
@@ -105,7 +107,11 @@ def _add_entries(torch_file: TorchFile, additions: Sequence[Addition], src: Path
             if id(container) not in saved:
                 saved[id(container)] = (container, list(container.items()))
             if addition.replaces:
-                old = container[keys[0]] if where else [container[key] for key in (*removed, *keys) if key in container]
+                old = (
+                    list(container[keys[0]].items())
+                    if where
+                    else [(key.rpartition(".")[2], container[key]) for key in (*removed, *keys) if key in container]
+                )
                 _phantom_moments_are_zero(torch_file, stream, old, addition)
             for key in removed:
                 del container[key]
