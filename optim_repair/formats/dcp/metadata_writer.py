@@ -1,10 +1,13 @@
-"""Writing a DCP ``.metadata`` without torch: the original pickle, extended by opcodes that add entries.
+"""Writing a DCP ``.metadata`` without torch: the original pickle, followed by opcodes that change its tables.
 
-The new file is the original's bytes with its final STOP turned into a MARK, then opcodes that fetch
-the original's ``state_dict_metadata``, ``planner_data`` and ``storage_data`` dicts from the
-unpickler's memo and add the new entries to them, pickled as torch's own classes pickle themselves,
-then POP_MARK and STOP. ``pickle.load`` (what ``dcp.load`` uses) builds the ``Metadata`` torch would
-have written; every original byte keeps its meaning, and the MARK keeps the last frame's length right.
+The new file is the original's bytes with its final STOP turned into a MARK, then opcodes, then POP_MARK
+and STOP; every original byte keeps its meaning, and the MARK keeps the last frame's length right. To add
+entries (``extended_metadata``), the opcodes fetch the original's ``state_dict_metadata``,
+``planner_data`` and ``storage_data`` dicts from the unpickler's memo and set the new entries in them, as
+torch's own classes pickle themselves. To rename or drop entries (``rebuilt_metadata``), which no opcode
+can remove from a dict, they build three new tables from memo references to the original's own objects
+and give them to the ``Metadata`` by BUILD. ``pickle.load`` (what ``dcp.load`` uses) builds the
+``Metadata`` torch would have written.
 """
 
 from __future__ import annotations
@@ -124,12 +127,10 @@ def _tensor_metadata(ops: _Ops, value: FreshTensor) -> None:
 
 def _storage_index(ops: _Ops, entry: NewEntry) -> None:
     """The entry's ``MetadataIndex``: a tensor's names its only chunk, at offset zero."""
-    ops.new(_METADATA, "MetadataIndex")
     if isinstance(entry.value, FreshTensor):
-        zeros = [0] * len(entry.value.shape)
-        ops.fields([("fqn", entry.key), ("offset", lambda: ops.size(zeros)), ("index", 0)])
+        _index(ops, entry.key, [0] * len(entry.value.shape), 0)
     else:
-        ops.fields([("fqn", entry.key), ("offset", None), ("index", None)])
+        _index(ops, entry.key, None, None)
 
 
 class _Batches:
