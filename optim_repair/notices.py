@@ -58,11 +58,18 @@ def _stock_loader_phantom(optimizer: OptimizerInventory, missing: int, empty: in
         remedies = f"optim-repair fix --fill fresh, or {remedies}"
     if empty:
         remedies += " ({} entries stay {}: --fill fresh fills absent entries only, so run it on the original)"
-    return Notice(
-        "stock-loader-phantom-step",
-        f"{missing + empty} parameter(s) without state would get a phantom step=1 from torch's stock "
-        f"set_optimizer_state_dict(full_state_dict=True) and train differently ({kind}); remedies: {remedies}",
-    )
+    if empty:
+        what = (
+            f"{missing + empty} parameter(s) without state would get a phantom step=1 from torch's stock "
+            f"set_optimizer_state_dict(full_state_dict=True) and train differently ({kind})"
+        )
+    else:
+        what = (
+            f'torch\'s stock set_optimizer_state_dict refuses the {missing} absent entries ("Missing optimizer '
+            'state"); {} entries would make it load, but give them a phantom step=1, and they would train '
+            f"differently ({kind})"
+        )
+    return Notice("stock-loader-phantom-step", f"{what}; remedies: {remedies}")
 
 
 def _dcp_missing_key(optimizer: OptimizerInventory, missing: tuple[ParamKey, ...]) -> Notice:
