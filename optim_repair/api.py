@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from optim_repair.diagnose import Diagnosis, diagnose
-from optim_repair.discovery import discover
+from optim_repair.discovery import Discovery, discover
 from optim_repair.errors import Remedy, UsageError
 from optim_repair.operations import NO_OPERATIONS, Operations
 from optim_repair.output import free_space, space_needed, write_copy
@@ -108,6 +108,14 @@ def model_changes(
     return Operations(tuple(rename), tuple(drop), drop_not_in_model, add_from_model, to_group)
 
 
+def _diagnosed(checkpoint: str | Path | Diagnosis, keep: Parsed) -> tuple[Diagnosis, Discovery]:
+    """The checkpoint's diagnosis (the one given, or read once, keeping what was parsed) and what discovery found."""
+    if isinstance(checkpoint, Diagnosis):
+        return checkpoint, discover(Path(checkpoint.inventory.path))
+    found = discover(Path(checkpoint))
+    return diagnose(read_discovered(found, keep=keep)), found
+
+
 def output_path(checkpoint: Path, out: str | Path) -> Path:
     """Where ``fix`` writes: ``out``, or, for a file and an ``out`` ending in a slash, the file's name inside
     that directory, as ``cp`` does."""
@@ -142,8 +150,7 @@ def dry_run(
     operations: Operations = NO_OPERATIONS,
 ) -> DryRun:
     """What ``fix`` with the same arguments would add and write, and the room there is for it; writes nothing."""
-    diagnosis = checkpoint if isinstance(checkpoint, Diagnosis) else inspect(checkpoint)
-    found = discover(Path(diagnosis.inventory.path))
+    diagnosis, found = _diagnosed(checkpoint, Parsed())
     repair = plan(
         diagnosis, fill=fill, optimizer=optimizer, model=model, reset_phantom_step=reset_phantom_step,
         operations=operations,
@@ -203,11 +210,7 @@ def fix(
     ``out`` has too little room for the copy.
     """
     parsed = Parsed()  # what reading parsed, for the writer not to parse it again
-    if isinstance(checkpoint, Diagnosis):
-        diagnosis, found = checkpoint, discover(Path(checkpoint.inventory.path))
-    else:
-        found = discover(Path(checkpoint))
-        diagnosis = diagnose(read_discovered(found, keep=parsed))
+    diagnosis, found = _diagnosed(checkpoint, parsed)
     repair = plan(
         diagnosis, fill=fill, optimizer=optimizer, model=model, reset_phantom_step=reset_phantom_step,
         operations=operations,

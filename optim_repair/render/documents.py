@@ -124,19 +124,18 @@ class ErrorDoc(TypedDict):
     error: ErrorDetailDoc
 
 
-class FixDoc(InspectDoc):
+class PlannedDoc(InspectDoc):
     out: str
     fill: str
     changed: list[ChangedDoc]
     added: list[AddedDoc]
+
+
+class FixDoc(PlannedDoc):
     verification: VerificationDoc
 
 
-class DryRunDoc(InspectDoc):
-    out: str
-    fill: str
-    changed: list[ChangedDoc]
-    added: list[AddedDoc]
+class DryRunDoc(PlannedDoc):
     dry_run: bool
     bytes_to_write: int
     free_bytes: int
@@ -211,13 +210,20 @@ def _changed_docs(result: FixResult | DryRun) -> list[ChangedDoc]:
     return [{"file": c.file, "location": c.location, "old": c.old, "new": c.new} for c in result.plan.changes]
 
 
-def fix_document(result: FixResult) -> FixDoc:
+def _planned_document(result: FixResult | DryRun) -> PlannedDoc:
+    """What ``fix`` and its dry run both report: the input, and what the plan changes and adds where."""
     return {
         **inspect_document(result.diagnosis),
         "out": str(result.out),
         "fill": result.plan.fill,
         "changed": _changed_docs(result),
         "added": _added_docs(result),
+    }
+
+
+def fix_document(result: FixResult) -> FixDoc:
+    return {
+        **_planned_document(result),
         "verification": {
             "tensors": result.verification.tensors,
             "bytes": result.verification.bytes,
@@ -228,11 +234,7 @@ def fix_document(result: FixResult) -> FixDoc:
 
 def dry_run_document(planned: DryRun) -> DryRunDoc:
     return {
-        **inspect_document(planned.diagnosis),
-        "out": str(planned.out),
-        "fill": planned.plan.fill,
-        "changed": _changed_docs(planned),
-        "added": _added_docs(planned),
+        **_planned_document(planned),
         "dry_run": True,
         "bytes_to_write": planned.bytes_to_write,
         "free_bytes": planned.free_bytes,

@@ -116,6 +116,11 @@ class Rekeyed:
     """New keys that hold an existing entry's bytes, by the key they share them with, and their key paths: the
     hyperparameters a flattened layout repeats for a parameter that joins a group."""
 
+    @property
+    def rebuilds_tables(self) -> bool:
+        """Whether the metadata's tables change other than by new entries (rebuilt, not extended)."""
+        return bool(self.keys or self.params or self.aliases)
+
     def new_key(self, key: str) -> str | None:
         return self.keys.get(key, key)
 
@@ -131,11 +136,11 @@ class PlannedEntries:
     @property
     def rewrites_metadata(self) -> bool:
         """Whether the copy gets a new ``.metadata`` (else the original's is copied as it is)."""
-        return bool(self.entries or self.rekeyed.keys or self.rekeyed.params or self.rekeyed.aliases)
+        return bool(self.entries) or self.rekeyed.rebuilds_tables
 
 
-def _param_of(flat: str, names: Collection[ParamKey]) -> str | None:
-    """The longest parameter name ``flat`` (``<name>.<key>``) starts with, followed by a dot."""
+def longest_name(flat: str, names: Collection[ParamKey]) -> str | None:
+    """The longest parameter name ``flat`` (a flattened element, ``<name>.<key>``) starts with, followed by a dot."""
     end = len(flat)
     while (end := flat.rfind(".", 0, end)) > 0:
         if flat[:end] in names:
@@ -173,7 +178,7 @@ def rekey(
                     if kept != list(lists[index]):
                         params[slot.key] = kept
                 continue
-            name = slot.rest[0] if optimizer.layout == "nested" else _param_of(slot.flat, names)
+            name = slot.rest[0] if optimizer.layout == "nested" else longest_name(slot.flat, names)
             if name is None:
                 continue
             now = mapping.get(name, name)

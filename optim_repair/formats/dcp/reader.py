@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from optim_repair.errors import InputError
-from optim_repair.formats.dcp.layout import DcpOptimizer, dotted, find_optimizers, model_weights
+from optim_repair.formats.dcp.layout import DcpOptimizer, dotted, find_optimizers, longest_name, model_weights
 from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpBytes, DcpMetadata, DcpTensor, display_path
 from optim_repair.formats.dcp.metadata_reader import read_metadata
 from optim_repair.formats.dcp.storage import check_ranges, read_bytes_entries
@@ -78,15 +78,6 @@ def _nested_layout(
     return groups, _state_entries(meta, state, values)
 
 
-def _longest_name(flat: str, names: Collection[str]) -> str | None:
-    """The longest of ``names`` that ``flat`` starts with, followed by a dot."""
-    end = len(flat)
-    while (end := flat.rfind(".", 0, end)) > 0:
-        if flat[:end] in names:
-            return flat[:end]
-    return None
-
-
 def _comparable_option(value: StateValue | tuple[StateValue, ...]) -> object:
     if isinstance(value, TensorMeta):
         return ("tensor", value.dtype, value.shape)
@@ -100,7 +91,7 @@ def _flattened_layout(
     for slot in optimizer.slots:
         if slot.section != "param_groups":
             continue
-        name = _longest_name(slot.flat, known)
+        name = longest_name(slot.flat, known)
         if name is None:
             # Not a model weight's name: an option key is a param-group dict key, which has no dot.
             name = slot.flat.rpartition(".")[0]
@@ -117,7 +108,7 @@ def _flattened_layout(
     for slot in optimizer.slots:
         if slot.section != "state":
             continue
-        name = _longest_name(slot.flat, per_name.keys())
+        name = longest_name(slot.flat, per_name.keys())
         if name is None:
             raise InputError(f"{slot.key} is state of no parameter in the param_groups", path=source)
         state.append((name, dotted((slot.flat[len(name) + 1 :], *slot.rest)), slot.key))

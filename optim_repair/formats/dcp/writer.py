@@ -87,7 +87,7 @@ def write_dcp(
     joined = [addition for addition in additions if addition.group is not None]
     if changes or joined:
         planned = replace(planned, rekeyed=rekey(meta, changes, groups or {}, source, joined))
-    if planned.entries or changes:
+    if planned.rewrites_metadata:
         _write_entries(src, planned, dest, source, sync=sync)
     return planned
 
@@ -118,7 +118,7 @@ def _write_entries(src: Path, planned: PlannedEntries, dest: Path, source: str, 
                 os.fsync(descriptor)
         finally:
             os.close(descriptor)
-        if rekeyed.keys or rekeyed.params or rekeyed.aliases:
+        if rekeyed.rebuilds_tables:
             objects = memo_objects(extensible, source)
             data = rebuilt_metadata(extensible, objects, rekeyed, planned.entries, placed)
         else:
