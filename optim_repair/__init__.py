@@ -31,7 +31,8 @@ if TYPE_CHECKING:
         plan,
         versions,
     )
-    from optim_repair.diagnose import Diagnosis, Malformed, OptimizerDiagnosis
+    from optim_repair.decisions.diagnose import Diagnosis, Malformed, OptimizerDiagnosis
+    from optim_repair.decisions.notices import Notice
     from optim_repair.errors import (
         ExitCode,
         InputError,
@@ -43,10 +44,9 @@ if TYPE_CHECKING:
         UsageError,
         VerificationError,
     )
-    from optim_repair.notices import Notice
-    from optim_repair.repair_plan import Addition, FilledOptimizer, FreshTensor, RepairPlan
+    from optim_repair.records.repair_plan import Addition, FilledOptimizer, FreshTensor, RepairPlan
+    from optim_repair.records.verification import Verification
     from optim_repair.torch_loader import set_optimizer_state_dict
-    from optim_repair.verify import Verification
 
 _HOMES = {
     **dict.fromkeys(
@@ -56,8 +56,8 @@ _HOMES = {
         ),
         "optim_repair.api",
     ),
-    **dict.fromkeys(("Diagnosis", "Malformed", "OptimizerDiagnosis"), "optim_repair.diagnose"),
-    "Notice": "optim_repair.notices",
+    **dict.fromkeys(("Diagnosis", "Malformed", "OptimizerDiagnosis"), "optim_repair.decisions.diagnose"),
+    "Notice": "optim_repair.decisions.notices",
     **dict.fromkeys(
         (
             "ExitCode", "InputError", "OptimRepairError", "OutputError", "Remedy", "RepairRefused",
@@ -65,8 +65,8 @@ _HOMES = {
         ),
         "optim_repair.errors",
     ),
-    **dict.fromkeys(("Addition", "FilledOptimizer", "FreshTensor", "RepairPlan"), "optim_repair.repair_plan"),
-    "Verification": "optim_repair.verify",
+    **dict.fromkeys(("Addition", "FilledOptimizer", "FreshTensor", "RepairPlan"), "optim_repair.records.repair_plan"),
+    "Verification": "optim_repair.records.verification",
     "set_optimizer_state_dict": "optim_repair.torch_loader",
 }  # fmt: skip
 """Where each public name lives. Imported on first use, so that ``import optim_repair`` is instant and

@@ -10,16 +10,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from optim_repair.diagnose import Diagnosis, diagnose
-from optim_repair.discovery import Discovery, discover
+from optim_repair.checkpoint.discovery import Discovery, discover
+from optim_repair.checkpoint.reading import Parsed, read_discovered, read_model_weights
+from optim_repair.checkpoint.writing import free_space, space_needed, write_copy
+from optim_repair.decisions.diagnose import Diagnosis, diagnose
+from optim_repair.decisions.operations import NO_OPERATIONS, Operations
+from optim_repair.decisions.repair import plan_repair
 from optim_repair.errors import Remedy, UsageError
-from optim_repair.operations import NO_OPERATIONS, Operations
-from optim_repair.output import free_space, space_needed, write_copy
 from optim_repair.progress import Notice, Progress, ignore
-from optim_repair.reading import Parsed, read_discovered, read_model_weights
-from optim_repair.repair import plan_repair
-from optim_repair.repair_plan import Addition, Fill, PlanFill, RepairPlan
-from optim_repair.verify import Verification
+from optim_repair.records.repair_plan import Addition, Fill, PlanFill, RepairPlan
+from optim_repair.records.verification import Verification
 from optim_repair.version import __version__
 
 

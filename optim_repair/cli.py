@@ -12,8 +12,8 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from optim_repair import api, render
+from optim_repair.decisions.optimizers import OPTIMIZERS
 from optim_repair.errors import ExitCode, OptimRepairError, Remedy, Terminated, UsageError
-from optim_repair.optimizers import OPTIMIZERS
 
 _COMMON_EXITS = {
     ExitCode.USAGE: "usage error",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from optim_repair import api
-from optim_repair.diagnose import Diagnosis
+from optim_repair.decisions.diagnose import Diagnosis
 
 STEPS_BEFORE = 3
 STEPS_AFTER = 3

@@ -31,7 +31,7 @@ dtype or device change is needed, so later steps update them in place; pass a
 Not supported, with ``RepairRefused``: ``broadcast_from_rank0`` (ranks other than 0 cannot
 see which entries are missing, and all ranks must decide alike); and, when some state is
 absent or empty, FSDP1 (``FullyShardedDataParallel``) modules (state lives per flat parameter)
-and optimizers outside the registry of ``optim_repair.optimizers`` (an eagerly-initialized one such
+and optimizers outside the registry of ``optim_repair.decisions.optimizers`` (an eagerly-initialized one such
 as Adagrad cannot run without state).
 """
 
@@ -47,8 +47,8 @@ import torch
 from torch.distributed.checkpoint import state_dict as dsd
 from torch.distributed.checkpoint.state_dict import OptimizerStateType, StateDictOptions
 
+from optim_repair.decisions.optimizers import OPTIMIZERS
 from optim_repair.errors import RepairRefused
-from optim_repair.optimizers import OPTIMIZERS
 
 __all__ = ["set_optimizer_state_dict"]
 

@@ -105,26 +105,68 @@ def main() -> int:
         out = root / "out"
         # (label, command, yardstick label, yardstick command, goal: at most this ratio)
         pairs = [
-            ("inspect (torch file)", [*tool, "inspect", torch_file],
-             "import torch", [python, "-c", "import torch"], 1.0),
-            ("fix --no-sync (torch file)", [*tool, "fix", torch_file, "--out", out, "--no-sync"],
-             "cp && cmp", shell(f"cp {torch_file} {out} && cmp {torch_file} {out}"), 1.0),
-            ("fix (torch file, synced)", [*tool, "fix", torch_file, "--out", out],
-             "cp && sync && cmp", shell(f"cp {torch_file} {out} && sync {out} && cmp {torch_file} {out}"), 1.1),
-            ("fix --no-sync (torch file)", [*tool, "fix", torch_file, "--out", out, "--no-sync"],
-             "naive torch script", [python, "-c", NAIVE, torch_file, out, "optimizer_state_dict"], None),
-            ("inspect (MoE)", [*tool, "inspect", moe],
-             "torch.load(mmap) script", [python, "-c", NAIVE, moe, out, "optimizer"], 0.1),
-            ("fix --no-sync (MoE)", [*tool, "fix", moe, "--out", out, "--no-sync"],
-             "torch.load(mmap) script", [python, "-c", NAIVE, moe, out, "optimizer"], 0.35),
-            ("fix --no-sync (DCP)", [*tool, "fix", dcp_dir, "--out", out, "--no-sync"],
-             "cp -r && diff -r", shell(f"cp -r {dcp_dir} {out} && diff -r {dcp_dir} {out}"), 1.5),
-            ("fix --link --no-sync (DCP)", [*tool, "fix", dcp_dir, "--out", out, "--link", "--no-sync"],
-             "inspect (DCP)", [*tool, "inspect", dcp_dir], 3.0),
+            (
+                "inspect (torch file)",
+                [*tool, "inspect", torch_file],
+                "import torch",
+                [python, "-c", "import torch"],
+                1.0,
+            ),
+            (
+                "fix --no-sync (torch file)",
+                [*tool, "fix", torch_file, "--out", out, "--no-sync"],
+                "cp && cmp",
+                shell(f"cp {torch_file} {out} && cmp {torch_file} {out}"),
+                1.0,
+            ),
+            (
+                "fix (torch file, synced)",
+                [*tool, "fix", torch_file, "--out", out],
+                "cp && sync && cmp",
+                shell(f"cp {torch_file} {out} && sync {out} && cmp {torch_file} {out}"),
+                1.1,
+            ),
+            (
+                "fix --no-sync (torch file)",
+                [*tool, "fix", torch_file, "--out", out, "--no-sync"],
+                "naive torch script",
+                [python, "-c", NAIVE, torch_file, out, "optimizer_state_dict"],
+                None,
+            ),
+            (
+                "inspect (MoE)",
+                [*tool, "inspect", moe],
+                "torch.load(mmap) script",
+                [python, "-c", NAIVE, moe, out, "optimizer"],
+                0.1,
+            ),
+            (
+                "fix --no-sync (MoE)",
+                [*tool, "fix", moe, "--out", out, "--no-sync"],
+                "torch.load(mmap) script",
+                [python, "-c", NAIVE, moe, out, "optimizer"],
+                0.35,
+            ),
+            (
+                "fix --no-sync (DCP)",
+                [*tool, "fix", dcp_dir, "--out", out, "--no-sync"],
+                "cp -r && diff -r",
+                shell(f"cp -r {dcp_dir} {out} && diff -r {dcp_dir} {out}"),
+                1.5,
+            ),
+            (
+                "fix --link --no-sync (DCP)",
+                [*tool, "fix", dcp_dir, "--out", out, "--link", "--no-sync"],
+                "inspect (DCP)",
+                [*tool, "inspect", dcp_dir],
+                3.0,
+            ),
         ]
         size = torch_file.stat().st_size
-        print(f"checkpoint: {size / 2**30:.2f} GiB, {args.params} params, {MISSING} missing; MoE: "
-              f"{args.moe_params} params; medians of {args.repeat}; python {sys.version.split()[0]}\n")
+        print(
+            f"checkpoint: {size / 2**30:.2f} GiB, {args.params} params, {MISSING} missing; MoE: "
+            f"{args.moe_params} params; medians of {args.repeat}; python {sys.version.split()[0]}\n"
+        )
         print("| command | s | peak RSS MiB | yardstick | s | ratio | goal |\n|---|---|---|---|---|---|---|")
         for label, command, yard_label, yard_command, goal in (p for p in pairs if args.only in p[0]):
             mine, theirs = [], []
@@ -138,8 +180,10 @@ def main() -> int:
             verdict = "—" if goal is None else f"≤ {goal}x {'✓' if ratio <= goal else '✗'}"
             codes = {r[2] for r in mine} - {0, 1}
             flag = f" (exit {sorted(codes)})" if codes else ""
-            print(f"| {label}{flag} | {seconds:.2f} | {max(r[1] for r in mine):.0f} | {yard_label} | {yard:.2f} "
-                  f"| {ratio:.2f}x | {verdict} |")
+            print(
+                f"| {label}{flag} | {seconds:.2f} | {max(r[1] for r in mine):.0f} | {yard_label} | {yard:.2f} "
+                f"| {ratio:.2f}x | {verdict} |"
+            )
     return 0
 
 

@@ -44,12 +44,12 @@ from torch.distributed.checkpoint.state_dict_saver import save
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LinearLR
 
-from optim_repair.discovery import discover
+from optim_repair.checkpoint.discovery import discover
+from optim_repair.checkpoint.reading import read_checkpoint
+from optim_repair.checkpoint.writing import write_copy
 from optim_repair.formats.dcp import read_dcp
-from optim_repair.inventory import FileInventory, OptimizerInventory
-from optim_repair.output import write_copy
-from optim_repair.reading import read_checkpoint
-from optim_repair.repair_plan import Addition, FreshTensor, RepairPlan
+from optim_repair.records.inventory import FileInventory, OptimizerInventory
+from optim_repair.records.repair_plan import Addition, FreshTensor, RepairPlan
 from tests.checkpoints import Built, Site
 from tests.models import Net, make_optimizer, train
 

@@ -24,7 +24,7 @@ import torch
 import optim_repair
 from optim_repair.api import FixResult
 from optim_repair.formats.torchfile import open_torch_file
-from optim_repair.inventory import ParamGroup
+from optim_repair.records.inventory import ParamGroup
 from tests.checkpoints import Built, ParamKey
 
 Snapshot = dict[str, tuple[str, int, int, int]]

@@ -24,10 +24,33 @@ from tests.checkpoints import Built
 from tests.conftest import run_cli
 from tests.support import assert_fixed_copy, assert_nothing_written, installed_command, untouched
 
-OPTIMIZER_FIELDS = {"file", "location", "key_style", "layout", "loader", "resumes_as_is", "groups", "params", "states",
-                    "missing", "empty", "malformed", "notices", "cold"}
-INSPECT_FIELDS = {"schema_version", "versions", "path", "format", "verdict", "strict", "optimizers", "notices",
-                  "skipped"}
+OPTIMIZER_FIELDS = {
+    "file",
+    "location",
+    "key_style",
+    "layout",
+    "loader",
+    "resumes_as_is",
+    "groups",
+    "params",
+    "states",
+    "missing",
+    "empty",
+    "malformed",
+    "notices",
+    "cold",
+}
+INSPECT_FIELDS = {
+    "schema_version",
+    "versions",
+    "path",
+    "format",
+    "verdict",
+    "strict",
+    "optimizers",
+    "notices",
+    "skipped",
+}
 FIX_FIELDS = INSPECT_FIELDS | {"out", "added", "verification"}
 
 
@@ -84,15 +107,25 @@ def test_inspect_bug_report_json(bug_report_checkpoint: Built) -> None:
     document = inspect_json(bug_report_checkpoint.path, code=1)
     assert document["verdict"] == "repairable"
     (opt,) = document["optimizers"]
-    assert {k: opt[k] for k in ("file", "location", "key_style", "groups", "params", "states", "empty", "malformed",
-                                 "cold")} == {
-        "file": "checkpoint.pt", "location": "optimizer_state_dict", "key_style": "name", "groups": 1, "params": 40,
-        "states": 36, "empty": [], "malformed": [], "cold": False}
+    assert {
+        k: opt[k] for k in ("file", "location", "key_style", "groups", "params", "states", "empty", "malformed", "cold")
+    } == {
+        "file": "checkpoint.pt",
+        "location": "optimizer_state_dict",
+        "key_style": "name",
+        "groups": 1,
+        "params": 40,
+        "states": 36,
+        "empty": [],
+        "malformed": [],
+        "cold": False,
+    }
     assert opt["missing"] == list(models.BUG_REPORT_MISSING)
 
 
-@pytest.mark.parametrize("factory", ["unirl_torch", "petrainer", "hf_trainer", "accelerate", "lightning",
-                                     "multi_optimizer", "legacy_format"])
+@pytest.mark.parametrize(
+    "factory", ["unirl_torch", "petrainer", "hf_trainer", "accelerate", "lightning", "multi_optimizer", "legacy_format"]
+)
 def test_inspect_every_layout(root: Path, factory: str) -> None:
     """Index-keyed optimizers resume through optimizer.load_state_dict, which takes absent entries: healthy,
     with the absent entries still listed; name-keyed ones need a repair."""
@@ -113,8 +146,11 @@ def test_inspect_hf_lists_skipped_neighbours_and_warns(hf_checkpoint: Built) -> 
     assert document["skipped"] == [
         {"file": "rng_state.pth", "kind": "other", "reason": "holds no optimizer state"},
         {"file": "scheduler.pt", "kind": "other", "reason": "holds no optimizer state"},
-        {"file": "training_args.bin", "kind": "unsafe",
-         "reason": "refuses to load global tests.checkpoints.TrainingArguments"},
+        {
+            "file": "training_args.bin",
+            "kind": "unsafe",
+            "reason": "refuses to load global tests.checkpoints.TrainingArguments",
+        },
     ]
     assert [(n["code"], n["severity"]) for n in document["notices"]] == [("skipped-unsafe", "warning")]
     assert document["verdict"] == "healthy", "skipped neighbours do not change the verdict"
@@ -131,11 +167,14 @@ def test_inspect_cold_and_phantom_warnings(cold_checkpoint: Built, phantom_check
     cold = inspect_json(cold_checkpoint.path, code=0)["optimizers"][0]
     assert cold["cold"] is True
     assert [(n["code"], n["severity"]) for n in cold["notices"]] == [
-        ("cold", "info"), ("sparse-ok-for-load-state-dict", "info")]
+        ("cold", "info"),
+        ("sparse-ok-for-load-state-dict", "info"),
+    ]
     assert cold["missing"] == [0, 1, 2, 3, 4, 5] and cold["states"] == 0
     phantom = inspect_json(phantom_checkpoint.path, code=0)["optimizers"][0]
-    assert phantom["cold"] is False and ("phantom-step", "warning") in [(n["code"], n["severity"])
-                                                                         for n in phantom["notices"]]
+    assert phantom["cold"] is False and ("phantom-step", "warning") in [
+        (n["code"], n["severity"]) for n in phantom["notices"]
+    ]
 
 
 def test_inspect_empty_entries_are_listed_and_healthy(empty_entries_checkpoint: Built) -> None:
@@ -145,10 +184,14 @@ def test_inspect_empty_entries_are_listed_and_healthy(empty_entries_checkpoint: 
 
 @pytest.mark.parametrize(
     ("name", "code", "param"),
-    [("partial_state", "partial-state", "trunk.bias"), ("orphan_state", "orphan-state", "ghost.weight"),
-     ("duplicate_param", "duplicate-param", "trunk.weight"), ("bad_entry_not_mapping_list", "bad-entry", "trunk.bias"),
-     ("bad_entry_moment_not_tensor", "bad-entry", "trunk.weight"),
-     ("shape_mismatch", "shape-mismatch", "trunk.weight")],
+    [
+        ("partial_state", "partial-state", "trunk.bias"),
+        ("orphan_state", "orphan-state", "ghost.weight"),
+        ("duplicate_param", "duplicate-param", "trunk.weight"),
+        ("bad_entry_not_mapping_list", "bad-entry", "trunk.bias"),
+        ("bad_entry_moment_not_tensor", "bad-entry", "trunk.weight"),
+        ("shape_mismatch", "shape-mismatch", "trunk.weight"),
+    ],
 )
 def test_malformed_inspect_exits_3_and_fix_writes_nothing(
     root: Path, tmp_path: Path, name: str, code: str, param: str
@@ -182,7 +225,8 @@ def test_fix_json_document(petrainer_checkpoint: Built, tmp_path: Path) -> None:
     assert set(document) >= FIX_FIELDS
     assert document["out"] == str(out) and document["schema_version"] == 2
     assert sorted((a["file"], a["location"], a["param"]) for a in document["added"]) == sorted(
-        (s.file, s.location, p) for s, missing in built.missing.items() for p in missing)
+        (s.file, s.location, p) for s, missing in built.missing.items() for p in missing
+    )
     for added in document["added"]:
         assert set(added) >= {"file", "location", "param"}
     verification = document["verification"]
@@ -282,8 +326,13 @@ def test_directory_without_optimizer_exits_4(hf_checkpoint: Built) -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [["inspect"], ["fix", "x.pt"], ["fix", "x.pt", "--out", "y.pt", "--fill", "zeros"], ["inspect", "--bogus", "x"],
-     ["frobnicate"]],
+    [
+        ["inspect"],
+        ["fix", "x.pt"],
+        ["fix", "x.pt", "--out", "y.pt", "--fill", "zeros"],
+        ["inspect", "--bogus", "x"],
+        ["frobnicate"],
+    ],
     ids=["no-checkpoint", "no-out", "bad-fill", "bad-option", "bad-command"],
 )
 def test_usage_errors_exit_2(args: list[str]) -> None:
@@ -307,8 +356,11 @@ def test_remedies_name_the_flags_library_errors_name_keyword_arguments(root: Pat
     cases = [
         ([alone, "--out", tmp_path / "a.pt", "--fill", "fresh"], 3, "; pass --model PATH with the model's weights"),
         ([hf.path, "--out", tmp_path / "b", "--fill", "fresh"], 3, "; pass --fill empty: optimizer.load_state_dict"),
-        ([alone, "--out", tmp_path / "c.pt", "--fill", "fresh", "--optimizer", "lion"], 2,
-         "invalid value 'lion' for --optimizer: choose adam, adamw,"),
+        (
+            [alone, "--out", tmp_path / "c.pt", "--fill", "fresh", "--optimizer", "lion"],
+            2,
+            "invalid value 'lion' for --optimizer: choose adam, adamw,",
+        ),
         ([alone, "--out", alone], 5, "--out must not be the input or inside it"),
         ([alone, "--out", tmp_path / "absent" / "d.pt"], 5, "no such directory for --out"),
     ]
@@ -316,8 +368,9 @@ def test_remedies_name_the_flags_library_errors_name_keyword_arguments(root: Pat
         one_error_line(run_cli(["fix", *args], code=code), fragment)
     for args, _, _ in cases:
         with pytest.raises(optim_repair.OptimRepairError) as caught:
-            optim_repair.fix(args[0], args[2], fill=args[4] if len(args) > 4 else None,
-                             optimizer=args[6] if len(args) > 6 else None)
+            optim_repair.fix(
+                args[0], args[2], fill=args[4] if len(args) > 4 else None, optimizer=args[6] if len(args) > 6 else None
+            )
         assert "--" not in str(caught.value), "library messages name keyword arguments, not flags"
 
 
@@ -326,22 +379,29 @@ def test_remedies_name_the_flags_library_errors_name_keyword_arguments(root: Pat
 
 def test_the_installed_command_runs_in_a_subprocess(hf_checkpoint: Built, tmp_path: Path) -> None:
     command = installed_command()
-    inspected = subprocess.run([*command, "inspect", "--json", str(hf_checkpoint.path)], capture_output=True,
-                               text=True, timeout=120)
+    inspected = subprocess.run(
+        [*command, "inspect", "--json", str(hf_checkpoint.path)], capture_output=True, text=True, timeout=120
+    )
     assert inspected.returncode == 0, inspected.stderr
     assert json.loads(inspected.stdout)["optimizers"][0]["missing"] == [4, 5]
     out = tmp_path / "fixed"
     with untouched(hf_checkpoint.path):
-        fixed = subprocess.run([*command, "fix", str(hf_checkpoint.path), "--out", str(out), "--json"],
-                               capture_output=True, text=True, timeout=120)
+        fixed = subprocess.run(
+            [*command, "fix", str(hf_checkpoint.path), "--out", str(out), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert fixed.returncode == 0, fixed.stderr
     assert json.loads(fixed.stdout)["verification"]["tensors"] > 0
     assert_fixed_copy(hf_checkpoint, out)
-    refused = subprocess.run([*command, "inspect", str(tmp_path / "absent.pt")], capture_output=True, text=True,
-                             timeout=120)
+    refused = subprocess.run(
+        [*command, "inspect", str(tmp_path / "absent.pt")], capture_output=True, text=True, timeout=120
+    )
     assert refused.returncode == 4 and refused.stdout == ""
-    assert refused.stderr.strip().splitlines() == [f"optim-repair: error: {tmp_path / 'absent.pt'}: "
-                                                   "no such file or directory"]
+    assert refused.stderr.strip().splitlines() == [
+        f"optim-repair: error: {tmp_path / 'absent.pt'}: no such file or directory"
+    ]
 
 
 def test_human_reports_show_paths_and_names_verbatim(tmp_path: Path) -> None:
@@ -409,9 +469,11 @@ def test_color_choices_and_plain_tables(unirl_checkpoint: Built) -> None:
 
 @pytest.mark.parametrize(
     ("args", "fragment"),
-    [(["fix", "x.pt", "--out", "y.pt", "--fill", "zero"], "invalid value 'zero' for --fill: choose empty or fresh"),
-     (["inspect", "--bogus", "x"], "no such option: --bogus; see '"),
-     (["frobnicate"], "no such command 'frobnicate'; see '")],
+    [
+        (["fix", "x.pt", "--out", "y.pt", "--fill", "zero"], "invalid value 'zero' for --fill: choose empty or fresh"),
+        (["inspect", "--bogus", "x"], "no such option: --bogus; see '"),
+        (["frobnicate"], "no such command 'frobnicate'; see '"),
+    ],
 )
 def test_usage_errors_are_one_line_and_a_json_document(args: list[str], fragment: str) -> None:
     plain = run_cli(args, code=2)
@@ -424,11 +486,15 @@ def test_usage_errors_are_one_line_and_a_json_document(args: list[str], fragment
 def test_mistakes_users_make_get_messages_that_say_what_to_do(hf_checkpoint: Built, tmp_path: Path) -> None:
     weights = hf_checkpoint.path / "model.safetensors"
     ck.save_safetensors({"w": torch.zeros(2)}, weights)
-    one_error_line(run_cli(["inspect", weights], code=4),
-                   "model weights, not optimizer state; the optimizer is in optimizer.pt beside it")
+    one_error_line(
+        run_cli(["inspect", weights], code=4),
+        "model weights, not optimizer state; the optimizer is in optimizer.pt beside it",
+    )
     torch.save(models.TwoHeadNet().state_dict(), tmp_path / "pytorch_model.bin")
-    one_error_line(run_cli(["inspect", tmp_path / "pytorch_model.bin"], code=4),
-                   "model weights, not optimizer state; the optimizer is usually in optimizer.pt")
+    one_error_line(
+        run_cli(["inspect", tmp_path / "pytorch_model.bin"], code=4),
+        "model weights, not optimizer state; the optimizer is usually in optimizer.pt",
+    )
     typo = hf_checkpoint.path.parent / "checkpont-3"
     one_error_line(run_cli(["inspect", typo], code=4), f"did you mean {hf_checkpoint.path}?")
     far = hf_checkpoint.path.parent / "zzz"
@@ -460,7 +526,8 @@ def test_dry_run_shows_the_plan_and_writes_nothing(unirl_checkpoint: Built, tmp_
     assert document["bytes_to_write"] == size + fresh
     assert 0 < document["free_bytes"] <= shutil.disk_usage(tmp_path).total
     assert sorted((a["param"], a["keys"]) for a in document["added"]) == sorted(
-        (p, ["step", "exp_avg", "exp_avg_sq"]) for s in unirl_checkpoint.missing for p in unirl_checkpoint.missing[s])
+        (p, ["step", "exp_avg", "exp_avg_sq"]) for s in unirl_checkpoint.missing for p in unirl_checkpoint.missing[s]
+    )
     assert_nothing_written(out)
     refused = fix_cli(unirl_checkpoint.path, out, "--dry-run", "--fill", "fresh", "--optimizer", "lion", code=2)
     one_error_line(refused, "--optimizer")
@@ -474,8 +541,10 @@ def test_fix_refuses_up_front_when_the_disk_is_too_small(unirl_checkpoint: Built
         pytest.skip("needs a user namespace to mount a small file system (unshare -rm)")
     command = " ".join(installed_command())
     assert (unirl_checkpoint.path / "checkpoint.pt").stat().st_size > 4096
-    script = (f"mount -t tmpfs -o size=4k tmpfs {small} && {command} fix {unirl_checkpoint.path} "
-              f"--out {small}/fixed.pt --json; code=$?; ls -A {small}; exit $code")
+    script = (
+        f"mount -t tmpfs -o size=4k tmpfs {small} && {command} fix {unirl_checkpoint.path} "
+        f"--out {small}/fixed.pt --json; code=$?; ls -A {small}; exit $code"
+    )
     result = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 5, result.stderr
     document, listing = result.stdout.split("\n}\n")
@@ -493,5 +562,6 @@ def test_a_deepspeed_zero_checkpoint_is_healthy_and_copied(root: Path, tmp_path:
     out = tmp_path / "copy"
     fixed = json.loads(fix_cli(built.path, out, "--json", code=0).stdout)
     assert fixed["added"] == [] and fixed["verification"]["bytes"] > 0
-    assert sorted(p.relative_to(out) for p in out.rglob("*")) == sorted(p.relative_to(built.path)
-                                                                       for p in built.path.rglob("*"))
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == sorted(
+        p.relative_to(built.path) for p in built.path.rglob("*")
+    )

@@ -83,7 +83,9 @@ def test_a_shape_that_disagrees_with_the_model_is_a_finding(tmp_path: Path) -> N
     assert document["verdict"] == "malformed"
     mismatches = document["optimizers"][0]["model"]["shape_mismatches"]
     assert [(m["param"], m["key"], m["model_shape"]) for m in mismatches] == [
-        ("_orig_mod.trunk.weight", "exp_avg", [3, 4]), ("_orig_mod.trunk.weight", "exp_avg_sq", [3, 4])]
+        ("_orig_mod.trunk.weight", "exp_avg", [3, 4]),
+        ("_orig_mod.trunk.weight", "exp_avg_sq", [3, 4]),
+    ]
 
 
 def test_index_keys_are_compared_by_counts(hf_checkpoint: ck.Built, tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict_saver import save
 
 from optim_repair.errors import InputError, UnsafeInputError
 from optim_repair.formats.dcp import DcpChunk, DcpTensor, is_dcp_directory, read_dcp, read_metadata, write_dcp
-from optim_repair.inventory import TensorMeta
+from optim_repair.records.inventory import TensorMeta
 from tests import dcp_checkpoints as dk
 from tests.checkpoints import Site
 from tests.dcp_checkpoints import by_name, only
@@ -140,10 +140,6 @@ def test_reading_ignores_tensor_bytes(tmp_path: Path) -> None:
                 stream.seek(info.offset)
                 stream.write(b"\xa5" * info.length)
     assert read_dcp(path, "") == before
-
-
-
-
 
 
 def test_refuses_a_metadata_pickle_that_runs_code(tmp_path: Path) -> None:

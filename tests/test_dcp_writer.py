@@ -16,17 +16,18 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from optim_repair.discovery import discover
+from optim_repair.checkpoint.discovery import discover
+from optim_repair.checkpoint.reading import read_checkpoint
+from optim_repair.checkpoint.writing import write_copy
 from optim_repair.errors import InputError, RepairRefused
 from optim_repair.formats.dcp import DcpBytes, DcpChunk, DcpTensor, read_dcp, read_metadata, write_dcp
-from optim_repair.output import write_copy
-from optim_repair.reading import read_checkpoint
-from optim_repair.repair_plan import Addition, FreshTensor, RepairPlan
-from optim_repair.verify import verify_dcp
+from optim_repair.formats.dcp.verifier import verify_dcp
+from optim_repair.records.repair_plan import Addition, FreshTensor, RepairPlan
 from tests import dcp_checkpoints as dk
 from tests.dcp_checkpoints import by_name, files, only, repaired
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adam_amsgrad", "nadam"])
 @pytest.mark.parametrize(
@@ -205,8 +206,6 @@ def test_copy_keeps_every_file(tmp_path: Path, link: bool) -> None:
     assert os.path.samefile(built.path / "__0_0.distcp", dest / "__0_0.distcp") is link
     assert shard.st_nlink == (2 if link else 1)
     assert os.path.samefile(built.path / "metadata.pt", dest / "metadata.pt") is link  # every unchanged file
-
-
 
 
 def test_refuses_additions_it_cannot_write(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Findings about inventories (``optim_repair.diagnose``): on real checkpoints and on hand-made inventories."""
+"""Findings about inventories (``decisions.diagnose``): on real checkpoints and on hand-made inventories."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import optim_repair
-from optim_repair.diagnose import diagnose_optimizer
-from optim_repair.inventory import OptimizerInventory, ParamGroup, ParamKey, StateEntry, TensorMeta, WeightMap
+from optim_repair.decisions.diagnose import diagnose_optimizer
+from optim_repair.records.inventory import OptimizerInventory, ParamGroup, ParamKey, StateEntry, TensorMeta, WeightMap
 from tests import checkpoints as ck
 from tests import models
 from tests.checkpoints import Built
@@ -27,7 +27,10 @@ def test_the_bug_report_reproducer(bug_report_checkpoint: Built) -> None:
     assert diagnosis.verdict == "repairable"
     (opt,) = diagnosis.optimizers
     assert (opt.optimizer.file, opt.optimizer.location, opt.optimizer.key_style) == (
-        "checkpoint.pt", "optimizer_state_dict", "name")
+        "checkpoint.pt",
+        "optimizer_state_dict",
+        "name",
+    )
     assert opt.missing == models.BUG_REPORT_MISSING
     assert (len(opt.optimizer.groups), opt.params, len(opt.optimizer.entries)) == (1, 40, 36)
     assert opt.empty == () and opt.malformed == () and not opt.cold
@@ -35,8 +38,17 @@ def test_the_bug_report_reproducer(bug_report_checkpoint: Built) -> None:
 
 
 @pytest.mark.parametrize(
-    "factory", ["unirl_torch", "petrainer", "hf_trainer", "accelerate", "lightning", "multi_optimizer",
-                "legacy_format", "tricky_tensors"]
+    "factory",
+    [
+        "unirl_torch",
+        "petrainer",
+        "hf_trainer",
+        "accelerate",
+        "lightning",
+        "multi_optimizer",
+        "legacy_format",
+        "tricky_tensors",
+    ],
 )
 def test_each_layout_finds_exactly_the_missing_entries(root: Path, factory: str) -> None:
     built = ck.FACTORIES[factory](root)
@@ -141,14 +153,26 @@ def tensor(shape: tuple[int, ...], *, value: float | None = None, zero: bool | N
 
 
 def adam_entry(param: ParamKey, shape: tuple[int, ...], step: float = 3.0, zero: bool = False) -> StateEntry:
-    return StateEntry(param, (("step", tensor((), value=step)), ("exp_avg", tensor(shape, zero=zero)),
-                              ("exp_avg_sq", tensor(shape, zero=zero))))
+    return StateEntry(
+        param,
+        (
+            ("step", tensor((), value=step)),
+            ("exp_avg", tensor(shape, zero=zero)),
+            ("exp_avg_sq", tensor(shape, zero=zero)),
+        ),
+    )
 
 
 def optimizer(groups: list[list[ParamKey]], entries: list[StateEntry]) -> OptimizerInventory:
     style = "name" if any(isinstance(p, str) for g in groups for p in g) else "index"
-    return OptimizerInventory("", "opt", ("opt",), style,  # type: ignore[arg-type]
-                              tuple(ParamGroup(tuple(g), (("lr", 0.1),)) for g in groups), tuple(entries))
+    return OptimizerInventory(
+        "",
+        "opt",
+        ("opt",),
+        style,  # type: ignore[arg-type]
+        tuple(ParamGroup(tuple(g), (("lr", 0.1),)) for g in groups),
+        tuple(entries),
+    )
 
 
 def test_missing_keeps_param_group_order_and_deduplicates() -> None:
@@ -231,8 +255,13 @@ def test_python_names_are_the_json_names(unirl_checkpoint: Built) -> None:
         if name == "model":
             found = python
             python = {key: getattr(found, key) for key in value}
-            python = {**python, "sources": list(found.sources), "shape_mismatches": list(found.shape_mismatches),
-                      "not_in_model": list(found.not_in_model), "not_in_optimizer": list(found.not_in_optimizer)}
+            python = {
+                **python,
+                "sources": list(found.sources),
+                "shape_mismatches": list(found.shape_mismatches),
+                "not_in_model": list(found.not_in_model),
+                "not_in_optimizer": list(found.not_in_optimizer),
+            }
         if name in ("malformed", "notices"):
             python = [{key: getattr(item, key) for key in value[0]} for item in python] if value else list(python)
         assert (list(python) if isinstance(python, tuple) else python) == value, name
@@ -246,9 +275,11 @@ def test_top_level_python_names_are_the_json_names(unirl_checkpoint: Built, tmp_
     for name in ("path", "format", "verdict", "strict"):
         assert getattr(diagnosis, name) == document[name], name  # type: ignore[literal-required]
     assert [(s.file, s.kind, s.reason) for s in diagnosis.skipped] == [
-        (s["file"], s["kind"], s["reason"]) for s in document["skipped"]]
+        (s["file"], s["kind"], s["reason"]) for s in document["skipped"]
+    ]
     result = optim_repair.fix(diagnosis, tmp_path / "fixed")
     fixed = render.fix_document(result)
     assert (str(result.out), result.fill) == (fixed["out"], fixed["fill"])
     assert [(a.file, a.location, a.param, list(a.keys), a.replaces) for a in result.added] == [
-        (a["file"], a["location"], a["param"], a["keys"], a["replaced"]) for a in fixed["added"]]
+        (a["file"], a["location"], a["param"], a["keys"], a["replaced"]) for a in fixed["added"]
+    ]

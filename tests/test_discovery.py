@@ -1,4 +1,4 @@
-"""One walk of the argument gives every file and directory its role (``optim_repair.discovery``)."""
+"""One walk of the argument gives every file and directory its role (``optim_repair.checkpoint.discovery``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from optim_repair.discovery import Entry, discover
+from optim_repair.checkpoint.discovery import Entry, discover
 from optim_repair.errors import InputError
 from tests import checkpoints as ck
 from tests import dcp_checkpoints as dk

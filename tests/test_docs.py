@@ -83,10 +83,25 @@ def test_every_json_field_is_documented(field: str) -> None:
     assert f"`{field}" in JSON_DOC or (field == top and f"`{top}[]`" in JSON_DOC), field
 
 
-@pytest.mark.parametrize("code", ["partial-state", "orphan-state", "duplicate-param", "bad-entry", "shape-mismatch",
-                                  "phantom-step", "stock-loader-phantom-step", "dcp-missing-key",
-                                  "flattened-missing-state", "phantom-step-entries", "cold",
-                                  "skipped-unsafe", "deepspeed-zero", "sparse-ok-for-load-state-dict"])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "partial-state",
+        "orphan-state",
+        "duplicate-param",
+        "bad-entry",
+        "shape-mismatch",
+        "phantom-step",
+        "stock-loader-phantom-step",
+        "dcp-missing-key",
+        "flattened-missing-state",
+        "phantom-step-entries",
+        "cold",
+        "skipped-unsafe",
+        "deepspeed-zero",
+        "sparse-ok-for-load-state-dict",
+    ],
+)
 def test_every_finding_code_is_documented(code: str) -> None:
     assert f"`{code}`" in CLI_DOC
 
@@ -104,14 +119,21 @@ def test_help_shows_the_usage_the_docs_show_and_every_exit_code(name: str) -> No
     assert f"## `optim-repair {name}{usage.group(1).rstrip()}" in CLI_DOC, usage.group(0)
     assert "{" not in usage.group(1), "the argument is named CKPT, as in the docs"
     codes = [int(code) for code in re.findall(r"^\s+(\d+)  ", text.split("Exit codes:")[1], re.MULTILINE)]
-    for code in (ExitCode.USAGE, ExitCode.INPUT, ExitCode.OUTPUT, ExitCode.INTERNAL, ExitCode.INTERRUPTED,
-                 ExitCode.TERMINATED, ExitCode.OK):
+    for code in (
+        ExitCode.USAGE,
+        ExitCode.INPUT,
+        ExitCode.OUTPUT,
+        ExitCode.INTERNAL,
+        ExitCode.INTERRUPTED,
+        ExitCode.TERMINATED,
+        ExitCode.OK,
+    ):
         assert code in codes, (name, code)
         assert re.search(rf"^\| {int(code)} \|", CLI_DOC, re.MULTILINE)
 
 
 def test_optimizer_help_lists_every_name() -> None:
-    from optim_repair.optimizers import OPTIMIZERS
+    from optim_repair.decisions.optimizers import OPTIMIZERS
 
     text = " ".join(_help("fix").split())
     assert all(name in text for name in OPTIMIZERS)

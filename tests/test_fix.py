@@ -1,4 +1,4 @@
-"""``optim_repair.fix`` end to end through the library: plan, atomic write (``optim_repair.output``), verify.
+"""``optim_repair.fix`` end to end through the library: plan, atomic write (``checkpoint.writing``), verify.
 
 Every fix here goes through ``tests.support.fix``, which asserts the input is unchanged afterwards
 (content, mtime and mode of every file), whatever happened.
@@ -15,7 +15,7 @@ from torch.optim.lr_scheduler import LinearLR
 
 import optim_repair
 from optim_repair.errors import RepairRefused
-from optim_repair.verify import verify_torch_file
+from optim_repair.formats.torchfile.verifier import verify_torch_file
 from tests import checkpoints as ck
 from tests import models
 from tests.checkpoints import Built
@@ -53,8 +53,9 @@ def test_fix_adds_exactly_the_missing_entries_and_changes_nothing_else(
     assert added == {(s.file, s.location, p) for s, missing in built.missing.items() for p in missing}
     assert all(a.state == () for a in result.plan.additions)
     assert_fixed_copy(built, out)
-    assert (result.verification.tensors > 0, result.verification.bytes > 0) == ((False, False) if factory == "cold"
-                                                                             else (True, True))
+    assert (result.verification.tensors > 0, result.verification.bytes > 0) == (
+        (False, False) if factory == "cold" else (True, True)
+    )
     again = optim_repair.inspect(out)
     assert again.verdict == "healthy"
     assert [opt.missing for opt in again.optimizers] == [() for _ in again.optimizers]
@@ -68,7 +69,8 @@ def test_the_bug_report_is_repaired_and_resumes_through_the_stock_loader(
     fix(built.path, out)
     model = models.BugReportNet()
     opt = with_scheduler(
-        torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0))
+        torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
+    )
     with pytest.raises(RuntimeError, match="Missing optimizer state for parameter"):
         set_optimizer_state_dict(model, opt, built.load())
     sd = load(out / "checkpoint.pt")["optimizer_state_dict"]
@@ -86,8 +88,9 @@ def test_name_keyed_copies_load_through_set_optimizer_state_dict(root: Path, tmp
     opt = with_scheduler(models.make_optimizer(model))
     with pytest.raises(RuntimeError, match="Missing optimizer state"):
         set_optimizer_state_dict(model, opt, built.load(), options=options)
-    set_optimizer_state_dict(model, opt, load(tmp_path / "u" / "checkpoint.pt")["optimizer_state_dict"],
-                             options=options)
+    set_optimizer_state_dict(
+        model, opt, load(tmp_path / "u" / "checkpoint.pt")["optimizer_state_dict"], options=options
+    )
     models.train(model, opt, 1, use_all=True)
     assert len(opt.state) == 6
 
@@ -95,10 +98,15 @@ def test_name_keyed_copies_load_through_set_optimizer_state_dict(root: Path, tmp
     fix(multi.path, tmp_path / "m.pt")
     payload = load(tmp_path / "m.pt")
     actor, critic = models.TwoHeadNet(seed=3), models.TwoHeadNet(hidden=5, seed=4)
-    set_optimizer_state_dict(actor, with_scheduler(models.make_optimizer(actor)), payload["optimizers"]["actor"],
-                             options=options)
-    set_optimizer_state_dict(critic, with_scheduler(models.make_optimizer(critic, "adam", groups=2)),
-                             payload["optimizers"]["critic"], options=options)
+    set_optimizer_state_dict(
+        actor, with_scheduler(models.make_optimizer(actor)), payload["optimizers"]["actor"], options=options
+    )
+    set_optimizer_state_dict(
+        critic,
+        with_scheduler(models.make_optimizer(critic, "adam", groups=2)),
+        payload["optimizers"]["critic"],
+        options=options,
+    )
 
 
 def test_index_keyed_copies_load_through_optimizer_load_state_dict(root: Path, tmp_path: Path) -> None:
@@ -134,7 +142,8 @@ def test_tricky_tensors_are_bit_identical(tricky_checkpoint: Built, tmp_path: Pa
     original, copy = load(built.path), load(out)
     comparison = assert_copy_faithful(original, copy, {(*OPT, "state"): set(built.all_missing)})
     assert comparison.tensors == len(original["policy_state_dict"]) + sum(
-        len(e) for e in original["optimizer_state_dict"]["state"].values())
+        len(e) for e in original["optimizer_state_dict"]["state"].values()
+    )
     before, after = original["optimizer_state_dict"]["state"], copy["optimizer_state_dict"]["state"]
     # the documented hard cases, spelled out
     bits = after["head_used.weight"]["exp_avg"].view(torch.int32).view(-1)[:3].tolist()
@@ -167,7 +176,8 @@ def test_healthy_checkpoint_still_gets_a_verified_copy(healthy_checkpoint: Built
     assert result.plan.additions == ()
     payload = load(healthy_checkpoint.path)
     assert result.verification.tensors == len(payload["policy_state_dict"]) + sum(
-        len(entry) for entry in payload["optimizer_state_dict"]["state"].values())
+        len(entry) for entry in payload["optimizer_state_dict"]["state"].values()
+    )
     assert_copy_faithful(load(healthy_checkpoint.path), load(out))
 
 

@@ -61,8 +61,10 @@ def test_shapes_are_found_at_the_top_level_and_in_a_model_only_step(tmp_path: Pa
     the shapes of the parameters without state, as the checkpoint itself or as --model."""
     optimizer_only = dk.flattened_without_model(tmp_path / "in").path
     refused = run_cli(["fix", optimizer_only, "--out", tmp_path / "a", "--fill", "fresh"], code=3)
-    assert ("no parameter shapes for 2 parameter(s) without state (head.proj.bias, head.proj.weight); "
-            "the checkpoint holds no model weights; pass --model PATH") in refused.stderr
+    assert (
+        "no parameter shapes for 2 parameter(s) without state (head.proj.bias, head.proj.weight); "
+        "the checkpoint holds no model weights; pass --model PATH"
+    ) in refused.stderr
     model_only = dk.torchtitan_model_only(tmp_path / "titan")
     run_cli(["fix", optimizer_only, "--out", tmp_path / "b", "--model", model_only])
     fixed = only(read_dcp(tmp_path / "b", ""))

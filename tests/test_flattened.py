@@ -57,11 +57,16 @@ def test_a_flattened_torch_file_is_read_like_the_nested_form(tmp_path: Path) -> 
     (opt,) = diagnosis.optimizers
     (reference,) = optim_repair.inspect(nested).optimizers
     assert (opt.location, opt.key_style, opt.layout, opt.loader) == (
-        "optimizer", "name", "flattened", "set_optimizer_state_dict")
+        "optimizer",
+        "name",
+        "flattened",
+        "set_optimizer_state_dict",
+    )
     assert opt.missing == dk.HEAD and diagnosis.verdict == "repairable"
     assert [n.code for n in opt.notices] == ["flattened-missing-state"]
     assert [(g.params, g.options) for g in opt.optimizer.groups] == [
-        (g.params, g.options) for g in reference.optimizer.groups]
+        (g.params, g.options) for g in reference.optimizer.groups
+    ]
     assert opt.optimizer.entries == reference.optimizer.entries
 
 
@@ -83,7 +88,10 @@ def test_torch_refuses_it_and_a_fix_resumes_bit_identically(tmp_path: Path) -> N
     assert fixed.missing == () and fixed.layout == "flattened"
     saved = torch.load(out, weights_only=True)["optimizer"]
     assert [key for key in saved if key.startswith("state.head.proj.bias.")] == [
-        "state.head.proj.bias.step", "state.head.proj.bias.exp_avg", "state.head.proj.bias.exp_avg_sq"]
+        "state.head.proj.bias.step",
+        "state.head.proj.bias.exp_avg",
+        "state.head.proj.bias.exp_avg_sq",
+    ]
 
 
 def test_the_empty_fill_is_refused_and_shapes_come_from_a_model(tmp_path: Path) -> None:

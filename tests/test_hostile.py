@@ -44,7 +44,7 @@ def refused(*args: str | Path, codes: tuple[int, ...] = (3, 4), timeout: float =
     assert len(lines) == 1 and lines[0].startswith("optim-repair: error: "), result.stderr[-2000:]
     if "--json" in map(str, args):  # the error as one JSON document too
         error = json.loads(result.stdout)["error"]
-        assert (error["exit_code"], error["message"]) == (result.returncode, lines[0][len("optim-repair: error: "):])
+        assert (error["exit_code"], error["message"]) == (result.returncode, lines[0][len("optim-repair: error: ") :])
     else:
         assert result.stdout == ""
     return lines[0]
@@ -195,8 +195,12 @@ def test_sigterm_removes_the_temporary_copy(tmp_path: Path) -> None:
     big = built.path / "big.bin"
     big.write_bytes(os.urandom(64 << 20))  # copied and compared: long enough to be caught mid-way
     out = tmp_path / "out"
-    process = subprocess.Popen([*installed_command(), "fix", str(built.path), "--out", str(out)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [*installed_command(), "fix", str(built.path), "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 30
     while not list(tmp_path.glob(".out.optim-repair-*")) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -220,8 +224,9 @@ def _handles_sigterm(pid: int) -> bool:
 def test_ctrl_c_at_any_moment_after_the_entry_point_begins_is_one_line(tmp_path: Path, delay: float) -> None:
     """From the entry point's first instruction on (Python's own start-up is Python's), Ctrl-C is one line."""
     built = ck.healthy(tmp_path)
-    process = subprocess.Popen([*installed_command(), "inspect", str(built.path)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [*installed_command(), "inspect", str(built.path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 30
     while not _handles_sigterm(process.pid) and time.monotonic() < deadline:
         time.sleep(0.001)

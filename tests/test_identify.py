@@ -1,4 +1,4 @@
-"""Telling optimizers apart (``optim_repair.identify``) on the state dicts real torch optimizers write."""
+"""Telling optimizers apart (``optim_repair.decisions.identify``) on the state dicts real torch optimizers write."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
+from optim_repair.decisions.identify import identify_optimizer
+from optim_repair.decisions.optimizers import ParamSpec, fresh_state
 from optim_repair.errors import RepairRefused
-from optim_repair.identify import identify_optimizer
-from optim_repair.inventory import ParamGroup, StateEntry, TensorMeta
-from optim_repair.optimizers import ParamSpec, fresh_state
+from optim_repair.records.inventory import ParamGroup, StateEntry, TensorMeta
 from tests.models import VARIANTS, BranchNet, branch_inputs, train_branches
 from tests.support import group_of
 

@@ -93,7 +93,8 @@ def test_a_wrapped_runs_state_is_renamed_into_the_plain_model(
     with untouched(path):
         document = json.loads(run_cli(["fix", path, "--out", out, "--rename", str(found.rename), "--json"]).stdout)
     assert [(c["old"], c["new"]) for c in document["changed"]] == [
-        (f"{prefix}{name}", name) for name, _ in TwoHeadNet().named_parameters()]
+        (f"{prefix}{name}", name) for name, _ in TwoHeadNet().named_parameters()
+    ]
     assert document["added"] == [] and document["verification"]["tensors"] > 0
     model = TwoHeadNet(seed=3)
     opt = make_optimizer(model, "adamw")
@@ -122,7 +123,9 @@ def test_a_layer_unfrozen_between_runs_is_added_with_fresh_state(tmp_path: Path)
     document = json.loads(run_cli(["fix", path, "--out", out, "--add-from-model", "--fill", "fresh", "--json"]).stdout)
     fresh = ["step", "exp_avg", "exp_avg_sq"]
     assert [(a["param"], a["group"], a["keys"]) for a in document["added"]] == [
-        ("head_unused.weight", 0, fresh), ("head_unused.bias", 0, fresh)]
+        ("head_unused.weight", 0, fresh),
+        ("head_unused.bias", 0, fresh),
+    ]
     resumed_model = TwoHeadNet(seed=3)
     resumed_opt = make_optimizer(resumed_model, "adamw")
     _resume(out, resumed_model, resumed_opt)
@@ -163,7 +166,9 @@ def test_a_removed_layer_is_dropped(tmp_path: Path) -> None:
         out = tmp_path / name
         document = json.loads(run_cli(["fix", path, "--out", out, *args, "--json"]).stdout)
         assert [(c["old"], c["new"]) for c in document["changed"]] == [
-            ("head_unused.weight", None), ("head_unused.bias", None)]
+            ("head_unused.weight", None),
+            ("head_unused.bias", None),
+        ]
         resumed_model = OneHeadNet(seed=3)
         resumed_opt = make_optimizer(resumed_model, "adamw")
         saved = torch.load(out, weights_only=True)

@@ -19,15 +19,14 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+from optim_repair.decisions.optimizers import OPTIMIZERS, FreshValue, ParamSpec, fresh_state
 from optim_repair.errors import RepairRefused
-from optim_repair.inventory import ParamGroup, TensorMeta
-from optim_repair.optimizers import OPTIMIZERS, FreshValue, ParamSpec, fresh_state
-from optim_repair.repair_plan import FreshTensor
+from optim_repair.records.inventory import ParamGroup, TensorMeta
+from optim_repair.records.repair_plan import FreshTensor
 from tests.models import VARIANTS, BranchNet, branch_inputs, train_branches
 from tests.support import group_of
 
 Factory = Callable[[Any], torch.optim.Optimizer]
-
 
 
 def test_registry_covers_every_lazy_optimizer() -> None:
@@ -43,8 +42,6 @@ def build(value: FreshValue) -> Any:
     if isinstance(value, FreshTensor):
         return torch.full(value.shape, value.fill, dtype=getattr(torch, value.dtype))
     return value
-
-
 
 
 def assert_same_value(actual: object, expected: object, key: str) -> None:
@@ -159,8 +156,6 @@ def test_fresh_state_refuses_an_unknown_scalar_dtype() -> None:
 
 
 # --- 2. a filled checkpoint resumes bit-identically ----------------------------------------
-
-
 
 
 def by_name(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:

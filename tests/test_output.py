@@ -1,4 +1,4 @@
-"""The atomic copy (``optim_repair.output``), through ``optim_repair.fix``: refusals, failures, links.
+"""The atomic copy (``optim_repair.checkpoint.writing``), through ``optim_repair.fix``: refusals, failures, links.
 
 Whatever happens, the input is unchanged and nothing is left at ``--out`` or beside it but a verified copy.
 """
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import optim_repair
-from optim_repair import output
+from optim_repair.checkpoint import writing as output
 from optim_repair.errors import OutputError, RepairRefused, VerificationError
-from optim_repair.verify import verify_dcp
+from optim_repair.formats.dcp.verifier import verify_dcp
 from tests import checkpoints as ck
 from tests import dcp_checkpoints as dk
 from tests.checkpoints import Built
@@ -80,8 +80,14 @@ def test_existing_file_out_is_replaced_with_force(root: Path, tmp_path: Path) ->
 
 def test_out_inside_or_equal_to_or_containing_the_input_is_refused(root: Path) -> None:
     built = ck.unirl_torch(root)
-    for out, force in ((built.path / "fixed", False), (built.path / "sub" / "fixed", False), (built.path, True),
-                       (built.path / "checkpoint.pt", True), (root, True), (root.parent, True)):
+    for out, force in (
+        (built.path / "fixed", False),
+        (built.path / "sub" / "fixed", False),
+        (built.path, True),
+        (built.path / "checkpoint.pt", True),
+        (root, True),
+        (root.parent, True),
+    ):
         with untouched(root), pytest.raises(OutputError, match="out must not") as info:
             fix(built.path, out, force=force)
         assert info.value.exit_code == 5
@@ -100,9 +106,7 @@ def test_out_in_a_missing_directory_is_refused(root: Path, tmp_path: Path) -> No
 # ---------------------------------------------------------------- failures leave nothing behind
 
 
-def test_a_verification_mismatch_removes_the_copy(
-    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_verification_mismatch_removes_the_copy(root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fault injection in our own writer (never in torch): corrupt the written bytes before verification."""
     built = ck.unirl_torch(root)
     real = output.write_torch_file
@@ -156,8 +160,9 @@ def test_a_full_disk_leaves_no_out_and_no_temporary_files(tmp_path: Path, direct
     limit_kib = 512  # RLIMIT_FSIZE: any write past 512 KiB fails with EFBIG, as on a full disk
     command = shlex.join([*installed_command(), "fix", str(source), "--out", str(out)])
     with untouched(source):
-        result = subprocess.run(["bash", "-c", f"ulimit -f {limit_kib}; exec {command}"], capture_output=True,
-                                text=True, timeout=120)
+        result = subprocess.run(
+            ["bash", "-c", f"ulimit -f {limit_kib}; exec {command}"], capture_output=True, text=True, timeout=120
+        )
     assert result.returncode == 5, result.stderr
     assert "the disk is full" in result.stderr and str(out) in result.stderr
     assert "optim-repair-" not in result.stderr, "the message names --out, not a temporary file"
@@ -191,8 +196,9 @@ def unprivileged(probe: Path) -> list[str]:
     setpriv = shutil.which("setpriv")
     assert setpriv is not None, "as root, setpriv (util-linux) is needed to make file modes bind"
     prefix = [setpriv, "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--"]
-    check = subprocess.run([*prefix, sys.executable, "-c", f"open({str(probe)!r}, 'ab')"], capture_output=True,
-                           text=True)
+    check = subprocess.run(
+        [*prefix, sys.executable, "-c", f"open({str(probe)!r}, 'ab')"], capture_output=True, text=True
+    )
     assert check.returncode != 0 and "PermissionError" in check.stderr, f"{probe} is still writable"
     return prefix
 
@@ -202,8 +208,12 @@ def test_read_only_input_really_unwritable(read_only_tree: Built, tmp_path: Path
     prefix = unprivileged(built.path / "optimizer.pt")
     out = tmp_path / "out"
     before = snapshot(built.path)
-    result = subprocess.run([*prefix, *installed_command(), "fix", str(built.path), "--out", str(out)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [*prefix, *installed_command(), "fix", str(built.path), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert snapshot(built.path) == before
     assert_fixed_copy(built, out)
@@ -218,8 +228,12 @@ def test_an_unwritable_out_directory_exits_5_and_writes_nothing(root: Path, tmp_
     try:
         prefix = unprivileged(parent / "probe")
         with untouched(built.path):
-            result = subprocess.run([*prefix, *installed_command(), "fix", str(built.path), "--out",
-                                     str(parent / "out")], capture_output=True, text=True, timeout=120)
+            result = subprocess.run(
+                [*prefix, *installed_command(), "fix", str(built.path), "--out", str(parent / "out")],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
     finally:
         make_writable(parent)
     assert result.returncode == 5, result.stderr
@@ -235,8 +249,11 @@ def test_directory_mode_copies_every_other_file_byte_identical(hf_checkpoint: Bu
     out = tmp_path / "out"
     result = fix(built.path, out)
     assert {s.file: s.reason.split(" ")[0] for s in result.diagnosis.inventory.skipped} == {
-        "nested/blob.bin": "not", "rng_state.pth": "holds", "scheduler.pt": "holds",
-        "training_args.bin": "refuses"}
+        "nested/blob.bin": "not",
+        "rng_state.pth": "holds",
+        "scheduler.pt": "holds",
+        "training_args.bin": "refuses",
+    }
     assert result.diagnosis.verdict == "healthy", "optimizer.load_state_dict resumes HF's absent entries"
     assert (out / "empty-dir").is_dir()
     assert_fixed_copy(built, out)

@@ -44,16 +44,22 @@ def torch_pickle_load(data: bytes, storages: dict[str, torch.Tensor]) -> Any:
     class Loader(pickle.Unpickler):
         def persistent_load(self, pid: Any) -> Any:
             _, _, key, _, _ = pid[:5]
-            return torch.storage.TypedStorage(wrap_storage=storages[key].untyped_storage(), dtype=storages[key].dtype,
-                                              _internal=True)
+            return torch.storage.TypedStorage(
+                wrap_storage=storages[key].untyped_storage(), dtype=storages[key].dtype, _internal=True
+            )
 
     return Loader(io.BytesIO(data)).load()
 
 
 def test_tensor_meta_records_layout_not_data(tmp_path: Path) -> None:
     base = torch.arange(12, dtype=torch.float32).view(3, 4)
-    obj = {"t": base.t(), "view": base[1:, 1:], "bf16": torch.ones(2, 3, dtype=torch.bfloat16),
-           "c": torch.zeros(2, dtype=torch.complex64), "void": torch.zeros(0, 4)}
+    obj = {
+        "t": base.t(),
+        "view": base[1:, 1:],
+        "bf16": torch.ones(2, 3, dtype=torch.bfloat16),
+        "c": torch.zeros(2, dtype=torch.complex64),
+        "void": torch.zeros(0, 4),
+    }
     graph = load_graph(saved_pickle(obj, tmp_path), "obj.pt")
     metas = {key: tensor_meta(value) for key, value in graph.root.items()}
     t, view = metas["t"], metas["view"]
@@ -80,8 +86,15 @@ def test_dtypes_saved_through_untyped_storage_are_readable(tmp_path: Path, dtype
 
 
 def test_parameters_and_plain_values_survive(tmp_path: Path) -> None:
-    obj = {"p": torch.nn.Parameter(torch.ones(2)), "betas": (0.9, 0.999), "n": None, "s": {1, 2}, "b": b"\x00\xff",
-           "cx": 1 + 2j, "ba": bytearray(b"ab")}
+    obj = {
+        "p": torch.nn.Parameter(torch.ones(2)),
+        "betas": (0.9, 0.999),
+        "n": None,
+        "s": {1, 2},
+        "b": b"\x00\xff",
+        "cx": 1 + 2j,
+        "ba": bytearray(b"ab"),
+    }
     graph = load_graph(saved_pickle(obj, tmp_path), "obj.pt")
     root = graph.root
     assert is_tensor(root["p"]) and tensor_meta(root["p"]) is not None
@@ -92,8 +105,15 @@ def test_parameters_and_plain_values_survive(tmp_path: Path) -> None:
 
 def test_repickled_graph_loads_in_torch_as_the_original(tmp_path: Path) -> None:
     base = torch.arange(6, dtype=torch.float32)
-    obj = {"a": base.view(2, 3).t(), "b": base[2:], "c": [1, (2, 3.5)], "d": torch.tensor(1.0),
-           "od": __import__("collections").OrderedDict(x=1), "bytes": b"\x01", "p": torch.nn.Parameter(torch.ones(1))}
+    obj = {
+        "a": base.view(2, 3).t(),
+        "b": base[2:],
+        "c": [1, (2, 3.5)],
+        "d": torch.tensor(1.0),
+        "od": __import__("collections").OrderedDict(x=1),
+        "bytes": b"\x01",
+        "p": torch.nn.Parameter(torch.ones(1)),
+    }
     data = saved_pickle(obj, tmp_path)
     graph = load_graph(data, "obj.pt")
     again = dump_graph(graph.root, graph.protocol)
@@ -104,7 +124,12 @@ def test_repickled_graph_loads_in_torch_as_the_original(tmp_path: Path) -> None:
         if isinstance(first[key], torch.Tensor):
             a, b = first[key], second[key]
             assert (a.dtype, a.shape, a.stride(), a.storage_offset(), type(a)) == (
-                b.dtype, b.shape, b.stride(), b.storage_offset(), type(b))
+                b.dtype,
+                b.shape,
+                b.stride(),
+                b.storage_offset(),
+                type(b),
+            )
             assert torch.equal(a, b)
         else:
             assert first[key] == second[key] and type(first[key]) is type(second[key])
@@ -134,8 +159,16 @@ def test_unsafe_global_is_refused_naming_it_and_never_run(tmp_path: Path, protoc
 
 @pytest.mark.parametrize(
     ("module", "name"),
-    [("builtins", "eval"), ("__builtin__", "eval"), ("torch", "load"), ("torch.nn", "Module"), ("os", "system"),
-     ("subprocess", "Popen"), ("collections", "Counter"), ("torch._utils", "_rebuild_device_tensor_from_numpy")],
+    [
+        ("builtins", "eval"),
+        ("__builtin__", "eval"),
+        ("torch", "load"),
+        ("torch.nn", "Module"),
+        ("os", "system"),
+        ("subprocess", "Popen"),
+        ("collections", "Counter"),
+        ("torch._utils", "_rebuild_device_tensor_from_numpy"),
+    ],
 )
 def test_globals_outside_the_allowlist_are_refused(module: str, name: str) -> None:
     data = b"\x80\x02c" + f"{module}\n{name}\n".encode() + b")R."
@@ -160,8 +193,10 @@ def test_codecs_encode_only_latin1() -> None:
 
 def test_build_cannot_turn_an_allowed_global_into_another() -> None:
     # GLOBAL torch.Size, then BUILD {"module": "os", "name": "system"}, then call it with "id"
-    data = (b"\x80\x02ctorch\nSize\n}(X\x06\x00\x00\x00moduleX\x02\x00\x00\x00osX\x04\x00\x00\x00name"
-            b"X\x06\x00\x00\x00systemubX\x02\x00\x00\x00id\x85R.")
+    data = (
+        b"\x80\x02ctorch\nSize\n}(X\x06\x00\x00\x00moduleX\x02\x00\x00\x00osX\x04\x00\x00\x00name"
+        b"X\x06\x00\x00\x00systemubX\x02\x00\x00\x00id\x85R."
+    )
     with pytest.raises(InputError, match=r"sets the state of global torch\.Size"):
         load_graph(data, "p")
 

@@ -13,12 +13,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from optim_repair.verify import verify_torch_file
+from optim_repair.formats.torchfile.verifier import verify_torch_file
 from tests import models
 from tests.support import assert_copy_faithful, fix, load
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64, torch.int64, torch.uint8,
-          torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.complex64,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+]
 SPECIAL_FLOATS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -1e-40, 65504.0, 3.0e38]
 
 PROPERTY_SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -74,8 +82,12 @@ def checkpoints(draw: st.DrawFn) -> tuple[dict[str, Any], bool]:
         if draw(st.booleans()):
             raw = draw(st.binary(min_size=moment.numel() * 4, max_size=moment.numel() * 4))
             entry["exp_avg"] = torch.frombuffer(bytearray(raw), dtype=torch.float32).view(moment.shape).clone()
-    payload = {"model": dict(weights), "optimizer": sd, "extra": extra,
-               "meta": {"lr": draw(st.floats(allow_nan=True)), "betas": (0.9, draw(st.floats(allow_nan=False)))}}
+    payload = {
+        "model": dict(weights),
+        "optimizer": sd,
+        "extra": extra,
+        "meta": {"lr": draw(st.floats(allow_nan=True)), "betas": (0.9, draw(st.floats(allow_nan=False)))},
+    }
     return payload, draw(st.booleans())
 
 

@@ -1,4 +1,4 @@
-"""Reading every optimizer under a checkpoint argument: ``optim_repair.reading`` and ``optim_repair.discovery``."""
+"""Reading every optimizer under a checkpoint argument: ``checkpoint.reading`` and ``checkpoint.discovery``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from optim_repair.checkpoint.reading import read_checkpoint
 from optim_repair.errors import InputError, UnsafeInputError
-from optim_repair.reading import read_checkpoint
 from tests import checkpoints as ck
 from tests import models
 from tests.checkpoints import Built
@@ -27,9 +27,17 @@ def expected(built: Built, style: str) -> dict[tuple[str, str], str]:
 
 @pytest.mark.parametrize(
     ("factory", "style"),
-    [("unirl_torch", "name"), ("petrainer", "name"), ("hf_trainer", "index"), ("accelerate", "index"),
-     ("lightning", "index"), ("multi_optimizer", "name"), ("legacy_format", "name"), ("bug_report", "name"),
-     ("cold", "index")],
+    [
+        ("unirl_torch", "name"),
+        ("petrainer", "name"),
+        ("hf_trainer", "index"),
+        ("accelerate", "index"),
+        ("lightning", "index"),
+        ("multi_optimizer", "name"),
+        ("legacy_format", "name"),
+        ("bug_report", "name"),
+        ("cold", "index"),
+    ],
 )
 def test_each_layout_reports_file_location_and_key_style(root: Path, factory: str, style: str) -> None:
     built = ck.FACTORIES[factory](root)
@@ -137,8 +145,11 @@ def test_file_without_optimizer_and_missing_paths_are_input_errors(root: Path) -
 
 def test_unsafe_file_argument_is_refused_naming_the_global(root: Path, marker: Path) -> None:
     built = ck.hf_trainer(root)
-    with pytest.raises(UnsafeInputError, match=r"training_args\.bin: refuses to load global "
-                       r"tests\.checkpoints\.TrainingArguments$"):
+    with pytest.raises(
+        UnsafeInputError,
+        match=r"training_args\.bin: refuses to load global "
+        r"tests\.checkpoints\.TrainingArguments$",
+    ):
         read_checkpoint(built.path / "training_args.bin")
     unsafe = ck.unsafe_legacy_pickle(root / "u", marker)
     with pytest.raises(UnsafeInputError):

@@ -9,11 +9,11 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 import optim_repair
-from optim_repair.diagnose import diagnose
+from optim_repair.checkpoint.reading import read_checkpoint
+from optim_repair.decisions.diagnose import diagnose
+from optim_repair.decisions.repair import plan_repair
 from optim_repair.errors import RepairRefused, UsageError
-from optim_repair.reading import read_checkpoint
-from optim_repair.repair import plan_repair
-from optim_repair.repair_plan import FreshTensor
+from optim_repair.records.repair_plan import FreshTensor
 from tests import checkpoints as ck
 from tests import models
 

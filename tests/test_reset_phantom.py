@@ -62,17 +62,22 @@ def test_phantom_entries_are_found_and_reset_to_fresh_state(tmp_path: Path) -> N
         result = run_cli(["fix", path, "--out", out, "--reset-phantom-step", "--fill", "fresh", "--json"])
     document = json.loads(result.stdout)
     assert [(a["param"], a["keys"], a["replaced"]) for a in document["added"]] == [
-        (name, ["step", "exp_avg", "exp_avg_sq"], True) for name in UNUSED]
+        (name, ["step", "exp_avg", "exp_avg_sq"], True) for name in UNUSED
+    ]
     fixed = torch.load(out, weights_only=True)
     # the same repair by hand: torch's own objects, fresh AdamW state for the never-updated head
     expected = torch.load(path, weights_only=True)
     for name in UNUSED:
         moment = expected["optimizer_state_dict"]["state"][name]["exp_avg"]
         expected["optimizer_state_dict"]["state"][name] = {
-            "step": torch.tensor(0.0), "exp_avg": torch.zeros_like(moment), "exp_avg_sq": torch.zeros_like(moment)}
+            "step": torch.tensor(0.0),
+            "exp_avg": torch.zeros_like(moment),
+            "exp_avg_sq": torch.zeros_like(moment),
+        }
     for name in UNUSED:
         assert {k: v.tolist() for k, v in fixed["optimizer_state_dict"]["state"][name].items()} == {
-            k: v.tolist() for k, v in expected["optimizer_state_dict"]["state"][name].items()}
+            k: v.tolist() for k, v in expected["optimizer_state_dict"]["state"][name].items()
+        }
     resumed, reference = _continue(copy.deepcopy(fixed)), _continue(expected)
     assert all(torch.equal(resumed[name], reference[name]) for name in reference)
     phantom = _continue(torch.load(path, weights_only=True))

@@ -1,4 +1,4 @@
-"""The temporary sibling of --out (``optim_repair.staging``): atomic creation, links, stale temporaries."""
+"""The temporary sibling of --out (``optim_repair.checkpoint.staging``): atomic creation, links, stale temporaries."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from optim_repair import staging
+from optim_repair.checkpoint import staging
 from optim_repair.errors import OutputError
 from tests import checkpoints as ck
 from tests.conftest import run_cli

@@ -16,8 +16,8 @@ from optim_repair.errors import InputError, OptimRepairError, UnsafeInputError
 from optim_repair.formats.torchfile import open_torch_file, read_inventory, write_torch_file
 from optim_repair.formats.torchfile.reader import PHANTOM_PROBE_BYTES, find_optimizers
 from optim_repair.formats.torchfile.zipwriter import ALIGNMENT
-from optim_repair.inventory import OtherValue, TensorMeta
-from optim_repair.repair_plan import Addition
+from optim_repair.records.inventory import OtherValue, TensorMeta
+from optim_repair.records.repair_plan import Addition
 from tests import checkpoints as ck
 from tests import models
 from tests.checkpoints import Built
@@ -96,8 +96,13 @@ def test_every_storage_is_located_exactly(root: Path) -> None:
     ("factory", "expected"),
     [
         ("lightning", [("optimizer_states[0]", ("optimizer_states", 0), "index")]),
-        ("multi_optimizer", [("optimizers.actor", ("optimizers", "actor"), "name"),
-                             ("optimizers.critic", ("optimizers", "critic"), "name")]),
+        (
+            "multi_optimizer",
+            [
+                ("optimizers.actor", ("optimizers", "actor"), "name"),
+                ("optimizers.critic", ("optimizers", "critic"), "name"),
+            ],
+        ),
         ("cold", [("", (), "index")]),
         ("healthy", [("optimizer_state_dict", OPT, "name")]),
     ],
@@ -142,8 +147,11 @@ def test_non_mapping_and_odd_values_are_described(root: Path) -> None:
 
 def test_inventory_reads_no_moment_bytes(root: Path) -> None:
     """Garbage in every moment storage (not ``step``) changes nothing inspect reports."""
-    for built, address in ((ck.bug_report(root / "b"), OPT), (ck.lightning(root / "l"), ("optimizer_states", 0)),
-                           (ck.legacy_format(root / "g"), OPT)):
+    for built, address in (
+        (ck.bug_report(root / "b"), OPT),
+        (ck.lightning(root / "l"), ("optimizer_states", 0)),
+        (ck.legacy_format(root / "g"), OPT),
+    ):
         path = built.file()
         before = read_inventory(path, "", "f")
         original_bytes = path.read_bytes()
@@ -215,8 +223,12 @@ def test_truncated_files_are_input_errors(root: Path, legacy: bool, keep: int) -
 
 
 def test_random_bytes_and_empty_files_are_input_errors(tmp_path: Path) -> None:
-    for name, data in (("random.pt", random.Random(1).randbytes(4096)), ("empty.pt", b""), ("text.pt", b"hello\n"),
-                       ("zip.pt", b"PK\x03\x04" + bytes(100))):
+    for name, data in (
+        ("random.pt", random.Random(1).randbytes(4096)),
+        ("empty.pt", b""),
+        ("text.pt", b"hello\n"),
+        ("zip.pt", b"PK\x03\x04" + bytes(100)),
+    ):
         path = tmp_path / name
         path.write_bytes(data)
         with pytest.raises(InputError, match=rf"^{name}: "):
@@ -288,8 +300,11 @@ def test_a_bad_crc_in_a_record_is_copied_as_it_is(root: Path, tmp_path: Path) ->
 
 
 def _additions(built: Built) -> list[Addition]:
-    return [Addition(site.file, site.location, site.address, param, ())
-            for site, missing in built.missing.items() for param in missing]
+    return [
+        Addition(site.file, site.location, site.address, param, ())
+        for site, missing in built.missing.items()
+        for param in missing
+    ]
 
 
 @pytest.mark.parametrize("factory", ["tricky_tensors", "legacy_format", "lightning", "multi_optimizer", "cold"])
@@ -318,13 +333,16 @@ def test_zip_copy_keeps_records_and_alignment(root: Path, tmp_path: Path) -> Non
 
 
 def test_write_with_fresh_tensors_creates_new_storages(root: Path, tmp_path: Path) -> None:
-    from optim_repair.repair_plan import FreshTensor
+    from optim_repair.records.repair_plan import FreshTensor
 
     for built in (ck.unirl_torch(root / "z"), ck.legacy_format(root / "l")):
         src = built.file()
         out = tmp_path / f"{src.stem}-fresh.pt"
-        state = (("step", FreshTensor("float32", (), 0.0)), ("exp_avg", FreshTensor("float32", (2, 8), 0.0)),
-                 ("exp_avg_sq", FreshTensor("bfloat16", (2,), 1.5)))
+        state = (
+            ("step", FreshTensor("float32", (), 0.0)),
+            ("exp_avg", FreshTensor("float32", (2, 8), 0.0)),
+            ("exp_avg_sq", FreshTensor("bfloat16", (2,), 1.5)),
+        )
         site = built.site
         write_torch_file(src, "in", [Addition(site.file, site.location, OPT, "head_unused.weight", state)], out)
         added = load(out)["optimizer_state_dict"]["state"]["head_unused.weight"]
@@ -354,10 +372,19 @@ def test_every_pickle_protocol_and_plain_value_survives_a_write(tmp_path: Path, 
     opt = torch.optim.AdamW([*model.parameters(), *unused.parameters()])
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
-    payload = {"opt": opt.state_dict(), "dtype": torch.bfloat16, "device": torch.device("cpu"),
-               "size": torch.Size([2, 3]), "set": {"a", "b"}, "od": collections.OrderedDict(a=torch.ones(2)),
-               "param": torch.nn.Parameter(torch.ones(2)), "nested": ((1, 2), [3.5, float("nan")]), "big": 2**70,
-               "bytes": b"\x00" * 300, "none": None}
+    payload = {
+        "opt": opt.state_dict(),
+        "dtype": torch.bfloat16,
+        "device": torch.device("cpu"),
+        "size": torch.Size([2, 3]),
+        "set": {"a", "b"},
+        "od": collections.OrderedDict(a=torch.ones(2)),
+        "param": torch.nn.Parameter(torch.ones(2)),
+        "nested": ((1, 2), [3.5, float("nan")]),
+        "big": 2**70,
+        "bytes": b"\x00" * 300,
+        "none": None,
+    }
     src, out = tmp_path / "in.pt", tmp_path / "out.pt"
     torch.save(payload, src, pickle_protocol=protocol, _use_new_zipfile_serialization=not legacy)
     write_torch_file(src, "in", [Addition("", "opt", ("opt",), 2, ()), Addition("", "opt", ("opt",), 3, ())], out)

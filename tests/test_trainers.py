@@ -345,7 +345,12 @@ def test_hf_trainer_checkpoint_is_healthy_as_written_and_strictly_repairable(
 ) -> None:
     config = ["config.json"] if hf_written.kind == "pretrained" else []
     assert sorted(p.name for p in hf_written.path.iterdir()) == [
-        *config, "model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt", "trainer_state.json",
+        *config,
+        "model.safetensors",
+        "optimizer.pt",
+        "rng_state.pth",
+        "scheduler.pt",
+        "trainer_state.json",
         "training_args.bin",
     ]
     assert_inspected(hf_written)
@@ -446,15 +451,16 @@ def test_accelerate_state_is_healthy_as_written_and_strictly_repairable(
     accelerate_written: Written, tmp_path: Path
 ) -> None:
     assert sorted(p.name for p in accelerate_written.path.iterdir()) == [
-        "model.safetensors", "optimizer.bin", "random_states_0.pkl", "scheduler.bin",
+        "model.safetensors",
+        "optimizer.bin",
+        "random_states_0.pkl",
+        "scheduler.bin",
     ]
     assert_inspected(accelerate_written)
     assert_fresh_refused(accelerate_written, tmp_path)
 
 
-def test_accelerate_resumes_exactly_from_the_repaired_copy(
-    accelerate_written: Written, tmp_path: Path
-) -> None:
+def test_accelerate_resumes_exactly_from_the_repaired_copy(accelerate_written: Written, tmp_path: Path) -> None:
     fixed = fixed_copy(accelerate_written, tmp_path)
     # load_state ignores an unreadable random_states_0.pkl ("Could not load random states"): the dropout
     # makes the comparison below fail unless the copy carried it over intact
@@ -583,10 +589,7 @@ def test_lightning_resumes_exactly_from_the_repaired_copy(lightning_one: Written
     assert_resumes_exactly(lightning_one, lambda path: lightning_fit(one, tmp_path / path.stem, path), fixed)
 
 
-def test_lightning_two_optimizers_resume_exactly_from_the_repaired_copy(
-    lightning_two: Written, tmp_path: Path
-) -> None:
+def test_lightning_two_optimizers_resume_exactly_from_the_repaired_copy(lightning_two: Written, tmp_path: Path) -> None:
     _, two = lightning_classes()
     fixed = fixed_copy(lightning_two, tmp_path)
     assert_resumes_exactly(lightning_two, lambda path: lightning_fit(two, tmp_path / path.stem, path), fixed)
-

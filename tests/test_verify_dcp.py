@@ -1,4 +1,4 @@
-"""Verification of DCP copies (``optim_repair.verify.dcp``): it must catch every kind of tampering."""
+"""Verification of DCP copies (``optim_repair.formats.dcp.verifier``): it must catch every kind of tampering."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import pytest
 
 from optim_repair.errors import VerificationError
 from optim_repair.formats.dcp import read_metadata
-from optim_repair.repair_plan import Addition, FreshTensor
-from optim_repair.verify import verify_dcp
+from optim_repair.formats.dcp.verifier import verify_dcp
+from optim_repair.records.repair_plan import Addition, FreshTensor
 from tests import dcp_checkpoints as dk
 from tests.dcp_checkpoints import repaired
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
 
 def test_verify_detects_a_changed_original_entry(tmp_path: Path) -> None:
     built = dk.unirl_dcp(tmp_path / "in")

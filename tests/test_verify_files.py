@@ -1,4 +1,4 @@
-"""Verification of files copied as they are (``optim_repair.verify.files``): every byte compared."""
+"""Verification of files copied as they are (``optim_repair.formats.copied``): every byte compared."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from optim_repair.errors import VerificationError
-from optim_repair.verify import verify_copied_file
+from optim_repair.formats.copied import verify_copied_file
 
 
 def test_copied_files_are_compared_byte_for_byte(tmp_path: Path) -> None:

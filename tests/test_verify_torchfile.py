@@ -1,4 +1,4 @@
-"""Verification of torch files from disk (``optim_repair.verify.torchfile``): it must catch every kind of tampering."""
+"""Verification of torch files from disk (``formats.torchfile.verifier``): it must catch every kind of tampering."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from optim_repair.errors import VerificationError
 from optim_repair.formats.pickled import dump_graph, load_graph
 from optim_repair.formats.torchfile import open_torch_file, write_torch_file
-from optim_repair.repair_plan import Addition
-from optim_repair.verify import verify_torch_file
+from optim_repair.formats.torchfile.verifier import verify_torch_file
+from optim_repair.records.repair_plan import Addition
 from tests import checkpoints as ck
 from tests.checkpoints import Built
 from tests.support import (
@@ -32,8 +32,11 @@ OPT = ck.OPT_SITE
 
 
 def additions(built: Built) -> list[Addition]:
-    return [Addition(site.file, site.location, site.address, param, ())
-            for site, missing in built.missing.items() for param in missing]
+    return [
+        Addition(site.file, site.location, site.address, param, ())
+        for site, missing in built.missing.items()
+        for param in missing
+    ]
 
 
 @pytest.fixture
@@ -100,15 +103,25 @@ def test_a_changed_float_in_the_pickle_is_caught(tricky_copy: tuple[Built, Path,
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda root: root["optimizer_state_dict"]["param_groups"][0].__setitem__("weight_decay", -0.0),
-         r"param_groups\[0\]\.weight_decay: 0\.01 became -0\.0"),
-        (lambda root: root["optimizer_state_dict"]["param_groups"][0].__setitem__(
-            "betas", list(root["optimizer_state_dict"]["param_groups"][0]["betas"])), "tuple became list"),
+        (
+            lambda root: root["optimizer_state_dict"]["param_groups"][0].__setitem__("weight_decay", -0.0),
+            r"param_groups\[0\]\.weight_decay: 0\.01 became -0\.0",
+        ),
+        (
+            lambda root: root["optimizer_state_dict"]["param_groups"][0].__setitem__(
+                "betas", list(root["optimizer_state_dict"]["param_groups"][0]["betas"])
+            ),
+            "tuple became list",
+        ),
         (lambda root: root.__setitem__("step", 3), "step: 2 became 3"),
         (lambda root: root.__setitem__("extra", 1), "keys"),
         (lambda root: root["optimizer_state_dict"]["state"].pop("trunk.bias"), "keys"),
-        (lambda root: root["optimizer_state_dict"]["state"].__setitem__(
-            "trunk.bias", root["optimizer_state_dict"]["state"].pop("trunk.bias")), "keys"),
+        (
+            lambda root: root["optimizer_state_dict"]["state"].__setitem__(
+                "trunk.bias", root["optimizer_state_dict"]["state"].pop("trunk.bias")
+            ),
+            "keys",
+        ),
     ],
     ids=["signed-zero", "tuple-to-list", "int", "added-key", "removed-entry", "key-order"],
 )

@@ -16,11 +16,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from optim_repair.dtypes import DTYPES, LEGACY_STORAGES, contiguous_strides, itemsize
 from optim_repair.errors import InputError, RepairRefused, UnsafeInputError, shown
 from optim_repair.formats.pickle_limits import MAX_DEPTH
 from optim_repair.formats.unpickling import AllowlistUnpickler
-from optim_repair.inventory import OtherValue, StateValue, TensorMeta
+from optim_repair.records.dtypes import DTYPES, LEGACY_STORAGES, contiguous_strides, itemsize
+from optim_repair.records.inventory import OtherValue, StateValue, TensorMeta
 
 TENSOR_REBUILDERS = frozenset({"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3"})
 _OTHER_REBUILDERS = frozenset(
@@ -209,8 +209,6 @@ class PickleGraph:
     root: Any
     storages: dict[str, StorageRef]
     protocol: int
-
-
 
 
 def _children(node: Any) -> Iterable[Any]:
@@ -417,4 +415,3 @@ def storage_for(key: str, dtype: str, numel: int, *, legacy: bool, location: str
     if legacy:
         pid = (*pid, None)
     return StorageRef(pid, dtype, key, location, numel)
-

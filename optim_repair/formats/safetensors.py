@@ -6,10 +6,10 @@ import json
 import struct
 from pathlib import Path
 
-from optim_repair.dtypes import DTYPES, SAFETENSORS_NAMES, contiguous_strides, itemsize, numel
 from optim_repair.errors import InputError, shown
 from optim_repair.formats.inputs import open_regular, size_of
-from optim_repair.inventory import TensorMeta, WeightMap
+from optim_repair.records.dtypes import DTYPES, SAFETENSORS_NAMES, contiguous_strides, itemsize, numel
+from optim_repair.records.inventory import TensorMeta, WeightMap
 
 SAFETENSORS_SUFFIX = ".safetensors"
 _MAX_HEADER = 100 * 1024 * 1024

@@ -11,10 +11,10 @@ from collections.abc import Iterable
 from typing import TypedDict
 
 from optim_repair.api import DryRun, FixResult, versions
-from optim_repair.comparison import ModelComparison
-from optim_repair.diagnose import Diagnosis, OptimizerDiagnosis
-from optim_repair.inventory import ParamKey
-from optim_repair.notices import Notice
+from optim_repair.decisions.comparison import ModelComparison
+from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis
+from optim_repair.decisions.notices import Notice
+from optim_repair.records.inventory import ParamKey
 
 SCHEMA_VERSION = 2
 

@@ -20,13 +20,13 @@ from rich.table import Table
 from rich.text import Text
 
 from optim_repair.api import DryRun, FixResult
-from optim_repair.comparison import ModelComparison
+from optim_repair.decisions.comparison import ModelComparison
+from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis
+from optim_repair.decisions.notices import Notice
 from optim_repair.demo import DemoReport
-from optim_repair.diagnose import Diagnosis, OptimizerDiagnosis
-from optim_repair.inventory import ParamKey
-from optim_repair.notices import Notice
 from optim_repair.progress import Progress, Step, ignore
-from optim_repair.repair_plan import RepairPlan
+from optim_repair.records.inventory import ParamKey
+from optim_repair.records.repair_plan import RepairPlan
 
 _SHOWN = 8
 

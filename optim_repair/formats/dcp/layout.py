@@ -14,8 +14,8 @@ from typing import Literal
 
 from optim_repair.errors import InputError, RepairRefused, shown
 from optim_repair.formats.dcp.metadata import DcpMetadata, DcpTensor, KeyPath
-from optim_repair.inventory import ParamKey, TensorMeta
-from optim_repair.repair_plan import AddedValue, Addition, ParamChange
+from optim_repair.records.inventory import ParamKey, TensorMeta
+from optim_repair.records.repair_plan import AddedValue, Addition, ParamChange
 
 Layout = Literal["nested", "flattened"]
 _SECTIONS = ("state", "param_groups")

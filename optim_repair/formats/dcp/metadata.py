@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from optim_repair.dtypes import contiguous_strides, itemsize, numel
-from optim_repair.inventory import ParamKey, TensorMeta
+from optim_repair.records.dtypes import contiguous_strides, itemsize, numel
+from optim_repair.records.inventory import ParamKey, TensorMeta
 
 METADATA_FILE = ".metadata"
 SHARD_SUFFIX = ".distcp"

@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
 
-from optim_repair.dtypes import DTYPES, itemsize, numel
 from optim_repair.errors import InputError, UnsafeInputError, shown
 from optim_repair.formats.dcp.metadata import (
     METADATA_FILE,
@@ -30,6 +29,7 @@ from optim_repair.formats.dcp.metadata import (
 )
 from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.unpickling import AllowlistUnpickler
+from optim_repair.records.dtypes import DTYPES, itemsize, numel
 
 
 class MetadataRecord:

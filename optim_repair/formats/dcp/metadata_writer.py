@@ -20,7 +20,7 @@ from typing import Any
 from optim_repair.formats.dcp.layout import NewEntry, Rekeyed
 from optim_repair.formats.dcp.metadata import MetadataPickle
 from optim_repair.formats.dcp.metadata_reader import MemoObjects
-from optim_repair.repair_plan import FreshTensor
+from optim_repair.records.repair_plan import FreshTensor
 
 _METADATA = "torch.distributed.checkpoint.metadata"
 _BATCH = 1000

@@ -16,7 +16,7 @@ from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpBytes, DcpMetada
 from optim_repair.formats.dcp.metadata_reader import read_metadata
 from optim_repair.formats.dcp.storage import check_ranges, read_bytes_entries
 from optim_repair.formats.pickled import option_value, state_value
-from optim_repair.inventory import (
+from optim_repair.records.inventory import (
     FileInventory,
     OptimizerInventory,
     ParamGroup,

@@ -131,8 +131,6 @@ def read_bytes_entries(directory: Path, meta: DcpMetadata, keys: Sequence[str], 
         info = wanted[key]
         if (data, info.transforms) not in unpickled:
             where = f"{display_path(rel, info.relative_path)}:{key}"
-            unpickled[data, info.transforms] = read_saved_object(
-                untransform(data, info.transforms, where), where
-            ).root
+            unpickled[data, info.transforms] = read_saved_object(untransform(data, info.transforms, where), where).root
         values[key] = unpickled[data, info.transforms]
     return values

@@ -1,6 +1,6 @@
 """Writing what a repair adds to a DCP checkpoint: one new shard and a new ``.metadata``, without torch.
 
-A repair never rewrites a shard: the copy keeps every original file (copied by ``optim_repair.output``,
+A repair never rewrites a shard: the copy keeps every original file (copied by ``optim_repair.checkpoint.writing``,
 which follows the discovery list), and gains one shard holding the new entries and a new
 ``.metadata`` describing old and new entries, so that stock ``dcp.load`` accepts it.
 """
@@ -12,7 +12,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from optim_repair.dtypes import numel
 from optim_repair.errors import InputError, OutputError
 from optim_repair.formats.dcp.layout import PlannedEntries, plan_entries, rekey
 from optim_repair.formats.dcp.metadata import METADATA_FILE, SHARD_SUFFIX, DcpMetadata, KeyPath, display_path
@@ -21,8 +20,9 @@ from optim_repair.formats.dcp.metadata_writer import Place, extended_metadata, r
 from optim_repair.formats.pickled import dump_graph, new_tensor, storage_for
 from optim_repair.formats.ranges import write_all
 from optim_repair.formats.torchfile.zipwriter import ZipWriter
-from optim_repair.inventory import ParamKey
-from optim_repair.repair_plan import AddedValue, Addition, FreshTensor, ParamChange
+from optim_repair.records.dtypes import numel
+from optim_repair.records.inventory import ParamKey
+from optim_repair.records.repair_plan import AddedValue, Addition, FreshTensor, ParamChange
 
 
 def _shard_name(src: Path) -> str:

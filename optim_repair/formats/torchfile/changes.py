@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from optim_repair.repair_plan import ParamChange
+from optim_repair.records.repair_plan import ParamChange
 
 _FLAT_SECTIONS = ("state.", "param_groups.")
 

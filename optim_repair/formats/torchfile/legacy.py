@@ -6,17 +6,15 @@ of storage keys) followed, for each key in that list, by an 8-byte element count
 
 from __future__ import annotations
 
-import pickle
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, ClassVar, Literal
 
 from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError, shown
-from optim_repair.formats.inputs import open_regular, size_of
-from optim_repair.formats.pickled import PickleGraph, StorageRef, load_graph
-from optim_repair.formats.ranges import kernel_copy, write_all
+from optim_repair.formats.inputs import size_of
+from optim_repair.formats.pickled import PickleGraph, load_graph
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 
@@ -81,31 +79,3 @@ def open_legacy(stream: BinaryIO, path: Path, source: str, *, ours: bool = False
     if missing:
         raise InputError(f"damaged legacy torch file (no bytes for storage {shown(min(missing))})", path=source)
     return LegacyTorchFile(path, graph, offsets, main_start, storage_start, stream.tell(), tuple(keys))
-
-
-def write_legacy(
-    torch_file: LegacyTorchFile,
-    data: bytes,
-    created: Sequence[tuple[StorageRef, int, Iterable[bytes]]],
-    target: int,
-    on_bytes: Callable[[int], None] = lambda nbytes: None,
-) -> None:
-    """Write ``torch_file`` to the descriptor ``target`` with ``data`` as its main pickle and ``created`` added."""
-    keys = pickle.dumps([*torch_file.keys, *(ref.key for ref, _, _ in created)], protocol=2)
-    with open_regular(torch_file.path, str(torch_file.path)) as source:
-        kernel_copy(source.fileno(), target, 0, torch_file.main_start, 0)
-        position = torch_file.main_start
-        for block in (data, keys):
-            write_all(target, block, position)
-            position += len(block)
-        length = torch_file.storage_end - torch_file.storage_start
-        kernel_copy(source.fileno(), target, torch_file.storage_start, length, position)
-        on_bytes(length)
-        position += length
-    for ref, size, chunks in created:
-        write_all(target, struct.pack("<q", ref.numel), position)
-        position += 8
-        for chunk in chunks:
-            write_all(target, chunk, position)
-            position += len(chunk)
-        on_bytes(size)

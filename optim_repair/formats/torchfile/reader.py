@@ -10,12 +10,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from optim_repair.dtypes import decode_element, itemsize
 from optim_repair.errors import InputError, shown
 from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickled import describe_address, is_tensor, option_value, state_value, tensor_meta, walk
 from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
-from optim_repair.inventory import (
+from optim_repair.records.dtypes import decode_element, itemsize
+from optim_repair.records.inventory import (
     FileInventory,
     OptimizerInventory,
     ParamGroup,
@@ -212,9 +212,7 @@ def find_optimizers(root: Any) -> list[tuple[tuple[Any, ...], dict[Any, Any]]]:
     return found
 
 
-def read_inventory(
-    path: Path, file: str, source: str, *, keep: dict[str, TorchFile] | None = None
-) -> FileInventory:
+def read_inventory(path: Path, file: str, source: str, *, keep: dict[str, TorchFile] | None = None) -> FileInventory:
     """Everything inspect needs from one torch file, reading no tensor bytes but ``step`` values.
 
     With ``keep``, the parsed file is kept there under ``file`` when it holds an optimizer, for a

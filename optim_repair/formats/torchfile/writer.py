@@ -7,7 +7,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from optim_repair.dtypes import itemsize, numel
 from optim_repair.errors import InputError, RepairRefused, shown
 from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickled import (
@@ -23,10 +22,11 @@ from optim_repair.formats.pickled import (
 from optim_repair.formats.torchfile.changes import Undo as SwapUndo
 from optim_repair.formats.torchfile.changes import changed_optimizer, put, restore
 from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
-from optim_repair.formats.torchfile.legacy import LegacyTorchFile, write_legacy
-from optim_repair.formats.torchfile.zipformat import NewStorage, write_zip
+from optim_repair.formats.torchfile.legacy import LegacyTorchFile
+from optim_repair.formats.torchfile.rewrite import NewStorage, write_legacy, write_zip
 from optim_repair.formats.unpickling import ZIP_ERRORS
-from optim_repair.repair_plan import Addition, FreshTensor, ParamChange
+from optim_repair.records.dtypes import itemsize, numel
+from optim_repair.records.repair_plan import Addition, FreshTensor, ParamChange
 
 
 def entry_edit(optimizer: dict[Any, Any], addition: Addition) -> tuple[tuple[Any, ...], list[Any], list[Any]]:
@@ -99,7 +99,7 @@ def _add_entries(torch_file: TorchFile, additions: Sequence[Addition], src: Path
                     taken.add(storage_key)
                     ref = storage_for(storage_key, value.dtype, numel(value.shape), legacy=legacy, location=location)
                     entry[key] = new_tensor(ref, value.shape)
-                    created.append((ref, value.nbytes, value.chunks()))
+                    created.append(NewStorage(ref, value.nbytes, value.chunks()))
                 else:
                     entry[key] = value
             where, removed, keys = entry_edit(optimizer, addition)

@@ -5,15 +5,14 @@ from __future__ import annotations
 import struct
 import zipfile
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, ClassVar, Literal
 
 from optim_repair.errors import InputError, NotATorchFile, shown
-from optim_repair.formats.inputs import open_regular, size_of
-from optim_repair.formats.pickled import PickleGraph, StorageRef, load_graph
-from optim_repair.formats.torchfile.zipwriter import ZipWriter
+from optim_repair.formats.inputs import size_of
+from optim_repair.formats.pickled import PickleGraph, load_graph
 from optim_repair.formats.unpickling import ZIP_ERRORS
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
@@ -50,7 +49,7 @@ MAX_FRAMING_BYTES = 1 << 20
 """The most a record other than the pickle and the storages may hold: torch writes a few bytes in each."""
 
 
-def _data_offset(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> int:
+def data_offset(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> int:
     stream.seek(info.header_offset)
     header = stream.read(_LOCAL_HEADER.size)
     if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
@@ -86,7 +85,7 @@ def _check_records(records: list[zipfile.ZipInfo], prefix: str, source: str) -> 
 def read_record(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> bytes:
     """A framing record's bytes (never more than ``MAX_FRAMING_BYTES``: ``_check_records``), stored or deflated,
     read from its local header: the archive's directory is not parsed again for them."""
-    stream.seek(_data_offset(stream, info, source))
+    stream.seek(data_offset(stream, info, source))
     raw = stream.read(info.compress_size)
     stored = info.compress_type == zipfile.ZIP_STORED
     data = raw if stored else zlib.decompressobj(-15).decompress(raw, info.file_size + 1)
@@ -135,56 +134,7 @@ def open_zip(stream: BinaryIO, path: Path, source: str, *, ours: bool = False) -
                     f"storage record {shown(info.filename)} holds {info.file_size} bytes, expected {ref.nbytes}",
                     path=source,
                 )
-            offsets[key] = _data_offset(stream, info, source)
+            offsets[key] = data_offset(stream, info, source)
             if offsets[key] + ref.nbytes > size:
                 raise InputError(f"storage record {shown(info.filename)} lies past the end of the file", path=source)
     return ZipTorchFile(path, graph, offsets, tuple(records), prefix)
-
-
-NewStorage = tuple[StorageRef, int, Iterable[bytes]]
-"""A storage a repair adds: its stand-in, its size in bytes, and its bytes in bounded chunks."""
-
-
-def write_zip(
-    torch_file: ZipTorchFile,
-    data: bytes,
-    created: Sequence[NewStorage],
-    target: int,
-    on_bytes: Callable[[int], None] = lambda nbytes: None,
-    *,
-    dropped: frozenset[str] = frozenset(),
-) -> None:
-    """Write ``torch_file`` to the descriptor ``target`` with ``data`` as its pickle and ``created`` added, and
-    without the records of the ``dropped`` storages (which ``data`` no longer names).
-
-    Stored records keep their bytes and CRC-32 and are moved by the kernel; a deflated record (torch
-    writes none; never more than ``MAX_FRAMING_BYTES``) is written stored. ``on_bytes`` hears of every
-    record written, by its size.
-    """
-    writer = ZipWriter(target)
-    with open_regular(torch_file.path, str(torch_file.path)) as raw:
-        last_storage = max(
-            (i for i, info in enumerate(torch_file.records) if info.filename.startswith(f"{torch_file.prefix}data/")),
-            default=len(torch_file.records) - 1,
-        )
-        gone = {f"{torch_file.prefix}data/{key}" for key in dropped}
-        for index, info in enumerate(torch_file.records):
-            if info.filename == f"{torch_file.prefix}data.pkl":
-                writer.add_bytes(info.filename, data, info.date_time, info.external_attr)
-            elif info.filename in gone:
-                on_bytes(info.file_size)  # not copied, but part of the work the progress counts
-            elif info.compress_type == zipfile.ZIP_STORED:
-                offset = _data_offset(raw, info, str(torch_file.path))
-                writer.add_copy(
-                    info.filename, raw.fileno(), offset, info.file_size, info.CRC, info.date_time, info.external_attr
-                )
-                on_bytes(info.file_size)
-            else:
-                record = read_record(raw, info, str(torch_file.path))
-                writer.add_bytes(info.filename, record, info.date_time, info.external_attr)
-            if index == last_storage:
-                for ref, size, chunks in created:
-                    name = f"{torch_file.prefix}data/{ref.key}"
-                    writer.add_chunks(name, size, chunks, info.date_time, info.external_attr)
-                    on_bytes(size)
-        writer.finish()

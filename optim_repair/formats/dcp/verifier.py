@@ -8,8 +8,8 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from optim_repair.discovery import Entry, discover
 from optim_repair.errors import InputError, VerificationError, shown
+from optim_repair.formats.copied import same_file
 from optim_repair.formats.dcp.layout import NewEntry, PlannedEntries, Rekeyed, plan_entries
 from optim_repair.formats.dcp.metadata import (
     METADATA_FILE,
@@ -26,8 +26,8 @@ from optim_repair.formats.dcp.storage import read_ranges, read_saved_object, unt
 from optim_repair.formats.inputs import open_beneath
 from optim_repair.formats.pickled import load_graph, tensor_meta
 from optim_repair.formats.ranges import FileSlice, same_range
-from optim_repair.repair_plan import Addition, FreshTensor
-from optim_repair.verify.files import Verification, same_file
+from optim_repair.records.repair_plan import Addition, FreshTensor
+from optim_repair.records.verification import Verification
 
 
 def _check_ranges(src: Path, dest: Path, original: DcpMetadata, copy: DcpMetadata, rekeyed: Rekeyed) -> int:
@@ -105,40 +105,55 @@ def _check_fresh_tensor(shard: Path, info: DcpStorage, value: FreshTensor, where
                 raise VerificationError(f"does not hold {shown(value.fill)} everywhere", path=where)
 
 
-def verify_dcp(src: Path, dest: Path, additions: Sequence[Addition]) -> Verification:
+def verify_dcp(
+    src: Path, dest: Path, additions: Sequence[Addition], *, original: DcpMetadata | None = None
+) -> Verification:
     """Prove, through ``dest``'s own new metadata, that every original entry's bytes are unchanged,
     every other file is identical and the additions are present; raise ``VerificationError`` if not.
 
-    Counts the original tensor entries and the bytes of every original entry compared.
+    ``original`` is ``src``'s metadata as reading read it (read anew when not given). Counts the original
+    tensor entries and the bytes of every original entry compared.
     """
     source = display_path(str(src), METADATA_FILE)
-    planned = plan_entries(read_metadata(src, str(src)), additions, source)
-    return verify_planned_dcp(src, dest, planned, discover(src).members(""))
+    meta = original or read_metadata(src, str(src))
+    return verify_planned_dcp(src, dest, plan_entries(meta, additions, source))
 
 
-def verify_planned_dcp(src: Path, dest: Path, planned: PlannedEntries, members: Sequence[Entry]) -> Verification:
-    """``verify_dcp`` for the entries the writer planned and the files discovery listed, found anew by neither."""
+def verify_planned_dcp(src: Path, dest: Path, planned: PlannedEntries) -> Verification:
+    """``verify_dcp`` for the entries the plan holds: the copy's metadata and every file of it read from disk."""
     try:
         verification = _verify_entries(src, dest, planned)
-        _verify_members(src, dest, planned.original, members)
+        _verify_members(src, dest, planned.original)
     except (InputError, OSError) as exc:
         raise VerificationError(f"the copy cannot be read back ({exc})", path=str(dest)) from exc
     return verification
 
 
-def _verify_members(src: Path, dest: Path, original: DcpMetadata, members: Sequence[Entry]) -> None:
+def _members(root: Path) -> list[str]:
+    """Every file, link and directory under ``root`` (links not followed), by path relative to it."""
+
+    def fail(exc: OSError) -> None:
+        raise exc
+
+    found = []
+    for current, directories, files in os.walk(root, onerror=fail):
+        for name in (*directories, *files):
+            found.append(os.path.relpath(os.path.join(current, name), root))
+    return found
+
+
+def _verify_members(src: Path, dest: Path, original: DcpMetadata) -> None:
     """Every file of the checkpoint is in the copy: links as the same links, shards as long, the rest byte-identical.
 
     The bytes of every stored entry are compared through the metadata; ``.metadata`` itself is compared there.
     """
     shards = {info.relative_path for info in original.storage.values()}
-    for member in members:
-        name = member.member_name()
+    for name in _members(src):
         source, target = src / name, dest / name
-        if member.link:
+        if source.is_symlink():
             if not target.is_symlink() or os.readlink(target) != os.readlink(source):
                 raise VerificationError(f"is not the link {source} is", path=target)
-        elif member.role == "directory":
+        elif source.is_dir():
             if not target.is_dir() or target.is_symlink():
                 raise VerificationError("is not a directory", path=target)
         elif name in shards:

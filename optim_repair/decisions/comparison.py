@@ -10,8 +10,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from optim_repair.inventory import OptimizerInventory, ParamKey, TensorMeta, WeightMap
-from optim_repair.optimizers import PARAM_SHAPED_KEYS
+from optim_repair.decisions.optimizers import PARAM_SHAPED_KEYS
+from optim_repair.records.inventory import OptimizerInventory, ParamKey, TensorMeta, WeightMap
 
 WRAPPERS = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 """What wrappers insert into parameter names: torch.compile, DDP/DataParallel, FSDP1, activation checkpointing."""
@@ -106,9 +106,7 @@ def compare(optimizer: OptimizerInventory, weights: Sequence[WeightMap]) -> Mode
         if key in PARAM_SHAPED_KEYS and isinstance(value, TensorMeta) and value.shape != shapes[str(entry.param)].shape
     )
     rename = _explaining_rename([str(p) for p in not_in_model], set(shapes))
-    return ModelComparison(
-        sources, False, len(params), len(shapes), not_in_model, not_in_optimizer, mismatches, rename
-    )
+    return ModelComparison(sources, False, len(params), len(shapes), not_in_model, not_in_optimizer, mismatches, rename)
 
 
 def model_of(optimizer: OptimizerInventory, weights: Sequence[WeightMap]) -> tuple[WeightMap, ...]:

@@ -7,8 +7,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from optim_repair.comparison import ModelComparison, compare, model_of
-from optim_repair.inventory import (
+from optim_repair.decisions.comparison import ModelComparison, compare, model_of
+from optim_repair.decisions.notices import (
+    Loader,
+    Notice,
+    loader_notices,
+    loader_of,
+    phantom_entries,
+    shown_params,
+)
+from optim_repair.decisions.optimizers import PARAM_SHAPED_KEYS
+from optim_repair.records.inventory import (
     CheckpointInventory,
     OptimizerInventory,
     ParamKey,
@@ -17,17 +26,9 @@ from optim_repair.inventory import (
     TensorMeta,
     WeightMap,
 )
-from optim_repair.notices import (
-    Loader,
-    Notice,
-    loader_notices,
-    loader_of,
-    phantom_entries,
-    shown_params,
-)
-from optim_repair.optimizers import PARAM_SHAPED_KEYS
 
 Verdict = Literal["healthy", "repairable", "malformed"]
+
 
 @dataclass(frozen=True)
 class Malformed:

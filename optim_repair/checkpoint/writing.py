@@ -12,18 +12,21 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from optim_repair.discovery import Discovery
+from optim_repair.checkpoint.discovery import Discovery
+from optim_repair.checkpoint.reading import Parsed
+from optim_repair.checkpoint.staging import move_into_place, os_error_reason, remove_stale, temporary_sibling
 from optim_repair.errors import InputError, OutputError, Remedy, VerificationError
+from optim_repair.formats.copied import verify_copied_file
 from optim_repair.formats.dcp import METADATA_FILE, PlannedEntries, write_dcp
+from optim_repair.formats.dcp.verifier import verify_planned_dcp
 from optim_repair.formats.inputs import open_regular, size_of
 from optim_repair.formats.ranges import kernel_copy
 from optim_repair.formats.torchfile import TorchFile, write_torch_file
-from optim_repair.inventory import CheckpointInventory
+from optim_repair.formats.torchfile.verifier import verify_torch_file
 from optim_repair.progress import Meter, Notice, Progress, ignore
-from optim_repair.reading import Parsed
-from optim_repair.repair_plan import FreshTensor, RepairPlan
-from optim_repair.staging import move_into_place, os_error_reason, remove_stale, temporary_sibling
-from optim_repair.verify import NOTHING, Verification, verify_copied_file, verify_planned_dcp, verify_torch_file
+from optim_repair.records.inventory import CheckpointInventory
+from optim_repair.records.repair_plan import FreshTensor, RepairPlan
+from optim_repair.records.verification import NOTHING, Verification
 
 
 def check_output(source: Path, out: Path, *, force: bool) -> None:
@@ -58,9 +61,7 @@ def _write_file(
     )
     written.top_up(size)
     verified = _Tally(meter.verifying)
-    verification = verify_torch_file(
-        src, dest, source, additions, changes=changes, parsed=original, on_bytes=verified
-    )
+    verification = verify_torch_file(src, dest, source, additions, changes=changes, parsed=original, on_bytes=verified)
     verified.top_up(size)
     return verification
 
@@ -173,7 +174,7 @@ def _write_directory(
         _sync_directories(tmp)
     for rel, entries in planned.items():
         directory = found.target / rel if rel else found.target
-        proven = verify_planned_dcp(directory, tmp / rel if rel else tmp, entries, found.members(rel))
+        proven = verify_planned_dcp(directory, tmp / rel if rel else tmp, entries)
         meter.verifying(proven.bytes)
         total += proven
     return total

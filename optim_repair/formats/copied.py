@@ -1,30 +1,14 @@
-"""What a verification proved, and the proof for files copied as they are: every byte compared from disk."""
+"""The proof for files copied as they are: every byte compared from disk."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from optim_repair.errors import VerificationError
 from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.ranges import same_range
-
-
-@dataclass(frozen=True)
-class Verification:
-    """What a verification compared: original tensors found bit-identical in the copy, and bytes compared."""
-
-    tensors: int
-    bytes: int
-    linked: tuple[str, ...] = ()
-    """Files hard-linked to the original's (``link``): the same bytes by construction, not compared."""
-
-    def __add__(self, other: Verification) -> Verification:
-        return Verification(self.tensors + other.tensors, self.bytes + other.bytes, self.linked + other.linked)
-
-
-NOTHING = Verification(0, 0)
+from optim_repair.records.verification import Verification
 
 
 def same_file(original: Path, copy: Path) -> bool:

@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from optim_repair.comparison import model_of
-from optim_repair.diagnose import Diagnosis, OptimizerDiagnosis, diagnose_optimizer
+from optim_repair.decisions.comparison import model_of
+from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis, diagnose_optimizer
+from optim_repair.decisions.identify import identify_optimizer
+from optim_repair.decisions.operations import NO_OPERATIONS, Operations, apply_operations
+from optim_repair.decisions.optimizers import OPTIMIZERS, PARAM_SHAPED_KEYS, ParamSpec, fresh_state
 from optim_repair.errors import Remedy, RepairRefused, UsageError, shown
-from optim_repair.identify import identify_optimizer
-from optim_repair.inventory import OptimizerInventory, ParamKey, TensorMeta, WeightMap
-from optim_repair.operations import NO_OPERATIONS, Operations, apply_operations
-from optim_repair.optimizers import OPTIMIZERS, PARAM_SHAPED_KEYS, ParamSpec, fresh_state
-from optim_repair.repair_plan import Addition, Fill, FilledOptimizer, ParamChange, PlanFill, RepairPlan
+from optim_repair.records.inventory import OptimizerInventory, ParamKey, TensorMeta, WeightMap
+from optim_repair.records.repair_plan import Addition, Fill, FilledOptimizer, ParamChange, PlanFill, RepairPlan
 
 
 def default_fill(format: str) -> Fill:

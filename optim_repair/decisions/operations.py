@@ -12,10 +12,10 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from optim_repair.decisions.optimizers import PARAM_SHAPED_KEYS
 from optim_repair.errors import Remedy, RepairRefused, UsageError, shown
-from optim_repair.inventory import OptimizerInventory, ParamGroup, ParamKey, TensorMeta, WeightMap
-from optim_repair.optimizers import PARAM_SHAPED_KEYS
-from optim_repair.repair_plan import ParamChange
+from optim_repair.records.inventory import OptimizerInventory, ParamGroup, ParamKey, TensorMeta, WeightMap
+from optim_repair.records.repair_plan import ParamChange
 
 
 @dataclass(frozen=True)
@@ -131,9 +131,7 @@ def apply_operations(
     return Applied(replace(optimizer, groups=groups, entries=entries), changes, joined)
 
 
-def _by_index(
-    optimizer: OptimizerInventory, operations: Operations, model: Sequence[WeightMap], where: str
-) -> Applied:
+def _by_index(optimizer: OptimizerInventory, operations: Operations, model: Sequence[WeightMap], where: str) -> Applied:
     """An index-keyed optimizer (``optimizer.state_dict()``) names no parameter: renames and drops, which pick
     parameters by name, cannot apply. Adding the model's parameters can, by count: the model's parameters beyond
     the optimizer's join a group as the next indices, once the shapes of the optimizer's moments are found among

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from optim_repair.decisions.optimizers import KNOWN_OPTIONS, OPTIMIZERS, SPECS, OptimizerSpec, ParamSpec, fresh_state
 from optim_repair.errors import Remedy, RepairRefused
-from optim_repair.inventory import ParamGroup, StateEntry
-from optim_repair.optimizers import KNOWN_OPTIONS, OPTIMIZERS, SPECS, OptimizerSpec, ParamSpec, fresh_state
+from optim_repair.records.inventory import ParamGroup, StateEntry
 
 
 def _matches_options(spec: OptimizerSpec, groups: Sequence[ParamGroup]) -> bool:
@@ -101,6 +101,4 @@ def identify_optimizer(
             "and state keys fit no lazily-initializing torch optimizer",
             remedy=remedy,
         )
-    raise RepairRefused(
-        f"cannot tell which optimizer wrote {where}: candidates {', '.join(candidates)}", remedy=remedy
-    )
+    raise RepairRefused(f"cannot tell which optimizer wrote {where}: candidates {', '.join(candidates)}", remedy=remedy)

@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from optim_repair.discovery import Discovery, discover, model_only
+from optim_repair.checkpoint.discovery import Discovery, discover, model_only
 from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError
 from optim_repair.formats.dcp import DcpMetadata, is_dcp_directory, read_dcp
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX, read_weights
 from optim_repair.formats.torchfile import TorchFile, read_inventory
-from optim_repair.inventory import CheckpointInventory, Skipped, WeightMap
+from optim_repair.records.inventory import CheckpointInventory, Skipped, WeightMap
 
 
 @dataclass

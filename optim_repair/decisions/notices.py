@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from optim_repair.identify import guess_optimizer
-from optim_repair.inventory import OptimizerInventory, ParamKey
+from optim_repair.decisions.identify import guess_optimizer
+from optim_repair.records.inventory import OptimizerInventory, ParamKey
 
 Loader = Literal["load_state_dict", "set_optimizer_state_dict", "dcp.load"]
 """The loader a layout implies: ``optimizer.load_state_dict`` for index keys (``optimizer.state_dict()``),
@@ -65,7 +65,7 @@ def _stock_loader_phantom(optimizer: OptimizerInventory, missing: int, empty: in
         )
     else:
         what = (
-            f'torch\'s stock set_optimizer_state_dict refuses the {missing} absent entries ("Missing optimizer '
+            f"torch's stock set_optimizer_state_dict refuses the {missing} absent entries (\"Missing optimizer "
             'state"); {} entries would make it load, but give them a phantom step=1, and they would train '
             f"differently ({kind})"
         )

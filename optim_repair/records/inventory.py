@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
-from optim_repair.dtypes import itemsize, numel
+from optim_repair.records.dtypes import itemsize, numel
 
 ParamKey = str | int
 """A parameter's key in an optimizer state dict: its name, or its integer index."""

@@ -19,8 +19,8 @@ from optim_repair.formats.ranges import same_range
 from optim_repair.formats.torchfile import LegacyTorchFile, TorchFile, entry_edit, open_torch_file
 from optim_repair.formats.torchfile.zipformat import read_record
 from optim_repair.formats.unpickling import ZIP_ERRORS
-from optim_repair.repair_plan import Addition, FreshTensor, ParamChange
-from optim_repair.verify.files import Verification
+from optim_repair.records.repair_plan import Addition, FreshTensor, ParamChange
+from optim_repair.records.verification import Verification
 
 
 def _float_bits(value: float | complex) -> bytes:
@@ -199,9 +199,7 @@ def _check_additions(copy: TorchFile, copy_stream: BinaryIO, additions: Sequence
                 raise VerificationError(f"{where}: {key} is {shown(value)}, planned {shown(planned)}", path=source)
 
 
-def _replaced_storages(
-    original: TorchFile, additions: Sequence[Addition], changes: Sequence[ParamChange]
-) -> set[str]:
+def _replaced_storages(original: TorchFile, additions: Sequence[Addition], changes: Sequence[ParamChange]) -> set[str]:
     """The storages of the original entries that planned replacements take the place of, or drops remove."""
     found: set[str] = set()
     for change in changes:

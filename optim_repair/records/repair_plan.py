@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from optim_repair.dtypes import filled_chunks, itemsize, numel
-from optim_repair.inventory import ParamKey, Scalar
+from optim_repair.records.dtypes import filled_chunks, itemsize, numel
+from optim_repair.records.inventory import ParamKey, Scalar
 
 Fill = Literal["empty", "fresh"]
 PlanFill = Literal["empty", "fresh", "mixed"]

@@ -32,7 +32,7 @@ resume, the uninterrupted run would have used that later value. Leaving the entr
 loading with ``optim_repair.torch_loader.set_optimizer_state_dict`` is exact in every case.
 
 Everything here is plain data: no torch import, no I/O. Which optimizer wrote a state dict is
-told apart from these specs by ``optim_repair.identify``.
+told apart from these specs by ``optim_repair.decisions.identify``.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from optim_repair.errors import RepairRefused, shown
-from optim_repair.inventory import ParamGroup, TensorMeta
-from optim_repair.repair_plan import FreshTensor
+from optim_repair.records.inventory import ParamGroup, TensorMeta
+from optim_repair.records.repair_plan import FreshTensor
 
 FreshValue = FreshTensor | None | float | int | bool
 """One value of a fresh state entry: a tensor to build, or a plain value torch stores as is."""
