@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from optim_repair.checkpoint.discovery import Discovery, discover
+from optim_repair.checkpoint.planning import finish_plan
 from optim_repair.checkpoint.reading import Parsed, read_discovered, read_model_weights
 from optim_repair.checkpoint.writing import free_space, space_needed, write_copy
 from optim_repair.decisions.diagnose import Diagnosis, diagnose
@@ -71,12 +72,28 @@ def plan(
 ) -> RepairPlan:
     """What ``fix`` would add, and with what, without writing anything (a dry run).
 
-    ``checkpoint`` is a path, or the ``Diagnosis`` that ``inspect`` returned for it.
-    Raises ``RepairRefused`` when no repair can be built as asked.
+    ``checkpoint`` is a path, or the ``Diagnosis`` that ``inspect`` returned for it. The plan is finished
+    in every file's format as ``fix`` finishes it, so that it raises ``RepairRefused`` (or ``InputError``)
+    for everything ``fix`` would refuse.
     """
-    diagnosis = checkpoint if isinstance(checkpoint, Diagnosis) else inspect(checkpoint)
+    parsed = Parsed()
+    diagnosis, found = _diagnosed(checkpoint, parsed)
+    return _finished(diagnosis, found, parsed, fill, optimizer, model, reset_phantom_step, operations)
+
+
+def _finished(
+    diagnosis: Diagnosis,
+    found: Discovery,
+    parsed: Parsed,
+    fill: Fill | None,
+    optimizer: str | None,
+    model: str | Path | None,
+    reset_phantom_step: bool,
+    operations: Operations,
+) -> RepairPlan:
+    """The repair plan for ``diagnosis``, finished in every file's format (each refusal raised)."""
     weights = read_model_weights(Path(model)) if model is not None else ()
-    return plan_repair(
+    repair = plan_repair(
         diagnosis,
         fill,
         optimizer=optimizer,
@@ -84,6 +101,8 @@ def plan(
         reset_phantom_step=reset_phantom_step,
         operations=operations,
     )
+    finish_plan(found, diagnosis.inventory, repair, parsed)
+    return repair
 
 
 def model_changes(
@@ -150,11 +169,9 @@ def dry_run(
     operations: Operations = NO_OPERATIONS,
 ) -> DryRun:
     """What ``fix`` with the same arguments would add and write, and the room there is for it; writes nothing."""
-    diagnosis, found = _diagnosed(checkpoint, Parsed())
-    repair = plan(
-        diagnosis, fill=fill, optimizer=optimizer, model=model, reset_phantom_step=reset_phantom_step,
-        operations=operations,
-    )  # fmt: skip
+    parsed = Parsed()
+    diagnosis, found = _diagnosed(checkpoint, parsed)
+    repair = _finished(diagnosis, found, parsed, fill, optimizer, model, reset_phantom_step, operations)
     target = output_path(found.root, out)
     needed = space_needed(found, diagnosis.inventory, repair, link=link)
     return DryRun(diagnosis, repair, target, needed, free_space(target))
@@ -211,8 +228,9 @@ def fix(
     """
     parsed = Parsed()  # what reading parsed, for the writer not to parse it again
     diagnosis, found = _diagnosed(checkpoint, parsed)
-    repair = plan(
-        diagnosis, fill=fill, optimizer=optimizer, model=model, reset_phantom_step=reset_phantom_step,
+    weights = read_model_weights(Path(model)) if model is not None else ()
+    repair = plan_repair(
+        diagnosis, fill, optimizer=optimizer, model_weights=weights, reset_phantom_step=reset_phantom_step,
         operations=operations,
     )  # fmt: skip
     target = output_path(found.root, out)

@@ -13,15 +13,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from optim_repair.checkpoint.discovery import Discovery
+from optim_repair.checkpoint.planning import FinishedPlan, finish_plan
 from optim_repair.checkpoint.reading import Parsed
 from optim_repair.checkpoint.staging import move_into_place, os_error_reason, remove_stale, temporary_sibling
 from optim_repair.errors import InputError, OutputError, Remedy, VerificationError
 from optim_repair.formats.copied import verify_copied_file
-from optim_repair.formats.dcp import METADATA_FILE, PlannedEntries, write_dcp
+from optim_repair.formats.dcp import METADATA_FILE
 from optim_repair.formats.dcp.verifier import verify_planned_dcp
+from optim_repair.formats.dcp.writer import write_planned_dcp
 from optim_repair.formats.inputs import open_regular, size_of
 from optim_repair.formats.ranges import kernel_copy
-from optim_repair.formats.torchfile import TorchFile, write_torch_file
+from optim_repair.formats.torchfile import write_torch_file
 from optim_repair.formats.torchfile.verifier import verify_torch_file
 from optim_repair.progress import Meter, Notice, Progress, ignore
 from optim_repair.records.inventory import CheckpointInventory
@@ -45,23 +47,20 @@ def check_output(source: Path, out: Path, *, force: bool) -> None:
         raise OutputError("no such directory for {argument}", path=out.parent, argument="out")
 
 
-def _write_file(
-    src: Path, dest: Path, rel: str, plan: RepairPlan, *, sync: bool, parsed: TorchFile | None, meter: Meter
-) -> Verification:
-    """Write a torch file with its planned additions into the empty file ``dest``, and verify it."""
+def _write_file(src: Path, dest: Path, rel: str, finished: FinishedPlan, *, sync: bool, meter: Meter) -> Verification:
+    """Write a torch file with its planned changes into the empty file ``dest``, and verify it against the
+    original as reading parsed it and the plan: nothing the writer made reaches the verifier."""
     source = rel or str(src)
-    additions = plan.for_file(rel)
+    additions, changes = finished.plan.for_file(rel), finished.plan.changes_for(rel)
+    parsed = finished.torch_files.get(rel)
     size = os.stat(src).st_size
     # The writer and the verifier report the storages they move and compare; the rest of the file
     # (its pickle, headers and framing) is reported when each is done, so that stages end at the total.
     written = _Tally(meter.writing)
-    changes = plan.changes_for(rel)
-    original = write_torch_file(
-        src, source, additions, dest, changes=changes, sync=sync, parsed=parsed, on_bytes=written
-    )
+    write_torch_file(src, source, additions, dest, changes=changes, sync=sync, parsed=parsed, on_bytes=written)
     written.top_up(size)
     verified = _Tally(meter.verifying)
-    verification = verify_torch_file(src, dest, source, additions, changes=changes, parsed=original, on_bytes=verified)
+    verification = verify_torch_file(src, dest, source, additions, changes=changes, parsed=parsed, on_bytes=verified)
     verified.top_up(size)
     return verification
 
@@ -124,21 +123,25 @@ def _sync_directories(root: Path) -> None:
             os.close(descriptor)
 
 
+def _rewritten(finished: FinishedPlan, dcp: str) -> bool:
+    """Whether the plan gives the DCP checkpoint ``dcp`` a new ``.metadata`` (else its own is copied)."""
+    return finished.dcp[dcp].rewrites_metadata
+
+
 def _write_directory(
     found: Discovery,
     tmp: Path,
-    plan: RepairPlan,
+    finished: FinishedPlan,
     inventory: CheckpointInventory,
     *,
     link: bool,
     sync: bool,
-    parsed: Parsed,
     meter: Meter,
     notice: Notice,
 ) -> Verification:
     total = NOTHING
+    plan = finished.plan
     optimizer_files = {file.file for file in inventory.files}
-    planned: dict[str, PlannedEntries] = {}
     for entry in found.entries:
         source, target = found.path(entry), tmp / entry.rel if entry.rel else tmp
         if entry.link:
@@ -148,33 +151,24 @@ def _write_directory(
         elif entry.role == "dcp":
             target.mkdir(exist_ok=True)
             notice(f"writing {entry.rel or 'DCP checkpoint'}")
-            additions = plan.for_file(entry.rel)
-            groups = {
-                optimizer.address: [group.params for group in optimizer.groups]
-                for file in inventory.files
-                if file.file == entry.rel
-                for optimizer in file.optimizers
-            }
-            planned[entry.rel] = write_dcp(
-                source, additions, target, sync=sync, original=parsed.dcp.get(entry.rel),
-                changes=plan.changes_for(entry.rel), groups=groups,
-            )  # fmt: skip
-        elif entry.dcp is not None and entry.member_name() == METADATA_FILE and planned[entry.dcp].rewrites_metadata:
-            continue  # replaced by the metadata write_dcp wrote
+            write_planned_dcp(source, finished.dcp[entry.rel], target, sync=sync)
+        elif (
+            entry.dcp is not None and entry.member_name() == METADATA_FILE and finished.dcp[entry.dcp].rewrites_metadata
+        ):
+            continue  # replaced by the metadata write_planned_dcp wrote
         elif entry.rel in optimizer_files:
             if plan.for_file(entry.rel) or plan.changes_for(entry.rel):
                 notice(f"writing {entry.rel}")
-            kept = parsed.torch_files.get(entry.rel)
-            total += _write_file(source, target, entry.rel, plan, sync=sync, parsed=kept, meter=meter)
+            total += _write_file(source, target, entry.rel, finished, sync=sync, meter=meter)
         elif entry.dcp is not None:  # verified with its checkpoint, through the new metadata
             total += _copy(source, target, entry.rel, link=link, sync=sync, meter=meter, verify=False)
         else:
             total += _copy(source, target, entry.rel, link=link, sync=sync, meter=meter)
     if sync:
         _sync_directories(tmp)
-    for rel, entries in planned.items():
+    for rel, planned in finished.dcp.items():
         directory = found.target / rel if rel else found.target
-        proven = verify_planned_dcp(directory, tmp / rel if rel else tmp, entries)
+        proven = verify_planned_dcp(directory, tmp / rel if rel else tmp, planned)
         meter.verifying(proven.bytes)
         total += proven
     return total
@@ -237,7 +231,6 @@ def write_copy(
     reading parsed, so that it is not parsed again. ``progress`` hears of the bytes written and verified;
     ``notice`` gets lines of text for the user.
     """
-    parsed = parsed or Parsed()
     source = found.target
     check_output(found.root, out, force=force)
     special = [entry for entry in found.entries if entry.role == "special"]
@@ -252,18 +245,18 @@ def write_copy(
             f"the copy needs about {needed:,} bytes and only {free:,} are free there; nothing was written",
             path=Path(os.path.abspath(out)).parent,
         )
+    finished = finish_plan(found, inventory, plan, parsed)
     remove_stale(out, notice)
     meter = Meter(progress, _bytes_to_copy(found, inventory, link=link))
     with temporary_sibling(out, directory=found.is_directory) as tmp:
         try:
             if found.is_directory:
                 verification = _write_directory(
-                    found, tmp, plan, inventory, link=link, sync=sync, parsed=parsed, meter=meter, notice=notice
+                    found, tmp, finished, inventory, link=link, sync=sync, meter=meter, notice=notice
                 )
             else:
                 notice(f"writing {out}")
-                kept = parsed.torch_files.get("")
-                verification = _write_file(source, tmp, "", plan, sync=sync, parsed=kept, meter=meter)
+                verification = _write_file(source, tmp, "", finished, sync=sync, meter=meter)
             move_into_place(tmp, out, force=force, sync=sync)
         except OSError as exc:
             reason = f"cannot write ({os_error_reason(exc)}); nothing was left behind"

@@ -6,7 +6,6 @@
 repaired copy). None of them imports torch.
 """
 
-from optim_repair.formats.dcp.layout import PlannedEntries
 from optim_repair.formats.dcp.metadata import (
     METADATA_FILE,
     SHARD_SUFFIX,
@@ -17,6 +16,7 @@ from optim_repair.formats.dcp.metadata import (
     is_dcp_directory,
 )
 from optim_repair.formats.dcp.metadata_reader import read_metadata
+from optim_repair.formats.dcp.planning import PlannedEntries, plan_dcp
 from optim_repair.formats.dcp.reader import read_dcp
 from optim_repair.formats.dcp.writer import write_dcp
 
@@ -29,6 +29,7 @@ __all__ = [
     "DcpTensor",
     "PlannedEntries",
     "is_dcp_directory",
+    "plan_dcp",
     "read_dcp",
     "read_metadata",
     "write_dcp",

@@ -8,17 +8,17 @@ metadata's ``planner_data`` (the original key paths), never by guessing.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
-from optim_repair.errors import InputError, RepairRefused, shown
+from optim_repair.errors import InputError
 from optim_repair.formats.dcp.metadata import DcpMetadata, DcpTensor, KeyPath
+from optim_repair.records import keys
 from optim_repair.records.inventory import ParamKey, TensorMeta
-from optim_repair.records.repair_plan import AddedValue, Addition, ParamChange
+from optim_repair.records.keys import dotted
 
 Layout = Literal["nested", "flattened"]
-_SECTIONS = ("state", "param_groups")
 
 
 @dataclass(frozen=True)
@@ -37,18 +37,13 @@ class OptimizerSlot:
 
 def _optimizer_slot(key: str, path: KeyPath) -> OptimizerSlot | None:
     for i, part in enumerate(path):
-        if part in _SECTIONS and len(path) - i >= 3:
+        if part in keys.SECTIONS and len(path) - i >= 3:
             return OptimizerSlot(key, path[:i], str(part), "nested", path[i + 1 :])
         if isinstance(part, str):
-            for section in _SECTIONS:
+            for section in keys.SECTIONS:
                 if part.startswith(f"{section}.") and len(part) > len(section) + 1:
                     return OptimizerSlot(key, path[:i], section, "flattened", path[i + 1 :], part[len(section) + 1 :])
     return None
-
-
-def dotted(parts: Sequence[ParamKey]) -> str:
-    """A key path as DCP flattens it into a metadata key: its parts joined by dots."""
-    return ".".join(str(part) for part in parts)
 
 
 @dataclass(frozen=True)
@@ -95,50 +90,6 @@ def model_weights(meta: DcpMetadata, optimizers: Sequence[DcpOptimizer]) -> dict
     return found
 
 
-@dataclass(frozen=True)
-class NewEntry:
-    """One planned value as a new metadata entry: its flattened key and its key path."""
-
-    key: str
-    path: KeyPath
-    value: AddedValue
-
-
-@dataclass(frozen=True)
-class Rekeyed:
-    """What renames and drops do to a checkpoint's metadata keys: each changed key's new key (None: dropped),
-    the key paths of the new keys, and the ``params`` lists (nested layout) that are written anew."""
-
-    keys: Mapping[str, str | None] = field(default_factory=dict)
-    paths: Mapping[str, KeyPath] = field(default_factory=dict)
-    params: Mapping[str, list[ParamKey]] = field(default_factory=dict)
-    aliases: Mapping[str, tuple[str, KeyPath]] = field(default_factory=dict)
-    """New keys that hold an existing entry's bytes, by the key they share them with, and their key paths: the
-    hyperparameters a flattened layout repeats for a parameter that joins a group."""
-
-    @property
-    def rebuilds_tables(self) -> bool:
-        """Whether the metadata's tables change other than by new entries (rebuilt, not extended)."""
-        return bool(self.keys or self.params or self.aliases)
-
-    def new_key(self, key: str) -> str | None:
-        return self.keys.get(key, key)
-
-
-@dataclass(frozen=True)
-class PlannedEntries:
-    """A plan's additions to one DCP checkpoint as new metadata entries, computed once for writer and verifier."""
-
-    original: DcpMetadata
-    entries: tuple[NewEntry, ...]
-    rekeyed: Rekeyed = field(default_factory=Rekeyed)
-
-    @property
-    def rewrites_metadata(self) -> bool:
-        """Whether the copy gets a new ``.metadata`` (else the original's is copied as it is)."""
-        return bool(self.entries) or self.rekeyed.rebuilds_tables
-
-
 def longest_name(flat: str, names: Collection[ParamKey]) -> str | None:
     """The longest parameter name ``flat`` (a flattened element, ``<name>.<key>``) starts with, followed by a dot."""
     end = len(flat)
@@ -146,86 +97,3 @@ def longest_name(flat: str, names: Collection[ParamKey]) -> str | None:
         if flat[:end] in names:
             return flat[:end]
     return None
-
-
-def rekey(
-    meta: DcpMetadata,
-    changes: Sequence[ParamChange],
-    groups: Mapping[KeyPath, Sequence[Sequence[ParamKey]]],
-    source: str,
-    joined: Sequence[Addition] = (),
-) -> Rekeyed:
-    """The metadata keys ``changes`` rename or drop, in each optimizer's layout, and the ``params`` lists they and
-    the parameters that ``joined`` a group change; ``groups`` holds each changed optimizer's ``params`` lists, by
-    its address, as reading found them."""
-    keys: dict[str, str | None] = {}
-    paths: dict[str, KeyPath] = {}
-    params: dict[str, list[ParamKey]] = {}
-    aliases: dict[str, tuple[str, KeyPath]] = {}
-    for optimizer in find_optimizers(meta, source):
-        mapping = {change.old: change.new for change in changes if change.address == optimizer.root}
-        joining = [addition for addition in joined if addition.address == optimizer.root]
-        if not mapping and not joining:
-            continue
-        lists = groups[optimizer.root]
-        names = {param for group in lists for param in group}
-        for slot in optimizer.slots:
-            if optimizer.layout == "nested" and slot.section == "param_groups":
-                index = slot.rest[0]
-                if dotted(slot.rest[1:]) == "params" and isinstance(index, int) and index < len(lists):
-                    kept = [new for new in (mapping.get(p, p) for p in lists[index]) if new is not None]
-                    kept += [addition.param for addition in joining if addition.group == index]
-                    if kept != list(lists[index]):
-                        params[slot.key] = kept
-                continue
-            name = slot.rest[0] if optimizer.layout == "nested" else longest_name(slot.flat, names)
-            if name is None:
-                continue
-            now = mapping.get(name, name)
-            for addition in joining:  # flattened: a joining parameter repeats its group member's hyperparameters
-                if slot.section == "param_groups" and addition.like is not None and now == addition.like:
-                    flat = f"param_groups.{addition.param}{slot.flat[len(str(name)) :]}"
-                    alias: KeyPath = (*slot.root, flat, *slot.rest)
-                    aliases[dotted(alias)] = (slot.key, alias)
-            if name not in mapping:
-                continue
-            new = mapping[name]
-            if new is None:
-                keys[slot.key] = None
-                continue
-            if optimizer.layout == "nested":
-                path: KeyPath = (*slot.root, slot.section, new, *slot.rest[1:])
-            else:
-                path = (*slot.root, f"{slot.section}.{new}{slot.flat[len(str(name)) :]}", *slot.rest)
-            keys[slot.key] = dotted(path)
-            paths[dotted(path)] = path
-    return Rekeyed(keys, paths, params, aliases)
-
-
-def plan_entries(meta: DcpMetadata, additions: Sequence[Addition], source: str) -> PlannedEntries:
-    """The new metadata entries that hold ``additions``, in the layout of each optimizer they extend."""
-    layouts = {optimizer.root: optimizer.layout for optimizer in find_optimizers(meta, source)}
-    entries: list[NewEntry] = []
-    taken = set(meta.items)
-    for addition in additions:
-        layout = layouts.get(addition.address)
-        if layout is None:
-            raise RepairRefused(f"holds no optimizer at {shown(addition.location)}", path=source)
-        if not addition.state:
-            raise RepairRefused(
-                f"cannot add an empty state entry for {shown(addition.param)}: "
-                "DCP stores no empty mappings; use the fresh fill",
-                path=source,
-            )
-        for state_key, value in addition.state:
-            key = dotted((*addition.address, "state", addition.param, state_key))
-            path: KeyPath = (
-                (*addition.address, "state", addition.param, state_key)
-                if layout == "nested"
-                else (*addition.address, f"state.{addition.param}.{state_key}")
-            )
-            if key in taken:
-                raise RepairRefused(f"{key} already exists; refusing to overwrite it", path=source)
-            taken.add(key)
-            entries.append(NewEntry(key, path, value))
-    return PlannedEntries(meta, tuple(entries))

@@ -17,9 +17,9 @@ import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from optim_repair.formats.dcp.layout import NewEntry, Rekeyed
 from optim_repair.formats.dcp.metadata import MetadataPickle
 from optim_repair.formats.dcp.metadata_reader import MemoObjects
+from optim_repair.formats.dcp.planning import NewEntry, Rekeyed
 from optim_repair.records.repair_plan import FreshTensor
 
 _METADATA = "torch.distributed.checkpoint.metadata"

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from optim_repair.errors import InputError
-from optim_repair.formats.dcp.layout import DcpOptimizer, dotted, find_optimizers, longest_name, model_weights
+from optim_repair.formats.dcp.layout import DcpOptimizer, find_optimizers, longest_name, model_weights
 from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpBytes, DcpMetadata, DcpTensor, display_path
 from optim_repair.formats.dcp.metadata_reader import read_metadata
 from optim_repair.formats.dcp.storage import check_ranges, read_bytes_entries
@@ -27,6 +27,7 @@ from optim_repair.records.inventory import (
     WeightMap,
     key_style,
 )
+from optim_repair.records.keys import dotted
 
 
 def _state_value(meta: DcpMetadata, key: str, values: Mapping[str, Any]) -> StateValue:

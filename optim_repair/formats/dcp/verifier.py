@@ -10,7 +10,6 @@ from pathlib import Path
 
 from optim_repair.errors import InputError, VerificationError, shown
 from optim_repair.formats.copied import same_file
-from optim_repair.formats.dcp.layout import NewEntry, PlannedEntries, Rekeyed, plan_entries
 from optim_repair.formats.dcp.metadata import (
     METADATA_FILE,
     DcpBytes,
@@ -22,6 +21,7 @@ from optim_repair.formats.dcp.metadata import (
     display_path,
 )
 from optim_repair.formats.dcp.metadata_reader import read_metadata
+from optim_repair.formats.dcp.planning import NewEntry, PlannedEntries, Rekeyed, plan_entries
 from optim_repair.formats.dcp.storage import read_ranges, read_saved_object, untransform
 from optim_repair.formats.inputs import open_beneath
 from optim_repair.formats.pickled import load_graph, tensor_meta

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from optim_repair.errors import InputError, OutputError
-from optim_repair.formats.dcp.layout import PlannedEntries, plan_entries, rekey
 from optim_repair.formats.dcp.metadata import METADATA_FILE, SHARD_SUFFIX, DcpMetadata, KeyPath, display_path
 from optim_repair.formats.dcp.metadata_reader import memo_objects, read_metadata
 from optim_repair.formats.dcp.metadata_writer import Place, extended_metadata, rebuilt_metadata
+from optim_repair.formats.dcp.planning import PlannedEntries, plan_dcp
 from optim_repair.formats.pickled import dump_graph, new_tensor, storage_for
 from optim_repair.formats.ranges import write_all
 from optim_repair.formats.torchfile.zipwriter import ZipWriter
@@ -70,37 +69,32 @@ def write_dcp(
     changes: Sequence[ParamChange] = (),
     groups: Mapping[KeyPath, Sequence[Sequence[ParamKey]]] | None = None,
 ) -> PlannedEntries:
-    """Write into the directory ``dest`` the shard and ``.metadata`` that rename and drop ``changes`` and add
-    ``additions`` to ``src``.
+    """Plan (``planning.plan_dcp``), then write into ``dest`` what renames and drops ``changes`` and adds
+    ``additions`` to ``src``; returns the plan. ``original`` is ``src``'s metadata as reading read it."""
+    source = display_path(str(src), METADATA_FILE)
+    planned = plan_dcp(original or read_metadata(src, str(src)), source, additions, changes, groups)
+    write_planned_dcp(src, planned, dest, sync=sync)
+    return planned
+
+
+def write_planned_dcp(src: Path, planned: PlannedEntries, dest: Path, *, sync: bool = True) -> None:
+    """Write into the directory ``dest`` the shard and ``.metadata`` that ``planned`` holds for ``src``.
 
     Writes nothing when there is nothing to change; every original file but ``.metadata`` is the caller's
     to copy: renames and drops rewrite no shard. The new ``.metadata`` is the original pickle, as the safe
     reader checked it, extended by the new entries, or (with changes) with its tables rebuilt from
     references to its own objects (``metadata_writer``); rewritten ``params`` lists and new entries go to
-    one new shard. ``groups`` holds the ``params`` lists of each changed optimizer, by address, as reading
-    found them. Returns the planned entries, for verification. With ``sync``, what it writes is synced to
-    the disk. ``original`` is ``src``'s metadata as reading already read it.
+    one new shard. With ``sync``, what it writes is synced to the disk.
     """
-    source = display_path(str(src), METADATA_FILE)
-    meta = original or read_metadata(src, str(src))
-    planned = plan_entries(meta, additions, source)
-    joined = [addition for addition in additions if addition.group is not None]
-    if changes or joined:
-        planned = replace(planned, rekeyed=rekey(meta, changes, groups or {}, source, joined))
     if planned.rewrites_metadata:
-        _write_entries(src, planned, dest, source, sync=sync)
-    return planned
+        _write_entries(src, planned, dest, display_path(str(src), METADATA_FILE), sync=sync)
 
 
 def _write_entries(src: Path, planned: PlannedEntries, dest: Path, source: str, *, sync: bool) -> None:
     """Write the new shard, and the original metadata extended by the new entries."""
     extensible = planned.original.pickle
-    if extensible is None:
-        raise InputError(
-            "its pickle does not keep the metadata tables where a repair can extend them "
-            "(it was not written by torch's DCP writer)",
-            path=source,
-        )
+    if extensible is None:  # plan_dcp refused it
+        raise InputError("its pickle does not keep the metadata tables where a repair can extend them", path=source)
     shard = _shard_name(src)
     placed: dict[str, Place] = {}
     rekeyed = planned.rekeyed

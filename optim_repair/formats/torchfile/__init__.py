@@ -8,8 +8,9 @@ unsafely and torch is never imported.
 
 from optim_repair.formats.torchfile.files import TORCH_SUFFIXES, TorchFile, open_torch_file
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile
+from optim_repair.formats.torchfile.planning import plan_torch_file
 from optim_repair.formats.torchfile.reader import read_inventory
-from optim_repair.formats.torchfile.writer import entry_edit, write_torch_file
+from optim_repair.formats.torchfile.writer import write_torch_file
 from optim_repair.formats.torchfile.zipformat import ZipTorchFile
 
 __all__ = [
@@ -17,8 +18,8 @@ __all__ = [
     "LegacyTorchFile",
     "TorchFile",
     "ZipTorchFile",
-    "entry_edit",
     "open_torch_file",
+    "plan_torch_file",
     "read_inventory",
     "write_torch_file",
 ]

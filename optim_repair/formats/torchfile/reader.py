@@ -14,6 +14,7 @@ from optim_repair.errors import InputError, shown
 from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickled import describe_address, is_tensor, option_value, state_value, tensor_meta, walk
 from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
+from optim_repair.records import keys
 from optim_repair.records.dtypes import decode_element, itemsize
 from optim_repair.records.inventory import (
     FileInventory,
@@ -68,17 +69,14 @@ def _is_optimizer(node: Any) -> bool:
     )
 
 
-_FLAT_SECTIONS = ("state.", "param_groups.")
-
-
 def _is_flattened_optimizer(node: Any) -> bool:
     """``get_optimizer_state_dict(..., options=StateDictOptions(flatten_optimizer_state_dict=True))``:
     every key is ``state.<fqn>.<key>`` or ``param_groups.<fqn>.<hyperparameter>``, and some are the latter."""
     return (
         isinstance(node, dict)
         and bool(node)
-        and all(isinstance(key, str) and key.startswith(_FLAT_SECTIONS) and key.count(".") >= 2 for key in node)
-        and any(key.startswith("param_groups.") for key in node)
+        and all(isinstance(key, str) and key.startswith(keys.FLAT_PREFIXES) and key.count(".") >= 2 for key in node)
+        and any(keys.section_of(key) == keys.PARAM_GROUPS for key in node)
     )
 
 
@@ -88,13 +86,13 @@ def _unflattened(node: dict[str, Any]) -> dict[str, Any]:
     hyperparameters, in the order the parameters first appear (as torch's groups are, when they differ)."""
     options: dict[str, dict[str, Any]] = {}
     for key, value in node.items():
-        if key.startswith("param_groups."):
-            name, option = key[len("param_groups.") :].rsplit(".", 1)
+        section, name, option = keys.split_flat(key)
+        if section == keys.PARAM_GROUPS:
             options.setdefault(name, {})[option] = value
     state: dict[str, dict[str, Any]] = {}
     for key, value in node.items():
-        if key.startswith("state."):
-            flat = key[len("state.") :]
+        if keys.section_of(key) == keys.STATE:
+            flat = key[len(keys.FLAT_PREFIXES[0]) :]
             name, option = flat.rsplit(".", 1)
             while name not in options and "." in name:  # a parameter in no group: an orphan, named as it can be
                 name = name.rsplit(".", 1)[0]
@@ -108,7 +106,7 @@ def _unflattened(node: dict[str, Any]) -> dict[str, Any]:
             group = {**hyperparameters, "params": []}
             groups.append(group)
         group["params"].append(name)
-    return {"state": state, "param_groups": groups}
+    return {keys.STATE: state, keys.PARAM_GROUPS: groups}
 
 
 def _same_options(group: dict[str, Any], options: dict[str, Any]) -> bool:

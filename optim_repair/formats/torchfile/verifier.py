@@ -1,8 +1,9 @@
 """Verifying a torch file written with additions: the object graph, every storage, and the framing.
 
-The copy is parsed back from disk and compared with a fresh parse of the original: the object graph
-(floats bit for bit, key order, tuple-vs-list, storage identity), every storage's bytes, and the
-byteorder/version records or the legacy header. The only differences allowed are the planned additions.
+The copy is parsed back from disk and compared with the original as reading parsed it (never anything the
+writer made): the object graph (floats bit for bit, key order, tuple-vs-list, storage identity), every
+storage's bytes, and the byteorder/version records or the legacy header. What the copy may differ by is
+derived here from the plan alone, through the key grammar (``records.keys``), not from the writer's edits.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from optim_repair.errors import InputError, VerificationError, shown
 from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickled import GlobalRef, Reduced, StorageRef, describe_address, resolve, tensor_meta
 from optim_repair.formats.ranges import same_range
-from optim_repair.formats.torchfile import LegacyTorchFile, TorchFile, entry_edit, open_torch_file
+from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
+from optim_repair.formats.torchfile.legacy import LegacyTorchFile
+from optim_repair.formats.torchfile.planning import entry_values
 from optim_repair.formats.torchfile.zipformat import read_record
 from optim_repair.formats.unpickling import ZIP_ERRORS
+from optim_repair.records import keys
 from optim_repair.records.repair_plan import Addition, FreshTensor, ParamChange
 from optim_repair.records.verification import Verification
 
@@ -32,24 +36,14 @@ def _float_bits(value: float | complex) -> bytes:
 class _GraphComparison:
     """Walks the original and the copy together; the copy may differ only by the planned changes and additions."""
 
-    def __init__(
-        self, source: str, additions: Sequence[Addition], original: Any, changes: Sequence[ParamChange] = ()
-    ) -> None:
+    def __init__(self, source: str, additions: Sequence[Addition], changes: Sequence[ParamChange] = ()) -> None:
         self.source = source
         self.edited: dict[tuple[Any, ...], tuple[list[ParamChange], list[Addition]]] = {}
-        """The optimizers whose parameters were renamed, dropped or joined a group, by address: compared by
-        ``_same_optimizer``, which maps each original name to its new one."""
-        for address in {c.address for c in changes} | {a.address for a in additions if a.group is not None}:
+        """The optimizers the plan renames, drops from or adds to, by address: compared by ``_same_optimizer``,
+        which maps each original name to its new one and expects the planned entries."""
+        for address in dict.fromkeys([*(c.address for c in changes), *(a.address for a in additions)]):
             mine = [c for c in changes if c.address == address], [a for a in additions if a.address == address]
             self.edited[address] = mine
-        self.removed: dict[tuple[Any, ...], set[Any]] = {}
-        self.set: dict[tuple[Any, ...], list[Any]] = {}
-        """Per edited dict: the keys removed, and the keys set (added, or replaced in place): the values of those
-        are the planned ones, which ``_check_additions`` proves."""
-        for addition in additions:
-            where, removed, keys = entry_edit(resolve(original, addition.address), addition)
-            self.removed.setdefault((*addition.address, *where), set()).update(removed)
-            self.set.setdefault((*addition.address, *where), []).extend(keys)
         self.tensors = 0
         self._seen: set[tuple[int, int]] = set()
 
@@ -68,7 +62,10 @@ class _GraphComparison:
         if isinstance(a, dict) and path in self.edited:
             self._same_optimizer(a, b, path)
         elif isinstance(a, dict):
-            self._same_dict(a, b, path)
+            if list(a) != list(b):
+                self.fail(path, f"keys {shown(list(a))} became {shown(list(b))}")
+            for key in a:
+                self.same(a[key], b[key], (*path, key))
         elif isinstance(a, (list, tuple)):
             if len(a) != len(b):
                 self.fail(path, f"length {len(a)} became {len(b)}")
@@ -92,21 +89,11 @@ class _GraphComparison:
         else:
             self.fail(path, f"cannot compare a {type(a).__name__}")
 
-    def _same_dict(self, a: dict[Any, Any], b: dict[Any, Any], path: tuple[Any, ...]) -> None:
-        removed, planned = self.removed.get(path, set()), self.set.get(path, [])
-        expected = [key for key in a if key not in removed] + [key for key in planned if key not in a]
-        if list(b) != expected:
-            self.fail(path, f"keys {shown(list(a))} became {shown(list(b))}")
-        replaced = set(planned)
-        for key in a:
-            if key not in removed and key not in replaced:
-                self.same(a[key], b[key], (*path, key))
-
     def _same_optimizer(self, a: dict[Any, Any], b: dict[Any, Any], path: tuple[Any, ...]) -> None:
         changes, additions = self.edited[path]
         mapping = {change.old: change.new for change in changes}
         replaced = {addition.param for addition in additions if addition.replaces}
-        if "state" not in a or "param_groups" not in a:
+        if not keys.is_nested(a):
             self._same_flattened(a, b, path, mapping, additions)
             return
         if list(a) != list(b):
@@ -140,29 +127,29 @@ class _GraphComparison:
     def _same_flattened(
         self, a: dict[Any, Any], b: dict[Any, Any], path: tuple[Any, ...], mapping: dict[Any, Any], additions: Any
     ) -> None:
-        renamed: dict[Any, Any] = {}
-        for key in a:
-            section = "state." if key.startswith("state.") else "param_groups."
-            name, _, leaf = key[len(section) :].rpartition(".")
-            new = _renamed(mapping, name)
-            if new is not None:
-                renamed[key] = f"{section}{new}.{leaf}"
-        planned: list[str] = []  # in the writer's order: each addition's state keys, then its hyperparameters
+        renamed = {key: new for key in a if (new := keys.renamed_flat(key, mapping)) is not None}
+        replaced = {x.param for x in additions if x.replaces}
+        planned: list[str] = []  # each addition's state keys, then the hyperparameters it repeats
         copied: dict[str, Any] = {}  # a joining parameter's hyperparameters: its group member's, as they were
         for x in additions:
-            planned += [f"state.{x.param}.{k}" for k in x.keys]
+            planned += [keys.flat_key(keys.STATE, x.param, k) for k in x.keys]
             if x.like is not None:
-                prefix = f"param_groups.{x.like}."
                 for key, new in renamed.items():
-                    if new.startswith(prefix) and "." not in new[len(prefix) :]:
-                        copied[f"param_groups.{x.param}.{new[len(prefix) :]}"] = key
-                        planned.append(f"param_groups.{x.param}.{new[len(prefix) :]}")
-        kept = set(renamed.values())
-        expected = list(renamed.values()) + [key for key in planned if key not in kept]
+                    leaf = keys.leaf_of(new, keys.PARAM_GROUPS, x.like)
+                    if leaf is not None:
+                        copied[keys.flat_key(keys.PARAM_GROUPS, x.param, leaf)] = key
+                        planned.append(keys.flat_key(keys.PARAM_GROUPS, x.param, leaf))
+        new_keys = set(planned)
+        kept = [
+            new
+            for new in renamed.values()
+            if new in new_keys or not any(keys.leaf_of(new, keys.STATE, param) is not None for param in replaced)
+        ]
+        expected = kept + [key for key in planned if key not in set(kept)]
         if list(b) != expected:
             self.fail(path, f"keys {shown(list(a))} became {shown(list(b))}")
         for key, new in renamed.items():
-            if new not in planned:
+            if new not in new_keys and new in b:
                 self.same(a[key], b[new], (*path, new))
         for new, key in copied.items():
             self.same(a[key], b[new], (*path, new))
@@ -175,15 +162,14 @@ def _renamed(mapping: dict[Any, Any], name: Any) -> Any:
 def _check_additions(copy: TorchFile, copy_stream: BinaryIO, additions: Sequence[Addition], source: str) -> None:
     for addition in additions:
         optimizer = resolve(copy.graph.root, addition.address)
-        slots, _, keys = entry_edit(optimizer, addition)
         where = f"added entry {shown(addition.param)} at {addition.location or 'the top level'}"
-        if slots:
-            state = resolve(optimizer, (*slots, *keys))
+        if keys.is_nested(optimizer):
+            state = optimizer[keys.STATE].get(addition.param)
             if not isinstance(state, dict) or list(state) != list(addition.keys):
                 raise VerificationError(f"{where} is not what was planned", path=source)
             values = list(state.values())
         else:
-            values = [optimizer[key] for key in keys]
+            values = [optimizer[keys.flat_key(keys.STATE, addition.param, key)] for key in addition.keys]
         for (key, planned), value in zip(addition.state, values, strict=True):
             if isinstance(planned, FreshTensor):
                 meta = tensor_meta(value)
@@ -201,25 +187,14 @@ def _check_additions(copy: TorchFile, copy_stream: BinaryIO, additions: Sequence
 
 def _replaced_storages(original: TorchFile, additions: Sequence[Addition], changes: Sequence[ParamChange]) -> set[str]:
     """The storages of the original entries that planned replacements take the place of, or drops remove."""
-    found: set[str] = set()
-    for change in changes:
-        if change.new is None:
-            optimizer = resolve(original.graph.root, change.address)
-            if "state" in optimizer and "param_groups" in optimizer:
-                old = optimizer["state"].get(change.old, {})
-                values = list(old.values()) if isinstance(old, dict) else [old]
-            else:
-                prefix = f"state.{change.old}."
-                values = [v for k, v in optimizer.items() if k.startswith(prefix) and "." not in k[len(prefix) :]]
-            found.update(meta.storage for meta in map(tensor_meta, values) if meta is not None)
+    gone = [(c.address, c.old) for c in changes if c.new is None]
     for addition in additions:
-        if not addition.replaces:
-            continue
-        optimizer = resolve(original.graph.root, addition.address)
-        where, removed, keys = entry_edit(optimizer, addition)
-        container = resolve(optimizer, where)
-        old = [container[key] for key in (*removed, *keys) if key in container]
-        values = [v for entry in old for v in (entry.values() if isinstance(entry, dict) else [entry])]
+        if addition.replaces:
+            was = {c.new: c.old for c in changes if c.address == addition.address}
+            gone.append((addition.address, was.get(addition.param, addition.param)))
+    found: set[str] = set()
+    for address, param in gone:
+        values = [value for _, value in entry_values(resolve(original.graph.root, address), param)]
         found.update(meta.storage for meta in map(tensor_meta, values) if meta is not None)
     return found
 
@@ -260,8 +235,8 @@ def verify_torch_file(
     """Prove ``copy`` equals ``original`` with ``changes`` (renames, drops) and ``additions`` applied; raise
     VerificationError otherwise.
 
-    ``parsed`` is the original as the writer parsed it, not parsed again; ``on_bytes`` hears of every
-    storage compared, by its size.
+    ``parsed`` is the original as reading parsed it (parsed anew when not given), never a graph the
+    writer had; ``on_bytes`` hears of every storage compared, by its size.
     """
     before = parsed or open_torch_file(original, source)
     try:
@@ -273,7 +248,7 @@ def verify_torch_file(
             _same_framing(before, after, a, b, source)
         except (*ZIP_ERRORS, InputError) as exc:
             raise VerificationError(f"the copy cannot be read back ({exc})", path=source) from exc
-    comparison = _GraphComparison(source, additions, before.graph.root, changes)
+    comparison = _GraphComparison(source, additions, changes)
     comparison.same(before.graph.root, after.graph.root, ())
     total = 0
     replaced = _replaced_storages(before, additions, changes)

@@ -1,146 +1,81 @@
-"""Writing a torch file with planned entries added: the edited graph pickled anew, every storage copied."""
+"""Writing a torch file with a plan applied: a new graph pickled, every storage it still names copied.
+
+The graph reading parsed is never changed: the writer builds the edited optimizers anew (``changes``)
+and pickles the new root, so that the verifier can compare the copy with the original as it was read.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-from optim_repair.errors import InputError, RepairRefused, shown
-from optim_repair.formats.inputs import open_regular
-from optim_repair.formats.pickled import (
-    Reduced,
-    StorageRef,
-    dump_graph,
-    load_graph,
-    new_tensor,
-    resolve,
-    storage_for,
-    tensor_meta,
-)
-from optim_repair.formats.torchfile.changes import Undo as SwapUndo
-from optim_repair.formats.torchfile.changes import changed_optimizer, put, restore
+from optim_repair.errors import InputError
+from optim_repair.formats.pickled import Reduced, StorageRef, dump_graph, load_graph, new_tensor, resolve, storage_for
+from optim_repair.formats.torchfile.changes import changed_optimizer, put, with_entry
 from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile
+from optim_repair.formats.torchfile.planning import plan_torch_file
 from optim_repair.formats.torchfile.rewrite import NewStorage, write_legacy, write_zip
 from optim_repair.formats.unpickling import ZIP_ERRORS
-from optim_repair.records.dtypes import itemsize, numel
+from optim_repair.records import keys
+from optim_repair.records.dtypes import numel
 from optim_repair.records.repair_plan import Addition, FreshTensor, ParamChange
-
-
-def entry_edit(optimizer: dict[Any, Any], addition: Addition) -> tuple[tuple[Any, ...], list[Any], list[Any]]:
-    """How an addition changes the optimizer state dict at its address: the path of the dict it edits (relative
-    to the optimizer), the keys it removes there, and the keys it sets (in place when they exist, else
-    appended). Nested: ``state`` gets the parameter's entry. Flattened (``flatten_optimizer_state_dict=True``):
-    the optimizer gets one ``state.<name>.<key>`` key per value; a replacement removes the keys it does not set."""
-    if "state" in optimizer and "param_groups" in optimizer:
-        return ("state",), [], [addition.param]
-    prefix = f"state.{addition.param}."
-    new = [prefix + key for key in addition.keys]
-    old = [
-        key
-        for key in optimizer
-        if addition.replaces and key.startswith(prefix) and "." not in key[len(prefix) :]  # not "state.<name>.x.y"
-    ]
-    return (), [key for key in old if key not in new], new
 
 
 def _sibling_location(optimizer: dict[Any, Any], key: str) -> str:
     """Where the optimizer keeps ``key`` for other parameters (``cuda:0``, or ``cpu`` for a CPU ``step``)."""
-    if "state" in optimizer and "param_groups" in optimizer:
-        values = (entry.get(key) for entry in optimizer["state"].values() if isinstance(entry, dict))
+    if keys.is_nested(optimizer):
+        values = (entry.get(key) for entry in optimizer[keys.STATE].values() if isinstance(entry, dict))
     else:
-        values = (value for name, value in optimizer.items() if name.startswith("state.") and name.endswith(f".{key}"))
+        values = (
+            value
+            for name, value in optimizer.items()
+            if keys.section_of(name) == keys.STATE and keys.split_flat(name)[2] == key
+        )
     for value in values:
         if isinstance(value, Reduced) and value.args and isinstance(value.args[0], StorageRef):
             return value.args[0].location
     return "cpu"
 
 
-def _phantom_moments_are_zero(
-    torch_file: TorchFile, stream: BinaryIO, old: Sequence[tuple[str, Any]], addition: Addition
-) -> None:
-    """Before a phantom-step entry is replaced: every byte of its moments is zero (inspect read their heads).
-    ``old`` is the entry's keys and values."""
-    for key, value in old:
-        meta = tensor_meta(value)
-        if meta is None or key == "step":
-            continue
-        offset, _ = torch_file.storage_range(meta.storage)
-        stream.seek(offset + meta.storage_offset * itemsize(meta.dtype))
-        left = meta.nbytes
-        while left:
-            chunk = stream.read(min(left, 16 << 20))
-            if not chunk or any(chunk):
-                raise RepairRefused(
-                    f"{shown(addition.param)} at {addition.location or 'the top level'} has a moment that is not all "
-                    "zero: not a phantom step's state, so it is not reset"
-                )
-            left -= len(chunk)
+class _NewStorages:
+    """The storages the additions create, each under a key the file does not use yet."""
+
+    def __init__(self, torch_file: TorchFile) -> None:
+        self._legacy = isinstance(torch_file, LegacyTorchFile)
+        self._taken = set(torch_file.graph.storages)
+        self.created: list[NewStorage] = []
+
+    def tensor(self, value: FreshTensor, location: str) -> Reduced:
+        key = f"optim-repair-{len(self.created)}" if self._legacy else str(len(self._taken))
+        while key in self._taken:
+            key += "_"
+        self._taken.add(key)
+        ref = storage_for(key, value.dtype, numel(value.shape), legacy=self._legacy, location=location)
+        self.created.append(NewStorage(ref, value.nbytes, value.chunks()))
+        return new_tensor(ref, value.shape)
 
 
-def _add_entries(torch_file: TorchFile, additions: Sequence[Addition], src: Path, saved: Undo) -> list[NewStorage]:
-    """Add the planned entries to the graph, keeping in ``saved`` what each edited dict held before; return the
-    new storages, their sizes and their bytes."""
-    legacy = isinstance(torch_file, LegacyTorchFile)
-    taken = set(torch_file.graph.storages)
-    created: list[NewStorage] = []
-    with open_regular(src, str(src)) as stream:
-        for addition in additions:
-            optimizer = resolve(torch_file.graph.root, addition.address)
-            entry: dict[str, Any] = {}
-            for key, value in addition.state:
-                if isinstance(value, FreshTensor):
-                    location = _sibling_location(optimizer, key)
-                    storage_key = f"optim-repair-{len(created)}" if legacy else str(len(taken))
-                    while storage_key in taken:
-                        storage_key += "_"
-                    taken.add(storage_key)
-                    ref = storage_for(storage_key, value.dtype, numel(value.shape), legacy=legacy, location=location)
-                    entry[key] = new_tensor(ref, value.shape)
-                    created.append(NewStorage(ref, value.nbytes, value.chunks()))
-                else:
-                    entry[key] = value
-            where, removed, keys = entry_edit(optimizer, addition)
-            container = resolve(optimizer, where)
-            if id(container) not in saved:
-                saved[id(container)] = (container, list(container.items()))
-            if addition.replaces:
-                old = (
-                    list(container[keys[0]].items())
-                    if where
-                    else [(key.rpartition(".")[2], container[key]) for key in (*removed, *keys) if key in container]
-                )
-                _phantom_moments_are_zero(torch_file, stream, old, addition)
-            for key in removed:
-                del container[key]
-            if where:
-                container[keys[0]] = entry
-            else:
-                container.update(zip(keys, entry.values(), strict=True))
-            if addition.like is not None:  # flattened: the group's hyperparameters, repeated for the new parameter
-                prefix = f"param_groups.{addition.like}."
-                container.update(
-                    {
-                        f"param_groups.{addition.param}.{key[len(prefix) :]}": value
-                        for key, value in list(container.items())
-                        if key.startswith(prefix) and "." not in key[len(prefix) :]
-                    }
-                )
-            elif addition.group is not None:  # a parameter in no group: the group's params list is a new one
-                optimizer["param_groups"][addition.group]["params"].append(addition.param)
-    return created
-
-
-Undo = dict[int, tuple[dict[Any, Any], list[tuple[Any, Any]]]]
-"""Each dict the additions edited, by id, with its items before: restoring them gives the original graph back."""
-
-
-def _undo(saved: Undo) -> None:
-    for container, items in saved.values():
-        container.clear()
-        container.update(items)
+def edited_root(
+    torch_file: TorchFile, additions: Sequence[Addition], changes: Sequence[ParamChange]
+) -> tuple[Any, list[NewStorage]]:
+    """The graph's root with ``changes``, then ``additions`` applied, and the storages the additions create."""
+    root = torch_file.graph.root
+    storages = _NewStorages(torch_file)
+    addresses = dict.fromkeys([*(change.address for change in changes), *(a.address for a in additions)])
+    for address in sorted(addresses, key=len):
+        original = resolve(torch_file.graph.root, address)
+        optimizer = changed_optimizer(original, [change for change in changes if change.address == address])
+        for addition in (addition for addition in additions if addition.address == address):
+            values = [
+                storages.tensor(value, _sibling_location(original, key)) if isinstance(value, FreshTensor) else value
+                for key, value in addition.state
+            ]
+            with_entry(optimizer, addition, values)
+        root = put(root, address, optimizer)
+    return root, storages.created
 
 
 def write_torch_file(
@@ -153,36 +88,18 @@ def write_torch_file(
     sync: bool = True,
     parsed: TorchFile | None = None,
     on_bytes: Callable[[int], None] = lambda nbytes: None,
-) -> TorchFile:
+) -> None:
     """Write ``src`` with ``changes`` (renames, drops), then ``additions`` applied to ``dest`` (created if need
     be): every other byte of meaning unchanged, synced to the disk unless ``sync`` is false.
 
-    ``parsed`` is ``src`` as reading already parsed it. Returns the original as parsed, so that
-    verification need not parse it again.
+    ``parsed`` is ``src`` as reading parsed it; it is left as it was. The plan is checked first
+    (``planning.plan_torch_file``), so that a refusal comes before any byte is written.
     """
     torch_file = parsed or open_torch_file(src, source)
+    plan_torch_file(torch_file, source, additions, changes)
+    root, created = edited_root(torch_file, additions, changes)
+    data = dump_graph(root, torch_file.graph.protocol)
     replacing = any(addition.replaces for addition in additions) or any(c.new is None for c in changes)
-    if replacing and isinstance(torch_file, LegacyTorchFile):
-        raise RepairRefused(
-            "resetting a phantom step or dropping a parameter drops storages, which a legacy-format file must all "
-            "keep (torch.load refuses a storage the pickle does not name); save it with torch.save's zip format",
-            path=source,
-        )
-    graph = torch_file.graph
-    original_root = graph.root
-    edited = {a.address for a in additions if a.group is not None} | {c.address for c in changes}
-    saved: Undo = {}
-    swapped: SwapUndo = []
-    try:
-        for address in sorted(edited, key=len):
-            mine = [change for change in changes if change.address == address]
-            graph.root = put(graph.root, address, changed_optimizer(resolve(graph.root, address), mine), swapped)
-        created = _add_entries(torch_file, additions, src, saved)
-        data = dump_graph(graph.root, graph.protocol)
-    finally:
-        _undo(saved)
-        restore(swapped)
-        graph.root = original_root
     # the storages only a replaced or dropped entry held are not copied: the new pickle names them no more
     named = set(load_graph(data, source, ours=True).storages) if replacing else set(torch_file.graph.storages)
     dropped = frozenset(torch_file.graph.storages) - named
@@ -202,4 +119,3 @@ def write_torch_file(
         raise InputError(f"damaged zip archive ({exc})", path=source) from exc
     finally:
         os.close(target)
-    return torch_file
