@@ -260,7 +260,9 @@ def fix(
     model: Annotated[
         Path | None,
         typer.Option(
-            metavar="PATH", help="Model weights for parameter shapes: safetensors, torch file or DCP directory."
+            metavar="PATH",
+            help="Model weights for parameter shapes: safetensors (a file or a directory of shards), torch file "
+            "or DCP directory.",
         ),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,

@@ -9,7 +9,7 @@ from typing import Literal
 
 from optim_repair.checkpoint.discovery import Discovery, discover, model_only
 from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError
-from optim_repair.formats.dcp import DcpMetadata, is_dcp_directory, read_dcp
+from optim_repair.formats.dcp import DcpMetadata, read_dcp
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX, read_weights
 from optim_repair.formats.torchfile import TorchFile, read_inventory
 from optim_repair.records.inventory import CheckpointInventory, Skipped, WeightMap
@@ -116,19 +116,41 @@ def _read_directory(found: Discovery, keep: Parsed | None) -> CheckpointInventor
 
 
 def read_model_weights(path: Path) -> tuple[WeightMap, ...]:
-    """Parameter shapes from model weights: a safetensors file, a torch file, or a DCP directory."""
+    """Parameter shapes from model weights: a safetensors file, a torch file, or a directory, found as a
+    checkpoint directory is (``save_pretrained``'s safetensors shards, torch files holding weights, DCP)."""
     if not path.exists():
         raise InputError("no such file or directory (the model weights)", path=str(path))
+    if path.is_dir():
+        return _model_directory(discover(path))
     target = Path(os.path.realpath(path))  # the argument is the one link that is followed
-    if target.is_dir():
-        if not is_dcp_directory(target):
-            raise InputError(
-                "model weights must be a safetensors file, a torch file or a DCP directory", path=str(path)
-            )
-        return read_dcp(target, str(path)).weights
     if path.suffix == SAFETENSORS_SUFFIX:
         return (read_weights(target, str(path)),)
     inventory = read_inventory(target, str(path), str(path))
     if not inventory.weights:
         raise InputError("holds no mapping of parameter names to tensors (the model weights)", path=str(path))
     return inventory.weights
+
+
+def _model_directory(found: Discovery) -> tuple[WeightMap, ...]:
+    """The weights of every safetensors file, torch file and DCP checkpoint under a model directory. A file of
+    weights that cannot be read is an error (the model would lack its parameters); a torch file that is none,
+    or names other code (``training_args.bin``), holds no weights and is passed over, as is every other file
+    (``model.safetensors.index.json``: the shards' own headers give the shapes)."""
+    weights: list[WeightMap] = []
+    for entry in found.entries:
+        source = str(found.root / entry.rel)
+        if entry.role == "dcp":
+            weights.extend(read_dcp(found.path(entry), source).weights)
+        elif entry.role == "safetensors":
+            weights.append(read_weights(found.path(entry), source))
+        elif entry.role == "torch":
+            try:
+                weights.extend(read_inventory(found.path(entry), source, source).weights)
+            except (UnsafeInputError, NotATorchFile):
+                continue
+    if not weights:
+        raise InputError(
+            "holds no model weights (no safetensors file, torch file of weights or DCP checkpoint)",
+            path=str(found.root),
+        )
+    return tuple(weights)
