@@ -11,6 +11,7 @@ flags, in the one place that maps errors to messages.
 from __future__ import annotations
 
 import enum
+import errno
 import os
 import reprlib
 from dataclasses import dataclass
@@ -80,6 +81,13 @@ def shown(value: object) -> str:
     """A value from the input, for a message: ``repr``, bounded in length and work, on one line."""
     text = _BOUNDED.repr(value)
     return text if text.isprintable() else text.encode("ascii", "backslashreplace").decode("ascii")
+
+
+def os_error_reason(exc: OSError) -> str:
+    """What an OSError says, in the one wording every message uses (a full disk is said as such)."""
+    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return "the disk is full"
+    return exc.strerror or str(exc)
 
 
 class Terminated(BaseException):

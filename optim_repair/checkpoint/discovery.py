@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from optim_repair.errors import InputError
+from optim_repair.errors import InputError, os_error_reason
 from optim_repair.formats.dcp import METADATA_FILE, SHARD_SUFFIX, is_dcp_directory
 from optim_repair.formats.inputs import kind_of
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX
@@ -137,7 +137,7 @@ def discover(path: Path) -> Discovery:
     except FileNotFoundError as exc:
         raise InputError(f"no such file or directory{_did_you_mean(path)}", path=path) from exc
     except OSError as exc:
-        raise InputError(f"cannot read ({exc.strerror or exc})", path=path) from exc
+        raise InputError(f"cannot read ({os_error_reason(exc)})", path=path) from exc
     if stat.S_ISREG(mode):
         if path.name == METADATA_FILE or path.suffix == SHARD_SUFFIX:
             raise InputError(f"part of a DCP checkpoint; pass its directory, {path.parent}", path=path)

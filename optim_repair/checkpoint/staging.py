@@ -18,18 +18,12 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from optim_repair.errors import OutputError, Remedy
+from optim_repair.errors import OutputError, Remedy, os_error_reason
 
 STALE_AFTER_SECONDS = 10
 """A temporary nobody holds is left alone this long after its last change (its run may be starting)."""
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
-
-
-def os_error_reason(exc: OSError) -> str:
-    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-        return "the disk is full"
-    return exc.strerror or str(exc)
 
 
 def remove(path: Path) -> None:

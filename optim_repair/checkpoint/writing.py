@@ -15,8 +15,8 @@ from pathlib import Path
 from optim_repair.checkpoint.discovery import Discovery
 from optim_repair.checkpoint.planning import FinishedPlan, finish_plan
 from optim_repair.checkpoint.reading import Parsed
-from optim_repair.checkpoint.staging import move_into_place, os_error_reason, remove_stale, temporary_sibling
-from optim_repair.errors import InputError, OutputError, Remedy, VerificationError
+from optim_repair.checkpoint.staging import move_into_place, remove_stale, temporary_sibling
+from optim_repair.errors import InputError, OutputError, Remedy, VerificationError, os_error_reason
 from optim_repair.formats.copied import verify_copied_file
 from optim_repair.formats.dcp import METADATA_FILE
 from optim_repair.formats.dcp.verifier import verify_planned_dcp
@@ -91,7 +91,7 @@ def _copy(
             os.link(source, target)
         except OSError as exc:
             raise OutputError(
-                f"cannot hard-link {source} ({exc.strerror or exc}); "
+                f"cannot hard-link {source} ({os_error_reason(exc)}); "
                 "write the copy on the same file system, or copy instead of linking",
                 path=target,
             ) from exc

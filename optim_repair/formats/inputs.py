@@ -15,7 +15,7 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from optim_repair.errors import InputError
+from optim_repair.errors import InputError, os_error_reason
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -40,7 +40,7 @@ def open_regular(path: Path, source: str) -> BinaryIO:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise InputError("is a symbolic link; optim-repair reads no file through a link", path=source) from exc
-        raise InputError(f"cannot read ({exc.strerror or exc})", path=source) from exc
+        raise InputError(f"cannot read ({os_error_reason(exc)})", path=source) from exc
     mode = os.fstat(descriptor).st_mode
     if not stat.S_ISREG(mode):
         os.close(descriptor)
@@ -63,7 +63,7 @@ def open_beneath(directory: Path, relative: str, source: str) -> BinaryIO:
         try:
             mode = os.lstat(current).st_mode
         except OSError as exc:
-            raise InputError(f"cannot read ({exc.strerror or exc})", path=source) from exc
+            raise InputError(f"cannot read ({os_error_reason(exc)})", path=source) from exc
         if not stat.S_ISDIR(mode):
             raise InputError(f"passes through {current.name}, which is {kind_of(mode)}", path=source)
     return open_regular(directory.joinpath(*parts), source)

@@ -6,7 +6,7 @@ import json
 import struct
 from pathlib import Path
 
-from optim_repair.errors import InputError, shown
+from optim_repair.errors import InputError, os_error_reason, shown
 from optim_repair.formats.inputs import open_regular, size_of
 from optim_repair.records.dtypes import DTYPES, SAFETENSORS_NAMES, contiguous_strides, itemsize, numel
 from optim_repair.records.inventory import TensorMeta, WeightMap
@@ -28,7 +28,7 @@ def read_weights(path: Path, source: str) -> WeightMap:
             header = json.loads(stream.read(length))
             data_size = size_of(stream) - 8 - length
     except OSError as exc:
-        raise InputError(f"cannot read ({exc.strerror or exc})", path=source) from exc
+        raise InputError(f"cannot read ({os_error_reason(exc)})", path=source) from exc
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise InputError("not a safetensors file (bad header)", path=source) from exc
     if not isinstance(header, dict):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
 
-from optim_repair.errors import InputError, UnsafeInputError, shown
+from optim_repair.errors import InputError, UnsafeInputError, os_error_reason, shown
 from optim_repair.formats.dcp.metadata import (
     METADATA_FILE,
     DcpBytes,
@@ -276,7 +276,7 @@ def read_metadata(path: Path, rel: str = "", *, ours: bool = False) -> DcpMetada
         with open_regular(path / METADATA_FILE, source) as stream:
             data = stream.read()
     except OSError as exc:
-        raise InputError(f"cannot read ({exc.strerror or exc})", path=source) from exc
+        raise InputError(f"cannot read ({os_error_reason(exc)})", path=source) from exc
     unpickler = _unpickler(data, source)
     root = unpickler.load_safely("DCP metadata pickle", ours=ours)
     meta = _parse_metadata(root, source)

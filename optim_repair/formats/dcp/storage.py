@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from optim_repair.errors import InputError, shown
+from optim_repair.errors import InputError, os_error_reason, shown
 from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpMetadata, DcpStorage, display_path
 from optim_repair.formats.inputs import open_beneath, size_of
 from optim_repair.formats.pickled import PickleGraph, load_graph
@@ -93,7 +93,7 @@ def read_ranges(directory: Path, wanted: Mapping[str, DcpStorage], display: str)
                     stream.seek(info.offset)
                     yield key, stream.read(info.length)
         except OSError as exc:
-            raise InputError(f"cannot read ({exc.strerror or exc})", path=where) from exc
+            raise InputError(f"cannot read ({os_error_reason(exc)})", path=where) from exc
 
 
 def check_ranges(directory: Path, meta: DcpMetadata, display: str) -> None:

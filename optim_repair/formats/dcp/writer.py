@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from optim_repair.errors import InputError, OutputError
+from optim_repair.errors import InputError, OutputError, os_error_reason
 from optim_repair.formats.dcp.metadata import METADATA_FILE, SHARD_SUFFIX, DcpMetadata, KeyPath, display_path
 from optim_repair.formats.dcp.metadata_reader import memo_objects, read_metadata
 from optim_repair.formats.dcp.metadata_writer import Place, extended_metadata, rebuilt_metadata
@@ -125,4 +125,4 @@ def _write_entries(src: Path, planned: PlannedEntries, dest: Path, source: str, 
         finally:
             os.close(descriptor)
     except OSError as exc:
-        raise OutputError(f"cannot write ({exc.strerror or exc})", path=str(dest)) from exc
+        raise OutputError(f"cannot write ({os_error_reason(exc)})", path=str(dest)) from exc

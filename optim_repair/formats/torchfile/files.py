@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from optim_repair.errors import InputError
+from optim_repair.errors import InputError, os_error_reason
 from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile, open_legacy
 from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, ZipTorchFile, open_zip
@@ -28,4 +28,4 @@ def open_torch_file(path: Path, source: str, *, ours: bool = False) -> TorchFile
             stream.seek(0)
             return open_legacy(stream, path, source, ours=ours)
     except OSError as exc:
-        raise InputError(f"cannot read ({exc.strerror or exc})", path=source) from exc
+        raise InputError(f"cannot read ({os_error_reason(exc)})", path=source) from exc
