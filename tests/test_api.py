@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import optim_repair
-from tests.checkpoints import Built
-from tests.support import assert_nothing_written, untouched
+from tests.factories.built import Built
+from tests.factories.support import assert_nothing_written, untouched
 
 
 def test_every_exported_name_resolves() -> None:

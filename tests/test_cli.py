@@ -18,11 +18,11 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from typer.testing import Result
 
 import optim_repair
-from tests import checkpoints as ck
-from tests import models
-from tests.checkpoints import Built
+from tests import factories
 from tests.conftest import run_cli
-from tests.support import assert_fixed_copy, assert_nothing_written, installed_command, untouched
+from tests.factories import defects, hostile, models, trainers
+from tests.factories.built import Built
+from tests.factories.support import assert_fixed_copy, assert_nothing_written, installed_command, untouched
 
 OPTIMIZER_FIELDS = {
     "file",
@@ -129,7 +129,7 @@ def test_inspect_bug_report_json(bug_report_checkpoint: Built) -> None:
 def test_inspect_every_layout(root: Path, factory: str) -> None:
     """Index-keyed optimizers resume through optimizer.load_state_dict, which takes absent entries: healthy,
     with the absent entries still listed; name-keyed ones need a repair."""
-    built = ck.FACTORIES[factory](root)
+    built = factories.FACTORIES[factory](root)
     index = factory in ("hf_trainer", "accelerate", "lightning")
     document = inspect_json(built.path, code=0 if index else 1)
     got = {(o["file"], o["location"]): (o["key_style"], o["missing"]) for o in document["optimizers"]}
@@ -149,7 +149,7 @@ def test_inspect_hf_lists_skipped_neighbours_and_warns(hf_checkpoint: Built) -> 
         {
             "file": "training_args.bin",
             "kind": "unsafe",
-            "reason": "refuses to load global tests.checkpoints.TrainingArguments",
+            "reason": "refuses to load global tests.factories.trainers.TrainingArguments",
         },
     ]
     assert [(n["code"], n["severity"]) for n in document["notices"]] == [("skipped-unsafe", "warning")]
@@ -196,7 +196,7 @@ def test_inspect_empty_entries_are_listed_and_healthy(empty_entries_checkpoint: 
 def test_malformed_inspect_exits_3_and_fix_writes_nothing(
     root: Path, tmp_path: Path, name: str, code: str, param: str
 ) -> None:
-    built = ck.MALFORMED[name](root)
+    built = defects.MALFORMED[name](root)
     document = inspect_json(built.path, code=3)
     assert document["verdict"] == "malformed"
     assert [(m["code"], m["param"]) for m in document["optimizers"][0]["malformed"]] == [(code, param)]
@@ -273,7 +273,7 @@ def test_fix_nested_out_exits_5(unirl_checkpoint: Built, tmp_path: Path) -> None
 
 
 def _bad_inputs(tmp_path: Path) -> dict[str, Path]:
-    built = ck.healthy(tmp_path / "src")
+    built = defects.healthy(tmp_path / "src")
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(built.path.read_bytes()[:700])
     random_bytes = tmp_path / "random.pt"
@@ -299,7 +299,7 @@ def test_unreadable_inputs_exit_4_with_one_line(tmp_path: Path, command: str, ki
 def test_unsafe_pickle_exits_4_naming_the_global_and_runs_nothing(
     root: Path, marker: Path, tmp_path: Path, legacy: bool
 ) -> None:
-    built = ck.unsafe_legacy_pickle(root, marker) if legacy else ck.unsafe_pickle(root, marker)
+    built = hostile.unsafe_legacy_pickle(root, marker) if legacy else hostile.unsafe_pickle(root, marker)
     result = run_cli(["inspect", built.path], code=4)
     one_error_line(result, f"{built.path}: refuses to load global {os.name}.system")
     out = tmp_path / "out.pt"
@@ -311,7 +311,7 @@ def test_unsafe_pickle_exits_4_naming_the_global_and_runs_nothing(
 
 def test_hf_training_args_file_is_refused_naming_the_class(hf_checkpoint: Built) -> None:
     result = run_cli(["inspect", hf_checkpoint.path / "training_args.bin"], code=4)
-    one_error_line(result, "training_args.bin: refuses to load global tests.checkpoints.TrainingArguments")
+    one_error_line(result, "training_args.bin: refuses to load global tests.factories.trainers.TrainingArguments")
 
 
 def test_directory_without_optimizer_exits_4(hf_checkpoint: Built) -> None:
@@ -352,7 +352,7 @@ def test_remedies_name_the_flags_library_errors_name_keyword_arguments(root: Pat
     r = models.run()
     alone = root / "optimizer.pt"
     torch.save({"optimizer": get_optimizer_state_dict(r.model, r.optimizer)}, alone)
-    hf = ck.hf_trainer(root / "hf")
+    hf = trainers.hf_trainer(root / "hf")
     cases = [
         ([alone, "--out", tmp_path / "a.pt", "--fill", "fresh"], 3, "; pass --model PATH with the model's weights"),
         ([hf.path, "--out", tmp_path / "b", "--fill", "fresh"], 3, "; pass --fill empty: optimizer.load_state_dict"),
@@ -485,7 +485,7 @@ def test_usage_errors_are_one_line_and_a_json_document(args: list[str], fragment
 
 def test_mistakes_users_make_get_messages_that_say_what_to_do(hf_checkpoint: Built, tmp_path: Path) -> None:
     weights = hf_checkpoint.path / "model.safetensors"
-    ck.save_safetensors({"w": torch.zeros(2)}, weights)
+    trainers.save_safetensors({"w": torch.zeros(2)}, weights)
     one_error_line(
         run_cli(["inspect", weights], code=4),
         "model weights, not optimizer state; the optimizer is in optimizer.pt beside it",
@@ -555,7 +555,7 @@ def test_fix_refuses_up_front_when_the_disk_is_too_small(unirl_checkpoint: Built
 
 def test_a_deepspeed_zero_checkpoint_is_healthy_and_copied(root: Path, tmp_path: Path) -> None:
     """HF + DeepSpeed ZeRO: no per-parameter entries to judge; a pre-resume script must not refuse it (exit 4)."""
-    built = ck.deepspeed_zero(root)
+    built = trainers.deepspeed_zero(root)
     document = inspect_json(built.path, code=0)
     assert document["verdict"] == "healthy" and document["optimizers"] == []
     assert [(n["code"], n["severity"]) for n in document["notices"]] == [("deepspeed-zero", "info")]

@@ -11,9 +11,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 import optim_repair
-from tests import checkpoints as ck
 from tests.conftest import run_cli
-from tests.models import TwoHeadNet, make_optimizer, train
+from tests.factories import trainers
+from tests.factories.built import Built
+from tests.factories.models import TwoHeadNet, make_optimizer, train
 
 
 def named_state_dict(module: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -42,7 +43,7 @@ def test_a_compiled_models_names_are_explained_by_a_rename(tmp_path: Path) -> No
     path = tmp_path / "checkpoint.pt"
     model = _compiled_checkpoint(path)
     weights = tmp_path / "model.safetensors"
-    ck.save_safetensors(get_model_state_dict(model), weights)
+    trainers.save_safetensors(get_model_state_dict(model), weights)
     document = json.loads(run_cli(["inspect", path, "--model", weights, "--json"], code=1).stdout)
     (opt,) = document["optimizers"]
     found = opt["model"]
@@ -78,7 +79,7 @@ def test_a_shape_that_disagrees_with_the_model_is_a_finding(tmp_path: Path) -> N
              for name, p in model.named_parameters()}  # fmt: skip
     renamed = {f"_orig_mod.{name}": value for name, value in wider.items()}
     weights = tmp_path / "other.safetensors"
-    ck.save_safetensors(renamed, weights)
+    trainers.save_safetensors(renamed, weights)
     document = json.loads(run_cli(["inspect", path, "--model", weights, "--json"], code=3).stdout)
     assert document["verdict"] == "malformed"
     mismatches = document["optimizers"][0]["model"]["shape_mismatches"]
@@ -88,9 +89,9 @@ def test_a_shape_that_disagrees_with_the_model_is_a_finding(tmp_path: Path) -> N
     ]
 
 
-def test_index_keys_are_compared_by_counts(hf_checkpoint: ck.Built, tmp_path: Path) -> None:
+def test_index_keys_are_compared_by_counts(hf_checkpoint: Built, tmp_path: Path) -> None:
     small = tmp_path / "small.safetensors"
-    ck.save_safetensors({"only.weight": torch.zeros(2)}, small)
+    trainers.save_safetensors({"only.weight": torch.zeros(2)}, small)
     found = optim_repair.inspect(hf_checkpoint.path, model=small).optimizers[0].model
     assert found is not None and found.by_index and not found.matches
     assert (found.optimizer_params, found.model_params) == (6, 1)
@@ -98,7 +99,7 @@ def test_index_keys_are_compared_by_counts(hf_checkpoint: ck.Built, tmp_path: Pa
     assert beside is not None and beside.matches
 
 
-def test_a_clean_comparison_changes_nothing(unirl_checkpoint: ck.Built) -> None:
+def test_a_clean_comparison_changes_nothing(unirl_checkpoint: Built) -> None:
     diagnosis = optim_repair.inspect(unirl_checkpoint.path)
     (opt,) = diagnosis.optimizers
     assert opt.model is not None and opt.model.matches and opt.model.not_in_optimizer == ()

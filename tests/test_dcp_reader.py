@@ -1,6 +1,6 @@
 """DCP directories read safely from ``.metadata`` and bytes entries (``optim_repair.formats.dcp`` reader side).
 
-Checkpoints are real ``dcp.save`` outputs (``tests.dcp_checkpoints``); nothing is mocked.
+Checkpoints are real ``dcp.save`` outputs (``tests.factories.dcp``); nothing is mocked.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.state_dict_saver import save
 from optim_repair.errors import InputError, UnsafeInputError
 from optim_repair.formats.dcp import DcpChunk, DcpTensor, is_dcp_directory, read_dcp, read_metadata, write_dcp
 from optim_repair.records.inventory import TensorMeta
-from tests import dcp_checkpoints as dk
-from tests.checkpoints import Site
-from tests.dcp_checkpoints import by_name, only
+from tests.factories import dcp as dk
+from tests.factories.built import Site
+from tests.factories.dcp import by_name, only
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -23,8 +23,8 @@ from optim_repair.errors import InputError, RepairRefused
 from optim_repair.formats.dcp import DcpBytes, DcpChunk, DcpTensor, read_dcp, read_metadata, write_dcp
 from optim_repair.formats.dcp.verifier import verify_dcp
 from optim_repair.records.repair_plan import Addition, FreshTensor, RepairPlan
-from tests import dcp_checkpoints as dk
-from tests.dcp_checkpoints import by_name, files, only, repaired
+from tests.factories import dcp as dk
+from tests.factories.dcp import by_name, files, only, repaired
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -10,9 +10,9 @@ import pytest
 import optim_repair
 from optim_repair.decisions.diagnose import diagnose_optimizer
 from optim_repair.records.inventory import OptimizerInventory, ParamGroup, ParamKey, StateEntry, TensorMeta, WeightMap
-from tests import checkpoints as ck
-from tests import models
-from tests.checkpoints import Built
+from tests import factories
+from tests.factories import defects, models, trainers
+from tests.factories.built import Built
 
 # ---------------------------------------------------------------- real checkpoints
 
@@ -51,7 +51,7 @@ def test_the_bug_report_reproducer(bug_report_checkpoint: Built) -> None:
     ],
 )
 def test_each_layout_finds_exactly_the_missing_entries(root: Path, factory: str) -> None:
-    built = ck.FACTORIES[factory](root)
+    built = factories.FACTORIES[factory](root)
     assert by_site(built) == {(site.file, site.location): missing for site, missing in built.missing.items()}
     diagnosis = optim_repair.inspect(built.path)
     index = factory in ("hf_trainer", "accelerate", "lightning")  # optimizer.load_state_dict takes absent entries
@@ -68,8 +68,8 @@ def test_multi_optimizer_models_of_other_shapes_are_no_shape_reference(multi_opt
 
 
 def test_both_key_styles(root: Path) -> None:
-    names = optim_repair.inspect(ck.unirl_torch(root / "n").path).optimizers[0]
-    indices = optim_repair.inspect(ck.hf_trainer(root / "i").path).optimizers[0]
+    names = optim_repair.inspect(trainers.unirl_torch(root / "n").path).optimizers[0]
+    indices = optim_repair.inspect(trainers.hf_trainer(root / "i").path).optimizers[0]
     assert names.optimizer.key_style == "name" and names.missing == ("head_unused.weight", "head_unused.bias")
     assert indices.optimizer.key_style == "index" and indices.missing == (4, 5)
 
@@ -108,7 +108,7 @@ def test_phantom_step(phantom_checkpoint: Built) -> None:
 
 def test_phantom_step_needs_zero_moments_not_just_step_one(root: Path) -> None:
     # one real step: step == 1 everywhere, but the moments are not zero
-    built = ck.unirl_torch(root, steps=1)
+    built = trainers.unirl_torch(root, steps=1)
     (opt,) = optim_repair.inspect(built.path).optimizers
     assert all(isinstance(e.get("step"), TensorMeta) and e.get("step").value == 1 for e in opt.optimizer.entries)
     assert "phantom-step" not in [w.code for w in opt.notices]
@@ -127,7 +127,7 @@ MALFORMED_CODES = {
 
 @pytest.mark.parametrize("name", sorted(MALFORMED_CODES))
 def test_every_malformed_code(root: Path, name: str) -> None:
-    built = ck.MALFORMED[name](root)
+    built = defects.MALFORMED[name](root)
     diagnosis = optim_repair.inspect(built.path)
     assert diagnosis.verdict == "malformed"
     (opt,) = diagnosis.optimizers
@@ -138,7 +138,7 @@ def test_every_malformed_code(root: Path, name: str) -> None:
 
 
 def test_shape_mismatch_detail_names_both_shapes(root: Path) -> None:
-    (opt,) = optim_repair.inspect(ck.shape_mismatch(root).path).optimizers
+    (opt,) = optim_repair.inspect(defects.shape_mismatch(root).path).optimizers
     (finding,) = opt.malformed
     assert finding.detail == "exp_avg_sq has shape [3, 3] but the parameter has [8, 4]"
 

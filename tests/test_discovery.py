@@ -8,13 +8,13 @@ import pytest
 
 from optim_repair.checkpoint.discovery import Entry, discover
 from optim_repair.errors import InputError
-from tests import checkpoints as ck
-from tests import dcp_checkpoints as dk
+from tests.factories import dcp as dk
+from tests.factories import trainers
 
 
 def test_a_run_directory_gets_every_role(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    hf = ck.hf_trainer(run / "hf").path.relative_to(run).as_posix()
+    hf = trainers.hf_trainer(run / "hf").path.relative_to(run).as_posix()
     dcp = dk.unirl_dcp(run / "dcp").path.relative_to(run).as_posix()
     (run / "notes.txt").write_text("")
     (run / "latest").symlink_to(hf)
@@ -38,7 +38,7 @@ def test_a_run_directory_gets_every_role(tmp_path: Path) -> None:
 
 
 def test_a_directory_is_listed_before_what_it_holds(tmp_path: Path) -> None:
-    ck.petrainer(tmp_path / "p")
+    trainers.petrainer(tmp_path / "p")
     seen: set[str] = set()
     for entry in discover(tmp_path / "p").entries:
         parent = entry.rel.rpartition("/")[0]
@@ -47,7 +47,7 @@ def test_a_directory_is_listed_before_what_it_holds(tmp_path: Path) -> None:
 
 
 def test_a_file_argument_is_one_torch_file_with_its_neighbours(tmp_path: Path) -> None:
-    built = ck.hf_trainer(tmp_path / "hf")
+    built = trainers.hf_trainer(tmp_path / "hf")
     found = discover(built.path / "optimizer.pt")
     assert not found.is_directory and found.entries == (Entry("", "torch"),)
     assert [path.name for path in found.neighbours] == ["model.safetensors"]

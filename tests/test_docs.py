@@ -12,6 +12,7 @@ import typer.main
 from optim_repair import render
 from optim_repair.cli import app
 from optim_repair.errors import ExitCode
+from tests import factories
 from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,9 +156,8 @@ def test_the_readme_resume_script(tmp_path: Path, factory: str) -> None:
     import sys
 
     import optim_repair
-    from tests import checkpoints as ck
 
-    built = ck.FACTORIES[factory](tmp_path / "run")
+    built = factories.FACTORIES[factory](tmp_path / "run")
     script = tmp_path / "resume.sh"
     script.write_text(_resume_script())
     (tmp_path / "train.py").write_text("import sys\nprint('resuming from', sys.argv[2])\n")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import checkpoints as ck
-from tests.support import installed_command
+from tests.factories import trainers
+from tests.factories.support import installed_command
 
 STRACE = shutil.which("strace")
 pytestmark = pytest.mark.skipif(STRACE is None, reason="strace is not installed")
@@ -30,7 +30,7 @@ def traced(tmp_path: Path, *args: str | Path) -> list[str]:
 
 
 def test_every_written_file_and_directory_is_synced_before_the_rename(tmp_path: Path) -> None:
-    built = ck.hf_trainer(tmp_path / "in")
+    built = trainers.hf_trainer(tmp_path / "in")
     out = tmp_path / "out"
     calls = traced(tmp_path, "fix", built.path, "--out", out)
     rename = next(i for i, call in enumerate(calls) if "rename" in call and "optim-repair-tmp-" in call)
@@ -42,6 +42,6 @@ def test_every_written_file_and_directory_is_synced_before_the_rename(tmp_path: 
 
 
 def test_no_sync_syncs_nothing(tmp_path: Path) -> None:
-    built = ck.unirl_torch(tmp_path / "in")
+    built = trainers.unirl_torch(tmp_path / "in")
     calls = traced(tmp_path, "fix", built.path, "--out", tmp_path / "out", "--no-sync")
     assert not [call for call in calls if "fsync" in call]

@@ -1,6 +1,6 @@
 """``optim_repair.fix`` end to end through the library: plan, atomic write (``checkpoint.writing``), verify.
 
-Every fix here goes through ``tests.support.fix``, which asserts the input is unchanged afterwards
+Every fix here goes through ``tests.factories.support.fix``, which asserts the input is unchanged afterwards
 (content, mtime and mode of every file), whatever happened.
 """
 
@@ -16,10 +16,10 @@ from torch.optim.lr_scheduler import LinearLR
 import optim_repair
 from optim_repair.errors import RepairRefused
 from optim_repair.formats.torchfile.verifier import verify_torch_file
-from tests import checkpoints as ck
-from tests import models
-from tests.checkpoints import Built
-from tests.support import (
+from tests import factories
+from tests.factories import defects, models, trainers
+from tests.factories.built import Built
+from tests.factories.support import (
     assert_copy_faithful,
     assert_fixed_copy,
     assert_nothing_written,
@@ -27,8 +27,8 @@ from tests.support import (
     load,
 )
 
-SAFE = sorted(set(ck.FACTORIES) - set(ck.MALFORMED))
-OPT = ck.OPT_SITE
+SAFE = sorted(set(factories.FACTORIES) - set(defects.MALFORMED))
+OPT = trainers.OPT_SITE
 
 
 def with_scheduler(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -45,7 +45,7 @@ def out_for(built: Built, tmp_path: Path) -> Path:
 def test_fix_adds_exactly_the_missing_entries_and_changes_nothing_else(
     root: Path, tmp_path: Path, factory: str
 ) -> None:
-    built = ck.FACTORIES[factory](root)
+    built = factories.FACTORIES[factory](root)
     out = out_for(built, tmp_path)
     result = fix(built.path, out)
     assert result.plan.fill == "empty"
@@ -82,7 +82,7 @@ def test_the_bug_report_is_repaired_and_resumes_through_the_stock_loader(
 @pytest.mark.parametrize("full", [True, False], ids=["full_state_dict", "sharded_state_dict"])
 def test_name_keyed_copies_load_through_set_optimizer_state_dict(root: Path, tmp_path: Path, full: bool) -> None:
     options = StateDictOptions(full_state_dict=full)
-    built = ck.unirl_torch(root / "u")
+    built = trainers.unirl_torch(root / "u")
     fix(built.path, tmp_path / "u")
     model = models.TwoHeadNet()
     opt = with_scheduler(models.make_optimizer(model))
@@ -94,7 +94,7 @@ def test_name_keyed_copies_load_through_set_optimizer_state_dict(root: Path, tmp
     models.train(model, opt, 1, use_all=True)
     assert len(opt.state) == 6
 
-    multi = ck.multi_optimizer(root / "m")
+    multi = trainers.multi_optimizer(root / "m")
     fix(multi.path, tmp_path / "m.pt")
     payload = load(tmp_path / "m.pt")
     actor, critic = models.TwoHeadNet(seed=3), models.TwoHeadNet(hidden=5, seed=4)
@@ -110,7 +110,7 @@ def test_name_keyed_copies_load_through_set_optimizer_state_dict(root: Path, tmp
 
 
 def test_index_keyed_copies_load_through_optimizer_load_state_dict(root: Path, tmp_path: Path) -> None:
-    hf = ck.hf_trainer(root / "hf")
+    hf = trainers.hf_trainer(root / "hf")
     fix(hf.path, tmp_path / "hf")
     model = models.TwoHeadNet()
     opt = models.make_optimizer(model)
@@ -119,14 +119,14 @@ def test_index_keyed_copies_load_through_optimizer_load_state_dict(root: Path, t
     models.train(model, opt, 1, use_all=True)
     assert set(opt.state[model.head_unused.weight]) == {"step", "exp_avg", "exp_avg_sq"}
 
-    lightning = ck.lightning(root / "l")
+    lightning = trainers.lightning(root / "l")
     fix(lightning.path, tmp_path / "l.ckpt")
     module = models.LitWrapper(models.TwoHeadNet())
     opt = models.make_optimizer(module)
     opt.load_state_dict(load(tmp_path / "l.ckpt")["optimizer_states"][0])
     models.train(module, opt, 1, use_all=True)
 
-    acc = ck.accelerate(root / "a")
+    acc = trainers.accelerate(root / "a")
     fix(acc.path, tmp_path / "a")
     model = models.TwoHeadNet()
     first = torch.optim.AdamW([model.trunk.weight, model.trunk.bias, model.head_unused.weight, model.head_unused.bias])
@@ -147,10 +147,10 @@ def test_tricky_tensors_are_bit_identical(tricky_checkpoint: Built, tmp_path: Pa
     before, after = original["optimizer_state_dict"]["state"], copy["optimizer_state_dict"]["state"]
     # the documented hard cases, spelled out
     bits = after["head_used.weight"]["exp_avg"].view(torch.int32).view(-1)[:3].tolist()
-    assert [b & 0xFFFFFFFF for b in bits] == [*ck.NAN_BITS_F32, ck.NEG_ZERO_F32]
+    assert [b & 0xFFFFFFFF for b in bits] == [*defects.NAN_BITS_F32, defects.NEG_ZERO_F32]
     assert after["gain_bf16"]["exp_avg"].dtype == torch.bfloat16
-    assert after["gain_bf16"]["exp_avg"].view(torch.int16).view(-1)[0].item() & 0xFFFF == ck.NAN_BITS_BF16
-    assert after["gain_fp16"]["exp_avg"].view(torch.int16).view(-1)[0].item() & 0xFFFF == ck.NAN_BITS_F16
+    assert after["gain_bf16"]["exp_avg"].view(torch.int16).view(-1)[0].item() & 0xFFFF == defects.NAN_BITS_BF16
+    assert after["gain_fp16"]["exp_avg"].view(torch.int16).view(-1)[0].item() & 0xFFFF == defects.NAN_BITS_F16
     assert after["spectral"]["exp_avg"].dtype == torch.complex64
     assert after["void"]["exp_avg"].shape == (0, 4)
     tw = after["trunk.weight"]["exp_avg"]
@@ -182,7 +182,11 @@ def test_healthy_checkpoint_still_gets_a_verified_copy(healthy_checkpoint: Built
 
 
 def test_fix_is_idempotent(root: Path, tmp_path: Path) -> None:
-    for built in (ck.tricky_tensors(root / "t"), ck.legacy_format(root / "l"), ck.petrainer(root / "p")):
+    for built in (
+        defects.tricky_tensors(root / "t"),
+        trainers.legacy_format(root / "l"),
+        trainers.petrainer(root / "p"),
+    ):
         once, twice = tmp_path / f"once-{built.path.name}", tmp_path / f"twice-{built.path.name}"
         fix(built.path, once)
         result = fix(once, twice)

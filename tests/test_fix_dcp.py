@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from optim_repair.formats.dcp import read_dcp
-from tests import checkpoints as ck
-from tests import dcp_checkpoints as dk
 from tests.conftest import run_cli
-from tests.dcp_checkpoints import only
+from tests.factories import dcp as dk
+from tests.factories import trainers
+from tests.factories.dcp import only
 
 
 def _digests(root: Path) -> dict[str, str]:
@@ -70,7 +70,7 @@ def test_shapes_are_found_at_the_top_level_and_in_a_model_only_step(tmp_path: Pa
     fixed = only(read_dcp(tmp_path / "b", ""))
     assert dk.missing_params(fixed) == () and {e.param for e in fixed.entries} >= set(dk.HEAD)
     other = tmp_path / "other.safetensors"
-    ck.save_safetensors({"unrelated.weight": torch.zeros(2)}, other)
+    trainers.save_safetensors({"unrelated.weight": torch.zeros(2)}, other)
     mismatch = run_cli(["fix", optimizer_only, "--out", tmp_path / "c", "--model", other], code=3)
     assert f"looked in {other}" in mismatch.stderr
 

@@ -20,11 +20,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import optim_repair
-from tests import checkpoints as ck
-from tests import dcp_checkpoints as dk
 from tests.conftest import run_cli
-from tests.models import make_optimizer, train
-from tests.support import assert_nothing_written, untouched
+from tests.factories import dcp as dk
+from tests.factories import trainers
+from tests.factories.models import make_optimizer, train
+from tests.factories.support import assert_nothing_written, untouched
 
 
 def _save_flattened(path: Path, *, with_model: bool) -> None:
@@ -104,7 +104,7 @@ def test_the_empty_fill_is_refused_and_shapes_come_from_a_model(tmp_path: Path) 
     no_shapes = run_cli(["fix", alone, "--out", out], code=3)
     assert "the checkpoint holds no model weights; pass --model PATH" in no_shapes.stderr
     model = tmp_path / "model.safetensors"
-    ck.save_safetensors(get_model_state_dict(dk.trained("adamw").model), model)
+    trainers.save_safetensors(get_model_state_dict(dk.trained("adamw").model), model)
     run_cli(["fix", alone, "--out", out, "--model", model])
     resumed = _resume(out, (), get_model_state_dict(dk.trained("adamw").model))
     expected = dk.uninterrupted("adamw")

@@ -20,11 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from tests import checkpoints as ck
-from tests import dcp_checkpoints as dk
-from tests import hostile
 from tests.conftest import run_cli
-from tests.support import installed_command
+from tests.factories import dcp as dk
+from tests.factories import defects, hostile, trainers
+from tests.factories.support import installed_command
 
 LIMIT_BYTES = 3 << 30
 
@@ -81,7 +80,7 @@ def test_an_opcode_across_the_end_of_its_frame_is_refused(tmp_path: Path) -> Non
 
 def test_a_fifo_is_never_opened(tmp_path: Path) -> None:
     """A FIFO would block open() forever: as the argument, in a directory, as --model or as a DCP shard."""
-    built = ck.hf_trainer(tmp_path / "hf")
+    built = trainers.hf_trainer(tmp_path / "hf")
     fifo = tmp_path / "fifo.pt"
     os.mkfifo(fifo)
     assert "fifo.pt: is a FIFO, not a file or directory" in refused("inspect", fifo, timeout=20)
@@ -90,7 +89,7 @@ def test_a_fifo_is_never_opened(tmp_path: Path) -> None:
     document = json.loads(run_cli(["inspect", built.path, "--json"], code=None).stdout)
     assert {"file": "extra.pt", "kind": "other", "reason": "is a FIFO, not a regular file"} in document["skipped"]
     assert "extra.pt: is a FIFO; optim-repair copies only" in refused("fix", built.path, "--out", tmp_path / "o")
-    alone = ck.unirl_torch(tmp_path / "u").path / "checkpoint.pt"
+    alone = trainers.unirl_torch(tmp_path / "u").path / "checkpoint.pt"
     line = refused("fix", alone, "--out", tmp_path / "f.pt", "--fill", "fresh", "--model", fifo, timeout=20)
     assert "is a FIFO" in line
     dcp = dk.unirl_dcp(tmp_path / "d").path
@@ -107,7 +106,7 @@ def test_no_file_is_read_through_a_link(tmp_path: Path) -> None:
     (dcp / "__0_0.distcp").rename(outside / "shard.distcp")
     (dcp / "__0_0.distcp").symlink_to(outside / "shard.distcp")
     assert "__0_0.distcp: is a symbolic link; optim-repair reads no file through a link" in refused("inspect", dcp)
-    built = ck.hf_trainer(tmp_path / "hf")
+    built = trainers.hf_trainer(tmp_path / "hf")
     (built.path / "optimizer.pt").rename(outside / "optimizer.pt")
     (built.path / "optimizer.pt").symlink_to(outside / "optimizer.pt")
     assert "no optimizer state found in any file" in refused("inspect", built.path)
@@ -125,7 +124,7 @@ def test_a_link_loop_is_a_short_error(tmp_path: Path) -> None:
 
 def _zip_with(path: Path, name: str, data: bytes, compress: int = zipfile.ZIP_DEFLATED) -> Path:
     """A copy of a real torch file with one more record (or a replaced one), written with ``compress``."""
-    source = ck.healthy(path.parent / "seed").path
+    source = defects.healthy(path.parent / "seed").path
     with zipfile.ZipFile(source) as original, zipfile.ZipFile(path, "w") as archive:
         for info in original.infolist():
             if not info.filename.endswith(name):
@@ -191,7 +190,7 @@ def test_odd_parameter_keys_are_refused_or_shown_escaped(tmp_path: Path) -> None
 
 
 def test_sigterm_removes_the_temporary_copy(tmp_path: Path) -> None:
-    built = ck.unirl_torch(tmp_path / "u", steps=2)
+    built = trainers.unirl_torch(tmp_path / "u", steps=2)
     big = built.path / "big.bin"
     big.write_bytes(os.urandom(64 << 20))  # copied and compared: long enough to be caught mid-way
     out = tmp_path / "out"
@@ -223,7 +222,7 @@ def _handles_sigterm(pid: int) -> bool:
 @pytest.mark.parametrize("delay", [0.0, 0.01, 0.03, 0.06, 0.1, 0.2])
 def test_ctrl_c_at_any_moment_after_the_entry_point_begins_is_one_line(tmp_path: Path, delay: float) -> None:
     """From the entry point's first instruction on (Python's own start-up is Python's), Ctrl-C is one line."""
-    built = ck.healthy(tmp_path)
+    built = defects.healthy(tmp_path)
     process = subprocess.Popen(
         [*installed_command(), "inspect", str(built.path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -241,7 +240,7 @@ def test_ctrl_c_at_any_moment_after_the_entry_point_begins_is_one_line(tmp_path:
 
 
 def test_a_safetensors_header_is_refused_when_deep_or_larger_than_its_bytes(tmp_path: Path) -> None:
-    built = ck.unirl_torch(tmp_path / "u")
+    built = trainers.unirl_torch(tmp_path / "u")
     weights = tmp_path / "model.safetensors"
     deep = b"[" * 100_000 + b"]" * 100_000
     weights.write_bytes(struct.pack("<Q", len(deep)) + deep)

@@ -13,8 +13,8 @@ from optim_repair.decisions.identify import identify_optimizer
 from optim_repair.decisions.optimizers import ParamSpec, fresh_state
 from optim_repair.errors import RepairRefused
 from optim_repair.records.inventory import ParamGroup, StateEntry, TensorMeta
-from tests.models import VARIANTS, BranchNet, branch_inputs, train_branches
-from tests.support import group_of
+from tests.factories.models import VARIANTS, BranchNet, branch_inputs, train_branches
+from tests.factories.support import group_of
 
 
 def inventory(sd: dict[str, Any]) -> tuple[list[ParamGroup], list[StateEntry]]:

@@ -26,10 +26,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn.parallel import DistributedDataParallel
 
 import optim_repair
-from tests import checkpoints as ck
 from tests.conftest import run_cli
-from tests.models import TwoHeadNet, make_optimizer, train
-from tests.support import assert_nothing_written, untouched
+from tests.factories import trainers
+from tests.factories.built import Built
+from tests.factories.models import TwoHeadNet, make_optimizer, train
+from tests.factories.support import assert_nothing_written, untouched
 from tests.test_comparison import named_state_dict
 
 STEPS, MORE = 3, 3
@@ -157,7 +158,7 @@ def test_a_removed_layer_is_dropped(tmp_path: Path) -> None:
     train(model, opt, MORE, use_all=False, seed=1)  # head_unused out of the loss: as if removed
     expected = {name: value for name, value in _params(model).items() if not name.startswith("head_unused.")}
     smaller = tmp_path / "model.safetensors"
-    ck.save_safetensors(get_model_state_dict(OneHeadNet()), smaller)
+    trainers.save_safetensors(get_model_state_dict(OneHeadNet()), smaller)
     assert optim_repair.inspect(path, model=smaller).verdict == "repairable"
     for args, name in (
         (["--drop", "^head_unused\\."], "a.pt"),
@@ -188,7 +189,7 @@ def _at_checkpoint() -> dict[str, Tensor]:
     return {k: v for k, v in get_model_state_dict(model).items() if not k.startswith("head_unused.")}
 
 
-def test_operations_that_cannot_apply_are_refused(tmp_path: Path, hf_checkpoint: ck.Built) -> None:
+def test_operations_that_cannot_apply_are_refused(tmp_path: Path, hf_checkpoint: Built) -> None:
     model = TwoHeadNet()
     opt = make_optimizer(model, "adamw")
     train(model, opt, 2, use_all=True)
@@ -244,7 +245,7 @@ def test_a_dcp_checkpoint_is_renamed_through_its_metadata_alone(tmp_path: Path, 
     from torch.distributed.checkpoint import save
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from tests import dcp_checkpoints as dk
+    from tests.factories import dcp as dk
 
     run = dk.trained("adamw")
     optimizer = get_optimizer_state_dict(run.model, run.optimizer, options=dk.options(flatten))
@@ -271,7 +272,7 @@ def test_a_dcp_checkpoint_is_renamed_through_its_metadata_alone(tmp_path: Path, 
 def test_a_dcp_parameter_is_dropped_from_state_and_params(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from tests import dcp_checkpoints as dk
+    from tests.factories import dcp as dk
 
     built = dk.unirl_dcp(tmp_path / "in")
     out = tmp_path / "fixed"
@@ -291,7 +292,7 @@ def test_a_layer_unfrozen_between_runs_joins_a_dcp_checkpoint(tmp_path: Path) ->
     stopped and appends it to group 0 at the same step."""
     from torch.distributed.checkpoint import save
 
-    from tests import dcp_checkpoints as dk
+    from tests.factories import dcp as dk
 
     model = dk.DeepNet()
     model.head.requires_grad_(False)
@@ -318,7 +319,7 @@ def test_a_layer_joins_a_flattened_optimizer_with_its_groups_hyperparameters(tmp
     the hyperparameters of a member of group 0, and resumes as in the run that never stopped."""
     from torch.distributed.checkpoint import save
 
-    from tests import dcp_checkpoints as dk
+    from tests.factories import dcp as dk
 
     model = dk.DeepNet()
     model.head.requires_grad_(False)
@@ -366,7 +367,7 @@ def test_a_layer_unfrozen_between_runs_joins_an_index_keyed_optimizer(tmp_path: 
     checkpoint.mkdir()
     torch.save(opt.state_dict(), checkpoint / "optimizer.pt")
     weights = {name: value.clone() for name, value in model.state_dict().items()}
-    ck.save_safetensors(weights, checkpoint / "model.safetensors")
+    trainers.save_safetensors(weights, checkpoint / "model.safetensors")
     model.head_unused.requires_grad_(True)
     opt.param_groups[0]["params"].extend(model.head_unused.parameters())
     train(model, opt, MORE, use_all=True, seed=1)

@@ -23,8 +23,8 @@ from optim_repair.decisions.optimizers import OPTIMIZERS, FreshValue, ParamSpec,
 from optim_repair.errors import RepairRefused
 from optim_repair.records.inventory import ParamGroup, TensorMeta
 from optim_repair.records.repair_plan import FreshTensor
-from tests.models import VARIANTS, BranchNet, branch_inputs, train_branches
-from tests.support import group_of
+from tests.factories.models import VARIANTS, BranchNet, branch_inputs, train_branches
+from tests.factories.support import group_of
 
 Factory = Callable[[Any], torch.optim.Optimizer]
 

@@ -21,10 +21,10 @@ import optim_repair
 from optim_repair.checkpoint import writing as output
 from optim_repair.errors import OutputError, RepairRefused, VerificationError
 from optim_repair.formats.dcp.verifier import verify_dcp
-from tests import checkpoints as ck
-from tests import dcp_checkpoints as dk
-from tests.checkpoints import Built
-from tests.support import (
+from tests.factories import dcp as dk
+from tests.factories import defects, trainers
+from tests.factories.built import Built
+from tests.factories.support import (
     assert_fixed_copy,
     assert_nothing_written,
     fix,
@@ -52,7 +52,7 @@ def test_malformed_input_writes_nothing(malformed_checkpoint: Built, tmp_path: P
 
 
 def test_existing_out_is_refused_unless_forced(root: Path, tmp_path: Path) -> None:
-    built = ck.unirl_torch(root)
+    built = trainers.unirl_torch(root)
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.txt").write_text("old")
@@ -66,7 +66,7 @@ def test_existing_out_is_refused_unless_forced(root: Path, tmp_path: Path) -> No
 
 
 def test_existing_file_out_is_replaced_with_force(root: Path, tmp_path: Path) -> None:
-    built = ck.lightning(root)
+    built = trainers.lightning(root)
     out = tmp_path / "out.ckpt"
     out.write_text("old")
     with pytest.raises(OutputError, match="already exists"):
@@ -75,11 +75,11 @@ def test_existing_file_out_is_replaced_with_force(root: Path, tmp_path: Path) ->
     fix(built.path, out, force=True)
     assert_fixed_copy(built, out)
     with pytest.raises(OutputError, match="exists and is not a directory"):
-        fix(ck.unirl_torch(root / "d").path, out, force=True)
+        fix(trainers.unirl_torch(root / "d").path, out, force=True)
 
 
 def test_out_inside_or_equal_to_or_containing_the_input_is_refused(root: Path) -> None:
-    built = ck.unirl_torch(root)
+    built = trainers.unirl_torch(root)
     for out, force in (
         (built.path / "fixed", False),
         (built.path / "sub" / "fixed", False),
@@ -91,13 +91,13 @@ def test_out_inside_or_equal_to_or_containing_the_input_is_refused(root: Path) -
         with untouched(root), pytest.raises(OutputError, match="out must not") as info:
             fix(built.path, out, force=force)
         assert info.value.exit_code == 5
-    single = ck.lightning(root / "single")
+    single = trainers.lightning(root / "single")
     with pytest.raises(OutputError, match="out must not be the input"):
         fix(single.path, single.path, force=True)
 
 
 def test_out_in_a_missing_directory_is_refused(root: Path, tmp_path: Path) -> None:
-    built = ck.healthy(root)
+    built = defects.healthy(root)
     with pytest.raises(OutputError, match="no such directory"):
         fix(built.path, tmp_path / "absent" / "out.pt")
     assert not (tmp_path / "absent").exists()
@@ -108,7 +108,7 @@ def test_out_in_a_missing_directory_is_refused(root: Path, tmp_path: Path) -> No
 
 def test_a_verification_mismatch_removes_the_copy(root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fault injection in our own writer (never in torch): corrupt the written bytes before verification."""
-    built = ck.unirl_torch(root)
+    built = trainers.unirl_torch(root)
     real = output.write_torch_file
 
     def corrupting(src: Path, source: str, additions: Any, dest: Path, **options: Any) -> Any:
@@ -125,7 +125,7 @@ def test_a_verification_mismatch_removes_the_copy(root: Path, tmp_path: Path, mo
 
 
 def test_an_interrupt_leaves_nothing_behind(root: Path, tmp_path: Path) -> None:
-    built = ck.petrainer(root)
+    built = trainers.petrainer(root)
     calls: list[str] = []
 
     def interrupt(message: str) -> None:
@@ -176,7 +176,7 @@ def test_a_full_disk_leaves_no_out_and_no_temporary_files(tmp_path: Path, direct
 
 @pytest.fixture
 def read_only_tree(root: Path) -> Iterator[Built]:
-    built = ck.hf_trainer(root)
+    built = trainers.hf_trainer(root)
     make_read_only(root)
     yield built
     make_writable(root)
@@ -220,7 +220,7 @@ def test_read_only_input_really_unwritable(read_only_tree: Built, tmp_path: Path
 
 
 def test_an_unwritable_out_directory_exits_5_and_writes_nothing(root: Path, tmp_path: Path) -> None:
-    built = ck.unirl_torch(root)
+    built = trainers.unirl_torch(root)
     parent = tmp_path / "locked"
     parent.mkdir()
     (parent / "probe").write_text("")
@@ -311,7 +311,7 @@ def test_progress_reports_bytes_written_and_verified(tmp_path: Path) -> None:
     """The library reports progress in bytes (for a bar), never text; every byte written is verified."""
     from optim_repair.progress import Step
 
-    built = ck.hf_trainer(tmp_path / "in")
+    built = trainers.hf_trainer(tmp_path / "in")
     steps: list[Step] = []
     notices: list[str] = []
     optim_repair.fix(built.path, tmp_path / "out", progress=steps.append, notice=notices.append)

@@ -26,7 +26,7 @@ from optim_repair.formats.pickled import (
     tensor_meta,
     walk,
 )
-from tests.checkpoints import ShellOnLoad
+from tests.factories.hostile import ShellOnLoad
 
 
 def saved_pickle(obj: Any, tmp_path: Path) -> bytes:

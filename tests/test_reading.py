@@ -11,9 +11,9 @@ import torch
 
 from optim_repair.checkpoint.reading import read_checkpoint
 from optim_repair.errors import InputError, UnsafeInputError
-from tests import checkpoints as ck
-from tests import models
-from tests.checkpoints import Built
+from tests import factories
+from tests.factories import hostile, models, trainers
+from tests.factories.built import Built
 
 
 def found(built: Built) -> dict[tuple[str, str], str]:
@@ -40,12 +40,12 @@ def expected(built: Built, style: str) -> dict[tuple[str, str], str]:
     ],
 )
 def test_each_layout_reports_file_location_and_key_style(root: Path, factory: str, style: str) -> None:
-    built = ck.FACTORIES[factory](root)
+    built = factories.FACTORIES[factory](root)
     assert found(built) == expected(built, style)
 
 
 def test_file_argument_is_file_empty_string(root: Path) -> None:
-    built = ck.lightning(root)
+    built = trainers.lightning(root)
     inventory = read_checkpoint(built.path)
     assert not inventory.is_directory and inventory.path == str(built.path) and inventory.format == "torch"
     assert [opt.file for opt in inventory.optimizers] == [""]
@@ -53,33 +53,33 @@ def test_file_argument_is_file_empty_string(root: Path) -> None:
 
 
 def test_petrainer_files_are_relative_posix_paths(root: Path) -> None:
-    built = ck.petrainer(root)
+    built = trainers.petrainer(root)
     inventory = read_checkpoint(built.path)
     assert [f.file for f in inventory.files] == ["ar/checkpoint.pt", "diffusion/checkpoint.pt"]
     assert inventory.is_directory
 
 
 def test_a_parent_directory_finds_nested_checkpoints(root: Path) -> None:
-    ck.unirl_torch(root / "run", steps=2)
-    ck.unirl_torch(root / "run", steps=3)
+    trainers.unirl_torch(root / "run", steps=2)
+    trainers.unirl_torch(root / "run", steps=3)
     inventory = read_checkpoint(root / "run")
     assert [opt.file for opt in inventory.optimizers] == ["checkpoint-2/checkpoint.pt", "checkpoint-3/checkpoint.pt"]
 
 
 def test_hf_neighbours_are_skipped_with_reasons(root: Path) -> None:
-    built = ck.hf_trainer(root)
+    built = trainers.hf_trainer(root)
     inventory = read_checkpoint(built.path)
     skipped = {s.file: s.reason for s in inventory.skipped}
     assert skipped == {
         "rng_state.pth": "holds no optimizer state",  # numpy arrays: data, which weights_only reads
         "scheduler.pt": "holds no optimizer state",
-        "training_args.bin": "refuses to load global tests.checkpoints.TrainingArguments",
+        "training_args.bin": "refuses to load global tests.factories.trainers.TrainingArguments",
     }
     assert [w.source for w in inventory.weights] == ["model.safetensors"]
 
 
 def test_accelerate_reads_bin_files_and_ignores_other_suffixes(root: Path) -> None:
-    built = ck.accelerate(root)
+    built = trainers.accelerate(root)
     inventory = read_checkpoint(built.path)
     assert [opt.file for opt in inventory.optimizers] == ["optimizer.bin", "optimizer_1.bin"]
     assert [s.file for s in inventory.skipped] == ["scheduler.bin"]  # random_states_0.pkl: not a torch suffix
@@ -95,9 +95,9 @@ def test_every_torch_suffix_is_read(tmp_path: Path, suffix: str) -> None:
 
 
 def test_foreign_and_unsafe_neighbours_do_not_change_the_verdict(root: Path, marker: Path) -> None:
-    built = ck.unirl_torch(root)
+    built = trainers.unirl_torch(root)
     (built.path / "garbage.pt").write_bytes(b"\x00not a pickle" + os.urandom(1000))
-    ck.unsafe_pickle(built.path / "sub", marker)
+    hostile.unsafe_pickle(built.path / "sub", marker)
     (built.path / "bad.safetensors").write_bytes(b"\x01")
     inventory = read_checkpoint(built.path)
     assert [opt.file for opt in inventory.optimizers] == ["checkpoint.pt"]
@@ -111,7 +111,7 @@ def test_foreign_and_unsafe_neighbours_do_not_change_the_verdict(root: Path, mar
 @pytest.mark.parametrize("damage", ["truncated", "empty"])
 def test_a_damaged_torch_file_stops_a_directory_from_being_judged(root: Path, damage: str) -> None:
     """A damaged torch file may have been an optimizer: skipping it could call a broken checkpoint healthy."""
-    built = ck.accelerate(root)
+    built = trainers.accelerate(root)
     damaged = built.path / "optimizer_1.bin"
     data = damaged.read_bytes()
     damaged.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"")
@@ -120,7 +120,7 @@ def test_a_damaged_torch_file_stops_a_directory_from_being_judged(root: Path, da
 
 
 def test_directory_without_any_optimizer_is_an_input_error(root: Path) -> None:
-    built = ck.hf_trainer(root)
+    built = trainers.hf_trainer(root)
     (built.path / "optimizer.pt").unlink()
     with pytest.raises(InputError, match=r"no optimizer state found in any file \(3 file\(s\) skipped\)"):
         read_checkpoint(built.path)
@@ -144,14 +144,14 @@ def test_file_without_optimizer_and_missing_paths_are_input_errors(root: Path) -
 
 
 def test_unsafe_file_argument_is_refused_naming_the_global(root: Path, marker: Path) -> None:
-    built = ck.hf_trainer(root)
+    built = trainers.hf_trainer(root)
     with pytest.raises(
         UnsafeInputError,
         match=r"training_args\.bin: refuses to load global "
-        r"tests\.checkpoints\.TrainingArguments$",
+        r"tests\.factories\.trainers\.TrainingArguments$",
     ):
         read_checkpoint(built.path / "training_args.bin")
-    unsafe = ck.unsafe_legacy_pickle(root / "u", marker)
+    unsafe = hostile.unsafe_legacy_pickle(root / "u", marker)
     with pytest.raises(UnsafeInputError):
         read_checkpoint(unsafe.path)
     assert not marker.exists()
@@ -161,17 +161,17 @@ def test_numpy_arrays_are_data_not_code(root: Path) -> None:
     """HF Trainer's rng_state.pth pickles numpy's RNG state (``_reconstruct``, ``ndarray``, ``dtype``), which torch's
     weights-only loader reads with numpy's safe globals: skipped for holding no optimizer, never as unsafe."""
     path = root / "rng_state.pth"
-    ck.save_rng_state(path)
+    trainers.save_rng_state(path)
     data = zipfile.ZipFile(path).read("rng_state/data.pkl")
     assert b"numpy" in data and b"_reconstruct" in data and b"ndarray" in data
     with pytest.raises(InputError, match="holds no optimizer state"):
         read_checkpoint(path)
-    beside = ck.hf_trainer(root / "hf").path
+    beside = trainers.hf_trainer(root / "hf").path
     assert {s.file: s.kind for s in read_checkpoint(beside).skipped}["rng_state.pth"] == "other"
 
 
 def test_a_deepspeed_zero_directory_is_recognised_not_refused(root: Path) -> None:
-    built = ck.deepspeed_zero(root)
+    built = trainers.deepspeed_zero(root)
     inventory = read_checkpoint(built.path)
     assert inventory.optimizers == ()
     kinds = {s.file: s.kind for s in inventory.skipped}

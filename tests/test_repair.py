@@ -14,8 +14,7 @@ from optim_repair.decisions.diagnose import diagnose
 from optim_repair.decisions.repair import plan_repair
 from optim_repair.errors import RepairRefused, UsageError
 from optim_repair.records.repair_plan import FreshTensor
-from tests import checkpoints as ck
-from tests import models
+from tests.factories import models, trainers
 
 
 def _optimizer_only(root: Path, optimizer: str = "adamw") -> tuple[Path, models.Run]:
@@ -27,7 +26,7 @@ def _optimizer_only(root: Path, optimizer: str = "adamw") -> tuple[Path, models.
 
 
 def test_fresh_takes_shapes_from_the_model_weights_in_the_same_file(root: Path, tmp_path: Path) -> None:
-    built = ck.unirl_torch(root)
+    built = trainers.unirl_torch(root)
     result = optim_repair.fix(built.path, tmp_path / "fixed", fill="fresh")
     state = torch.load(tmp_path / "fixed" / "checkpoint.pt", weights_only=True)["optimizer_state_dict"]["state"]
     weights = torch.load(built.path / "checkpoint.pt", weights_only=True)["policy_state_dict"]
@@ -54,7 +53,7 @@ def test_fresh_takes_shapes_from_model(root: Path, tmp_path: Path, source: str) 
     path, r = _optimizer_only(root)
     model = tmp_path / ("model.safetensors" if source == "safetensors" else "weights.pt")
     if source == "safetensors":
-        ck.save_safetensors(r.model.state_dict(), model)
+        trainers.save_safetensors(r.model.state_dict(), model)
     else:
         torch.save({"state_dict": r.model.state_dict()}, model)
     optim_repair.fix(path, tmp_path / "fixed.pt", fill="fresh", model=model)
@@ -64,14 +63,14 @@ def test_fresh_takes_shapes_from_model(root: Path, tmp_path: Path, source: str) 
 
 def test_fresh_reads_a_model_safetensors_beside_a_file_argument(root: Path, tmp_path: Path) -> None:
     path, r = _optimizer_only(root)
-    ck.save_safetensors(r.model.state_dict(), root / "model.safetensors")
+    trainers.save_safetensors(r.model.state_dict(), root / "model.safetensors")
     optim_repair.fix(path, tmp_path / "fixed.pt", fill="fresh")
     state = torch.load(tmp_path / "fixed.pt", weights_only=True)["optimizer"]["state"]
     assert state["head_unused.bias"]["exp_avg_sq"].shape == r.model.head_unused.bias.shape
 
 
 def test_fresh_on_index_keys_is_refused_naming_the_reason_and_the_alternative(root: Path, tmp_path: Path) -> None:
-    built = ck.hf_trainer(root)
+    built = trainers.hf_trainer(root)
     with pytest.raises(RepairRefused, match=r"index-keyed.*pass fill='empty'"):
         optim_repair.fix(built.path, tmp_path / "fixed", fill="fresh")
 
@@ -86,13 +85,13 @@ def test_fresh_on_index_keys_is_refused_naming_the_reason_and_the_alternative(ro
     ],
 )
 def test_fresh_state_is_identified_from_the_checkpoint(root: Path, optimizer: str, keys: list[str]) -> None:
-    built = ck.unirl_torch(root, optimizer=optimizer)
+    built = trainers.unirl_torch(root, optimizer=optimizer)
     plan = plan_repair(diagnose(read_checkpoint(built.path)), "fresh")
     assert {tuple(key for key, _ in a.state) for a in plan.additions} == {tuple(keys)}
 
 
 def test_rprop_step_size_comes_from_the_params_group(root: Path) -> None:
-    built = ck.unirl_torch(root, optimizer="rprop", groups=2)
+    built = trainers.unirl_torch(root, optimizer="rprop", groups=2)
     diagnosis = diagnose(read_checkpoint(built.path))
     plan = plan_repair(diagnosis, "fresh")
     groups = diagnosis.optimizers[0].optimizer.groups
@@ -117,20 +116,20 @@ def test_unknown_optimizer_is_refused_listing_the_choices(root: Path, tmp_path: 
 
 
 def test_optimizer_override_is_used(root: Path) -> None:
-    built = ck.unirl_torch(root, optimizer="adam")
+    built = trainers.unirl_torch(root, optimizer="adam")
     plan = plan_repair(diagnose(read_checkpoint(built.path)), "fresh", optimizer="nadam")
     assert plan.optimizers[0][2] == "nadam"
     assert "mu_product" in dict(plan.additions[0].state)
 
 
 def test_optimizer_without_fresh_is_a_usage_error(root: Path) -> None:
-    built = ck.unirl_torch(root)
+    built = trainers.unirl_torch(root)
     with pytest.raises(UsageError):
         plan_repair(diagnose(read_checkpoint(built.path)), "empty", optimizer="adamw")
 
 
 def test_fresh_scalar_dtype_follows_the_existing_steps(root: Path, tmp_path: Path) -> None:
-    built = ck.unirl_torch(root)
+    built = trainers.unirl_torch(root)
     original = torch.load(built.path / "checkpoint.pt", weights_only=True)
     for entry in original["optimizer_state_dict"]["state"].values():
         entry["step"] = entry["step"].double()
@@ -142,16 +141,16 @@ def test_fresh_scalar_dtype_follows_the_existing_steps(root: Path, tmp_path: Pat
 
 @pytest.mark.parametrize("fill", ["bogus", "EMPTY"])
 def test_the_api_refuses_an_unknown_fill(root: Path, tmp_path: Path, fill: str) -> None:
-    built = ck.unirl_torch(root)
+    built = trainers.unirl_torch(root)
     with pytest.raises(UsageError, match="fill must be 'empty' or 'fresh'"):
         optim_repair.fix(built.path, tmp_path / "fixed", fill=fill)  # type: ignore[arg-type]
     assert not (tmp_path / "fixed").exists()
 
 
 def test_a_directory_with_dcp_and_torch_files_gets_each_formats_default(root: Path, tmp_path: Path) -> None:
-    from tests import dcp_checkpoints as dk
+    from tests.factories import dcp as dk
 
-    built = ck.unirl_torch(root)
+    built = trainers.unirl_torch(root)
     dk.unirl_dcp(built.path / "dcp")
     result = optim_repair.fix(built.path, tmp_path / "fixed")
     assert result.plan.fill == "mixed"

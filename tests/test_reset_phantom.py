@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 import optim_repair
 from tests.conftest import run_cli
-from tests.models import TwoHeadNet, make_optimizer, train
-from tests.support import assert_nothing_written, untouched
+from tests.factories.models import TwoHeadNet, make_optimizer, train
+from tests.factories.support import assert_nothing_written, untouched
 
 UNUSED = ("head_unused.weight", "head_unused.bias")
 

@@ -11,9 +11,9 @@ import pytest
 
 from optim_repair.checkpoint import staging
 from optim_repair.errors import OutputError
-from tests import checkpoints as ck
 from tests.conftest import run_cli
-from tests.support import fix
+from tests.factories import defects
+from tests.factories.support import fix
 
 
 @pytest.mark.parametrize("directory", [False, True], ids=["file", "directory"])
@@ -34,7 +34,7 @@ def test_without_force_an_out_that_appears_meanwhile_is_never_replaced(tmp_path:
 
 
 def test_force_replaces_a_dangling_link_beside_it_not_at_its_target(tmp_path: Path) -> None:
-    built = ck.healthy(tmp_path / "in")
+    built = defects.healthy(tmp_path / "in")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     out = tmp_path / "out.pt"
@@ -45,7 +45,7 @@ def test_force_replaces_a_dangling_link_beside_it_not_at_its_target(tmp_path: Pa
 
 
 def test_a_stale_temporary_is_removed_and_a_live_one_kept(tmp_path: Path) -> None:
-    built = ck.healthy(tmp_path / "in")
+    built = defects.healthy(tmp_path / "in")
     out = tmp_path / "out.pt"
     stale, live = tmp_path / ".out.pt.optim-repair-tmp-00000000", tmp_path / ".out.pt.optim-repair-tmp-11111111"
     for path in (stale, live):

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from optim_repair.errors import RepairRefused
 from optim_repair.torch_loader import set_optimizer_state_dict
-from tests.models import BranchNet, branch_inputs
+from tests.factories.models import BranchNet, branch_inputs
 
 VARIANTS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adam": (torch.optim.Adam, {"lr": 1e-2}),

@@ -18,10 +18,10 @@ from optim_repair.formats.torchfile.reader import PHANTOM_PROBE_BYTES, find_opti
 from optim_repair.formats.torchfile.zipwriter import ALIGNMENT
 from optim_repair.records.inventory import OtherValue, TensorMeta
 from optim_repair.records.repair_plan import Addition
-from tests import checkpoints as ck
-from tests import models
-from tests.checkpoints import Built
-from tests.support import (
+from tests import factories
+from tests.factories import defects, hostile, models, trainers
+from tests.factories.built import Built
+from tests.factories.support import (
     assert_copy_faithful,
     assert_nothing_written,
     load,
@@ -30,7 +30,7 @@ from tests.support import (
     tensor_storage_key,
 )
 
-OPT = ck.OPT_SITE
+OPT = trainers.OPT_SITE
 
 
 def moment_storages(path: Path, address: tuple[object, ...]) -> list[str]:
@@ -62,7 +62,7 @@ def garble(path: Path, keys: list[str]) -> int:
 
 
 def test_zip_and_legacy_are_both_read(root: Path) -> None:
-    zip_built, legacy_built = ck.unirl_torch(root / "z"), ck.legacy_format(root / "l")
+    zip_built, legacy_built = trainers.unirl_torch(root / "z"), trainers.legacy_format(root / "l")
     zipped = read_inventory(zip_built.path / "checkpoint.pt", "checkpoint.pt", "checkpoint.pt")
     legacy = read_inventory(legacy_built.path, "", "legacy.pt")
     assert (zipped.format, legacy.format) == ("torch-zip", "torch-legacy")
@@ -79,7 +79,7 @@ def test_zip_and_legacy_are_both_read(root: Path) -> None:
 
 
 def test_every_storage_is_located_exactly(root: Path) -> None:
-    for built in (ck.tricky_tensors(root / "z"), ck.legacy_format(root / "l")):
+    for built in (defects.tricky_tensors(root / "z"), trainers.legacy_format(root / "l")):
         path = built.path
         payload = load(path)
         state = payload["optimizer_state_dict"]["state"]
@@ -110,7 +110,7 @@ def test_every_storage_is_located_exactly(root: Path) -> None:
 def test_optimizers_are_found_by_structure_anywhere(
     root: Path, factory: str, expected: list[tuple[str, tuple[object, ...], str]]
 ) -> None:
-    built = ck.FACTORIES[factory](root)
+    built = factories.FACTORIES[factory](root)
     inventory = read_inventory(built.path, "", built.path.name)
     assert [(o.location, o.address, o.key_style) for o in inventory.optimizers] == expected
 
@@ -133,11 +133,11 @@ def test_structure_not_names_decides(tmp_path: Path) -> None:
 
 
 def test_non_mapping_and_odd_values_are_described(root: Path) -> None:
-    built = ck.bad_entry_not_mapping(root, "list")
+    built = defects.bad_entry_not_mapping(root, "list")
     (opt,) = read_inventory(built.path, "", "f").optimizers
     entry = opt.entry("trunk.bias")
     assert entry is not None and not entry.is_mapping and entry.type_name == "list"
-    built = ck.bad_entry_moment_not_tensor(root / "m")
+    built = defects.bad_entry_moment_not_tensor(root / "m")
     (opt,) = read_inventory(built.path, "", "f").optimizers
     entry = opt.entry("trunk.weight")
     assert entry is not None and entry.get("exp_avg") == 0.25
@@ -148,9 +148,9 @@ def test_non_mapping_and_odd_values_are_described(root: Path) -> None:
 def test_inventory_reads_no_moment_bytes(root: Path) -> None:
     """Garbage in every moment storage (not ``step``) changes nothing inspect reports."""
     for built, address in (
-        (ck.bug_report(root / "b"), OPT),
-        (ck.lightning(root / "l"), ("optimizer_states", 0)),
-        (ck.legacy_format(root / "g"), OPT),
+        (trainers.bug_report(root / "b"), OPT),
+        (trainers.lightning(root / "l"), ("optimizer_states", 0)),
+        (trainers.legacy_format(root / "g"), OPT),
     ):
         path = built.file()
         before = read_inventory(path, "", "f")
@@ -187,7 +187,7 @@ def test_phantom_probe_reads_only_the_head_of_moments(tmp_path: Path) -> None:
 
 
 def test_weight_maps_are_found_beside_optimizers(root: Path) -> None:
-    built = ck.multi_optimizer(root)
+    built = trainers.multi_optimizer(root)
     inventory = read_inventory(built.path, "", "m.pt")
     sources = [w.source for w in inventory.weights]
     assert sources == ["m.pt:models.actor", "m.pt:models.critic"]
@@ -199,7 +199,7 @@ def test_weight_maps_are_found_beside_optimizers(root: Path) -> None:
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
 def test_unsafe_file_is_refused_and_never_run(root: Path, marker: Path, legacy: bool) -> None:
-    built = ck.unsafe_legacy_pickle(root, marker) if legacy else ck.unsafe_pickle(root, marker)
+    built = hostile.unsafe_legacy_pickle(root, marker) if legacy else hostile.unsafe_pickle(root, marker)
     with pytest.raises(UnsafeInputError, match=rf"refuses to load global {os.name}\.system"):
         read_inventory(built.path, "", built.path.name)
     with pytest.raises(UnsafeInputError):
@@ -215,7 +215,7 @@ def _truncated(path: Path, size: int) -> None:
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
 @pytest.mark.parametrize("keep", [0, 1, 10, 100, 500, -200, -1])
 def test_truncated_files_are_input_errors(root: Path, legacy: bool, keep: int) -> None:
-    built = ck.legacy_format(root) if legacy else ck.healthy(root)
+    built = trainers.legacy_format(root) if legacy else defects.healthy(root)
     size = built.path.stat().st_size
     _truncated(built.path, keep if keep >= 0 else size + keep)
     with pytest.raises(InputError, match=rf"^{built.path.name}: "):
@@ -244,7 +244,7 @@ def test_zip_without_data_pkl_is_not_a_torch_file(tmp_path: Path) -> None:
 
 
 def test_compressed_storage_record_is_refused(root: Path, tmp_path: Path) -> None:
-    built = ck.healthy(root)
+    built = defects.healthy(root)
     path = tmp_path / "deflated.pt"
     with zipfile.ZipFile(built.path) as source, zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as target:
         for info in source.infolist():
@@ -256,7 +256,7 @@ def test_compressed_storage_record_is_refused(root: Path, tmp_path: Path) -> Non
 @pytest.mark.parametrize("factory", ["tricky_tensors", "legacy_format"])
 def test_fuzzed_files_raise_only_the_tools_own_errors(root: Path, tmp_path: Path, factory: str) -> None:
     """Byte flips and truncations anywhere: inspect and fix fail with an OptimRepairError, or succeed."""
-    built = ck.FACTORIES[factory](root)
+    built = factories.FACTORIES[factory](root)
     original = built.path.read_bytes()
     rng = random.Random(7)
     path, out = tmp_path / "fuzz.pt", tmp_path / "out.pt"
@@ -281,7 +281,7 @@ def test_fuzzed_files_raise_only_the_tools_own_errors(root: Path, tmp_path: Path
 def test_a_bad_crc_in_a_record_is_copied_as_it_is(root: Path, tmp_path: Path) -> None:
     """Storage records are moved by the kernel with the CRC-32 their header gives (computing it again is the
     dearest step of a copy): a record whose bytes no longer match its CRC stays exactly as damaged."""
-    built = ck.healthy(root)
+    built = defects.healthy(root)
     path = tmp_path / "crc.pt"
     path.write_bytes(built.path.read_bytes())
     offset, _ = next(iter(storage_ranges(path).values()))
@@ -309,7 +309,7 @@ def _additions(built: Built) -> list[Addition]:
 
 @pytest.mark.parametrize("factory", ["tricky_tensors", "legacy_format", "lightning", "multi_optimizer", "cold"])
 def test_write_adds_empty_entries_and_keeps_everything_else(root: Path, tmp_path: Path, factory: str) -> None:
-    built = ck.FACTORIES[factory](root)
+    built = factories.FACTORIES[factory](root)
     out = tmp_path / "out.pt"
     write_torch_file(built.path, "in", _additions(built), out)
     original, copy = load(built.path), load(out)
@@ -318,7 +318,7 @@ def test_write_adds_empty_entries_and_keeps_everything_else(root: Path, tmp_path
 
 
 def test_zip_copy_keeps_records_and_alignment(root: Path, tmp_path: Path) -> None:
-    built = ck.tricky_tensors(root)
+    built = defects.tricky_tensors(root)
     out = tmp_path / "out.pt"
     write_torch_file(built.path, "in", _additions(built), out)
     with zipfile.ZipFile(built.path) as a, zipfile.ZipFile(out) as b:
@@ -335,7 +335,7 @@ def test_zip_copy_keeps_records_and_alignment(root: Path, tmp_path: Path) -> Non
 def test_write_with_fresh_tensors_creates_new_storages(root: Path, tmp_path: Path) -> None:
     from optim_repair.records.repair_plan import FreshTensor
 
-    for built in (ck.unirl_torch(root / "z"), ck.legacy_format(root / "l")):
+    for built in (trainers.unirl_torch(root / "z"), trainers.legacy_format(root / "l")):
         src = built.file()
         out = tmp_path / f"{src.stem}-fresh.pt"
         state = (
@@ -354,7 +354,7 @@ def test_write_with_fresh_tensors_creates_new_storages(root: Path, tmp_path: Pat
 
 
 def test_legacy_copy_keeps_the_header(root: Path, tmp_path: Path) -> None:
-    built = ck.legacy_format(root)
+    built = trainers.legacy_format(root)
     out = tmp_path / "out.pt"
     write_torch_file(built.path, "in", _additions(built), out)
     before, after = open_torch_file(built.path, "in"), open_torch_file(out, "out")

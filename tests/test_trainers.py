@@ -34,9 +34,9 @@ from typer.testing import Result
 
 import optim_repair
 from optim_repair.errors import RepairRefused
-from tests.checkpoints import Built, Site
-from tests.models import ParamKey
-from tests.support import assert_fixed_copy, assert_nothing_written, fix, load, untouched
+from tests.factories.built import Built, Site
+from tests.factories.models import ParamKey
+from tests.factories.support import assert_fixed_copy, assert_nothing_written, fix, load, untouched
 
 UNUSED_AT_SAVE = ("aux.weight", "aux.bias", "never.weight", "never.bias")
 """The parameters no optimizer has state for when the checkpoint is written (``AuxNet`` names)."""

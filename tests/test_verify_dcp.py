@@ -11,8 +11,8 @@ from optim_repair.errors import VerificationError
 from optim_repair.formats.dcp import read_metadata
 from optim_repair.formats.dcp.verifier import verify_dcp
 from optim_repair.records.repair_plan import Addition, FreshTensor
-from tests import dcp_checkpoints as dk
-from tests.dcp_checkpoints import repaired
+from tests.factories import dcp as dk
+from tests.factories.dcp import repaired
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -16,9 +16,9 @@ from optim_repair.formats.pickled import dump_graph, load_graph
 from optim_repair.formats.torchfile import open_torch_file, write_torch_file
 from optim_repair.formats.torchfile.verifier import verify_torch_file
 from optim_repair.records.repair_plan import Addition
-from tests import checkpoints as ck
-from tests.checkpoints import Built
-from tests.support import (
+from tests.factories import trainers
+from tests.factories.built import Built
+from tests.factories.support import (
     binfloat,
     flip_byte,
     load,
@@ -28,7 +28,7 @@ from tests.support import (
     tensor_storage_key,
 )
 
-OPT = ck.OPT_SITE
+OPT = trainers.OPT_SITE
 
 
 def additions(built: Built) -> list[Addition]:

@@ -25,7 +25,8 @@ import optim_repair
 from optim_repair.api import FixResult
 from optim_repair.formats.torchfile import open_torch_file
 from optim_repair.records.inventory import ParamGroup
-from tests.checkpoints import Built, ParamKey
+from tests.factories.built import Built
+from tests.factories.models import ParamKey
 
 Snapshot = dict[str, tuple[str, int, int, int]]
 

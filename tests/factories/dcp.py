@@ -2,7 +2,7 @@
 
 Each factory trains a small model with a real optimizer for a few steps in which one head gets no
 gradient (so its parameters have no optimizer state), saves with stock ``dcp.save`` (single
-process, no process group) and returns a ``Built`` (from ``tests.checkpoints``) whose ``missing``
+process, no process group) and returns a ``Built`` (from ``tests.factories.built``) whose ``missing``
 names the optimizer sites and their stateless parameters:
 
 * ``unirl_dcp``: UniRL's ``checkpoint-<step>/``: keys ``model`` and ``optim`` (nested
@@ -50,8 +50,8 @@ from optim_repair.checkpoint.writing import write_copy
 from optim_repair.formats.dcp import read_dcp
 from optim_repair.records.inventory import FileInventory, OptimizerInventory
 from optim_repair.records.repair_plan import Addition, FreshTensor, RepairPlan
-from tests.checkpoints import Built, Site
-from tests.models import Net, make_optimizer, train
+from tests.factories.built import Built, Site
+from tests.factories.models import Net, make_optimizer, train
 
 PRE_STEPS = 3
 """Steps before the checkpoint, in which ``head`` gets no gradient."""

@@ -1,37 +1,16 @@
-"""Real checkpoints for tests: tiny torch models, real optimizers, saved the way trainers save them.
-
-Every factory takes a directory (pytest's ``tmp_path``), writes inside it and returns a
-:class:`Built`:
-
-* ``Built.path`` is what a user would point the tool at: a checkpoint directory
-  (``checkpoint-3/``) or a single file (``healthy.pt``).
-* ``Built.missing`` maps each optimizer state dict written (a :class:`Site`: a file relative to
-  ``path``, ``""`` when ``path`` is the file, and the keys leading to the state dict inside it)
-  to the parameter keys whose ``state`` entry is absent although the optimizer would create one
-  on a step. Keys are names (``"head_unused.weight"``) in name-keyed state dicts
-  (``get_optimizer_state_dict``) and integers in index-keyed ones (``optimizer.state_dict()``).
-  Every optimizer written appears, with ``()`` when nothing is missing.
-* ``Built.defects`` lists, per site, the parameters whose entry (or listing) was made wrong on
-  purpose: ``{}`` entries, phantom-step entries, malformed entries, duplicated or orphan names.
-
-Nothing here is mocked: models are trained for a few real steps with real optimizers, and
-files are written with ``torch.save`` / ``safetensors`` exactly as the named trainers do.
-"""
+"""Trainer-style checkpoints: tiny models trained a few real steps, saved the way the named trainers save them."""
 
 from __future__ import annotations
 
-import copy
 import json
-import os
 import pickle
 import random
-import shlex
 import sys
 import types
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from safetensors import TensorSpec, serialize_file
@@ -43,86 +22,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim.lr_scheduler import LambdaLR, LinearLR
 
-from tests.models import (
+from tests.factories.built import Built, Site, StateDict
+from tests.factories.models import (
     BugReportNet,
     LitWrapper,
     ParamKey,
     Run,
-    TrickyNet,
     TwoHeadNet,
     absent_entries,
-    all_keys,
     make_optimizer,
     run,
     train,
 )
-
-StateDict = dict[str, Any]
-
-
-# --------------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True)
-class Site:
-    """Where one optimizer state dict lies: a file under ``Built.path`` and the keys to it."""
-
-    file: str = ""
-    """Path relative to ``Built.path`` with ``/`` separators; ``""`` when ``path`` is the file."""
-    address: tuple[ParamKey, ...] = ()
-    """Dict keys and list indices from the loaded object to the state dict; ``()``: top level."""
-
-    @property
-    def location(self) -> str:
-        """The address for humans: ``optimizer_states[0]``, ``optimizers.actor``, ``""``."""
-        text = ""
-        for part in self.address:
-            if isinstance(part, int):
-                text += f"[{part}]"
-            else:
-                text += f".{part}" if text else part
-        return text
-
-
-@dataclass(frozen=True)
-class Built:
-    """A checkpoint a factory wrote, and what is known to be wrong with it."""
-
-    path: Path
-    missing: Mapping[Site, tuple[ParamKey, ...]]
-    defects: Mapping[Site, tuple[ParamKey, ...]] = field(default_factory=dict)
-
-    @property
-    def sites(self) -> tuple[Site, ...]:
-        """Every optimizer state dict written."""
-        return tuple(self.missing)
-
-    @property
-    def site(self) -> Site:
-        """The only optimizer state dict written (raises when there are several)."""
-        if len(self.missing) != 1:
-            raise ValueError(f"{len(self.missing)} optimizer sites, not one")
-        return next(iter(self.missing))
-
-    @property
-    def all_missing(self) -> tuple[ParamKey, ...]:
-        """Missing keys of every site, concatenated in site order."""
-        return tuple(key for keys in self.missing.values() for key in keys)
-
-    def file(self, site: Site | None = None) -> Path:
-        """The file holding ``site`` (default: the only site)."""
-        site = self.site if site is None else site
-        return self.path / site.file if site.file else self.path
-
-    def load(self, site: Site | None = None) -> StateDict:
-        """The optimizer state dict at ``site``, read with ``torch.load(weights_only=True)``."""
-        site = self.site if site is None else site
-        obj: Any = torch.load(self.file(site), map_location="cpu", weights_only=True)
-        for part in site.address:
-            obj = obj[part]
-        if not isinstance(obj, dict):
-            raise TypeError(f"{site.location!r} is a {type(obj).__name__}")
-        return obj
 
 
 def unirl_payload(r: Run, save_mode: str = "full", lora_config: dict[str, Any] | None = None) -> StateDict:
@@ -174,7 +85,7 @@ def save_safetensors(tensors: Mapping[str, Tensor], path: Path) -> None:
         serialize_file(specs, str(path), metadata=metadata)
 
 
-def _single_file(root: Path, name: str, payload: StateDict, legacy: bool = False) -> Path:
+def single_file(root: Path, name: str, payload: StateDict, legacy: bool = False) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     path = root / name
     torch.save(payload, path, _use_new_zipfile_serialization=not legacy)
@@ -409,7 +320,7 @@ def lightning(root: Path, optimizer: str = "adamw", steps: int = 3) -> Built:
         "hparams_name": "kwargs",
         "hyper_parameters": {"hidden": 8, "lr": 1e-2},
     }
-    path = _single_file(root, f"epoch=0-step={steps}.ckpt", checkpoint)
+    path = single_file(root, f"epoch=0-step={steps}.ckpt", checkpoint)
     site = Site("", ("optimizer_states", 0))
     return Built(path, {site: absent_entries(module, r.optimizer, "index")})
 
@@ -426,7 +337,7 @@ def multi_optimizer(root: Path) -> Built:
         },
         "step": 2,
     }
-    path = _single_file(root, "multi_optimizer.pt", payload)
+    path = single_file(root, "multi_optimizer.pt", payload)
     return Built(
         path,
         {
@@ -439,7 +350,7 @@ def multi_optimizer(root: Path) -> Built:
 def legacy_format(root: Path, optimizer: str = "adamw") -> Built:
     """``legacy.pt``: the UniRL payload in torch's pre-1.6 (non-zip) serialization."""
     r = run(optimizer=optimizer)
-    path = _single_file(root, "legacy.pt", unirl_payload(r), legacy=True)
+    path = single_file(root, "legacy.pt", unirl_payload(r), legacy=True)
     return Built(path, {Site("", OPT_SITE): absent_entries(r.model, r.optimizer, "name")})
 
 
@@ -468,251 +379,3 @@ def bug_report(root: Path, steps: int = 2) -> Built:
     directory = root / f"checkpoint-{steps}"
     _write_unirl_dir(directory, unirl_payload(r, save_mode="lora", lora_config=lora_config), steps)
     return Built(directory, {Site("checkpoint.pt", OPT_SITE): absent_entries(model, opt, "name")})
-
-
-# --------------------------------------------------------------------------- optimizer states
-
-
-def healthy(root: Path, optimizer: str = "adamw", groups: int = 1) -> Built:
-    """``healthy.pt``: UniRL payload where every param was trained (nothing missing)."""
-    r = run(optimizer=optimizer, groups=groups, use_all=True)
-    path = _single_file(root, "healthy.pt", unirl_payload(r))
-    return Built(path, {Site("", OPT_SITE): absent_entries(r.model, r.optimizer, "name")})
-
-
-def cold(root: Path, optimizer: str = "adamw") -> Built:
-    """``cold.pt``: a never-stepped ``optimizer.state_dict()`` (``state == {}``), index-keyed."""
-    model = TwoHeadNet()
-    opt = make_optimizer(model, optimizer)
-    path = _single_file(root, "cold.pt", opt.state_dict())
-    return Built(path, {Site(): absent_entries(model, opt, "index")})
-
-
-def phantom_step(root: Path, optimizer: str = "adamw") -> Built:
-    """``phantom_step.pt``: ``get_optimizer_state_dict`` of a never-stepped optimizer.
-
-    torch runs a fake step first, so every entry exists with ``step == 1`` and zero moments; all
-    of them are listed in ``defects``.
-    """
-    model = TwoHeadNet()
-    opt = make_optimizer(model, optimizer)
-    scheduler = LinearLR(opt, start_factor=0.5, total_iters=4)
-    payload = unirl_payload(Run(model, opt, scheduler, 0))
-    path = _single_file(root, "phantom_step.pt", payload)
-    site = Site("", OPT_SITE)
-    return Built(path, {site: ()}, {site: all_keys(model, opt, "name")})
-
-
-def empty_entries(root: Path, optimizer: str = "adamw") -> Built:
-    """``empty_entries.pt``: name-keyed, the absent entries filled with ``{}`` (the naive fix)."""
-    r = run(optimizer=optimizer)
-    payload = unirl_payload(r)
-    absent = absent_entries(r.model, r.optimizer, "name")
-    state = payload["optimizer_state_dict"]["state"]
-    for name in absent:
-        state[name] = {}
-    payload["optimizer_state_dict"]["state"] = {k: state[k] for k in all_keys(r.model, r.optimizer, "name")}
-    path = _single_file(root, "empty_entries.pt", payload)
-    site = Site("", OPT_SITE)
-    return Built(path, {site: ()}, {site: absent})
-
-
-# --------------------------------------------------------------------------- malformed
-
-Edit = Callable[[StateDict], tuple[ParamKey, ...]]
-
-
-def _malformed(root: Path, name: str, edit: Edit, groups: int = 1) -> Built:
-    r = run(groups=groups)
-    payload = unirl_payload(r)
-    payload["optimizer_state_dict"] = copy.deepcopy(payload["optimizer_state_dict"])
-    defects = edit(payload["optimizer_state_dict"])
-    path = _single_file(root, f"{name}.pt", payload)
-    site = Site("", OPT_SITE)
-    return Built(path, {site: absent_entries(r.model, r.optimizer, "name")}, {site: defects})
-
-
-def partial_state(root: Path) -> Built:
-    """``partial_state.pt``: the ``trunk.bias`` entry lacks ``exp_avg_sq``."""
-
-    def edit(sd: StateDict) -> tuple[ParamKey, ...]:
-        del sd["state"]["trunk.bias"]["exp_avg_sq"]
-        return ("trunk.bias",)
-
-    return _malformed(root, "partial_state", edit)
-
-
-def orphan_state(root: Path) -> Built:
-    """``orphan_state.pt``: a state entry for ``ghost.weight``, a name in no group."""
-
-    def edit(sd: StateDict) -> tuple[ParamKey, ...]:
-        sd["state"]["ghost.weight"] = copy.deepcopy(sd["state"]["trunk.weight"])
-        return ("ghost.weight",)
-
-    return _malformed(root, "orphan_state", edit)
-
-
-def duplicate_param(root: Path) -> Built:
-    """``duplicate_param.pt``: two groups, ``trunk.weight`` listed in both."""
-
-    def edit(sd: StateDict) -> tuple[ParamKey, ...]:
-        sd["param_groups"][1]["params"].append("trunk.weight")
-        return ("trunk.weight",)
-
-    return _malformed(root, "duplicate_param", edit, groups=2)
-
-
-def bad_entry_not_mapping(root: Path, kind: Literal["list", "float"] = "list") -> Built:
-    """``bad_entry_not_mapping_<kind>.pt``: the ``trunk.bias`` entry is a list or a float."""
-
-    def edit(sd: StateDict) -> tuple[ParamKey, ...]:
-        entry = sd["state"]["trunk.bias"]
-        sd["state"]["trunk.bias"] = list(entry.values()) if kind == "list" else 0.5
-        return ("trunk.bias",)
-
-    return _malformed(root, f"bad_entry_not_mapping_{kind}", edit)
-
-
-def bad_entry_moment_not_tensor(root: Path) -> Built:
-    """``bad_entry_moment_not_tensor.pt``: ``trunk.weight``'s ``exp_avg`` is a float."""
-
-    def edit(sd: StateDict) -> tuple[ParamKey, ...]:
-        sd["state"]["trunk.weight"]["exp_avg"] = 0.25
-        return ("trunk.weight",)
-
-    return _malformed(root, "bad_entry_moment_not_tensor", edit)
-
-
-def shape_mismatch(root: Path) -> Built:
-    """``shape_mismatch.pt``: ``trunk.weight``'s ``exp_avg_sq`` has shape (3, 3), not (8, 4)."""
-
-    def edit(sd: StateDict) -> tuple[ParamKey, ...]:
-        sd["state"]["trunk.weight"]["exp_avg_sq"] = torch.full((3, 3), 1e-4)
-        return ("trunk.weight",)
-
-    return _malformed(root, "shape_mismatch", edit)
-
-
-MALFORMED: dict[str, Callable[[Path], Built]] = {
-    "partial_state": partial_state,
-    "orphan_state": orphan_state,
-    "duplicate_param": duplicate_param,
-    "bad_entry_not_mapping_list": lambda root: bad_entry_not_mapping(root, "list"),
-    "bad_entry_not_mapping_float": lambda root: bad_entry_not_mapping(root, "float"),
-    "bad_entry_moment_not_tensor": bad_entry_moment_not_tensor,
-    "shape_mismatch": shape_mismatch,
-}
-"""Every malformed variant by name; each writes ``<root>/<name>.pt``."""
-
-
-# --------------------------------------------------------------------------- tricky tensors
-
-NAN_BITS_F32: tuple[int, ...] = (0x7FC00001, 0xFFC12345)
-"""Non-default float32 NaN payloads written into ``head_used.weight``'s ``exp_avg``."""
-NEG_ZERO_F32 = 0x80000000
-NAN_BITS_BF16 = 0x7FC1
-NAN_BITS_F16 = 0x7E01
-
-
-def _as_signed(bits: int, width: int) -> int:
-    return bits - (1 << width) if bits >= 1 << (width - 1) else bits
-
-
-def _poke(t: Tensor, int_dtype: torch.dtype, width: int, values: Sequence[int]) -> Tensor:
-    """A copy of ``t`` with its first elements set bit-exactly to ``values``."""
-    out = t.clone()
-    bits = out.view(int_dtype).view(-1)
-    bits[: len(values)] = torch.tensor([_as_signed(v, width) for v in values], dtype=int_dtype)
-    return out
-
-
-def tricky_tensors(root: Path) -> Built:
-    """``tricky_tensors.pt``: name-keyed AdamW state with tensors that are easy to disturb.
-
-    Present entries hold: bf16/fp16 moments (real, from bf16/fp16 params), complex64 moments,
-    a zero-size param's moments, NaNs with payloads ``NAN_BITS_*`` and ``-0.0`` (first elements of
-    ``head_used.weight``'s ``exp_avg`` / ``exp_avg_sq``, ``gain_bf16``'s and ``gain_fp16``'s
-    ``exp_avg``), a transposed (non-contiguous) ``trunk.weight`` ``exp_avg``, and ``trunk.bias``'s
-    two moments as views of one storage. Missing: ``head_unused.*``, ``spectral_unused``
-    (complex64), ``void_unused`` (zero-size), ``gain_bf16_unused`` (bf16).
-    """
-    model = TrickyNet()
-    r = run(model)
-    payload = unirl_payload(r)
-    sd = copy.deepcopy(payload["optimizer_state_dict"])
-    state = sd["state"]
-    i32, i16 = torch.int32, torch.int16
-    hw = state["head_used.weight"]
-    hw["exp_avg"] = _poke(hw["exp_avg"], i32, 32, [*NAN_BITS_F32, NEG_ZERO_F32])
-    hw["exp_avg_sq"] = _poke(hw["exp_avg_sq"], i32, 32, [NEG_ZERO_F32])
-    state["gain_bf16"]["exp_avg"] = _poke(state["gain_bf16"]["exp_avg"], i16, 16, [NAN_BITS_BF16, 0x8000])
-    state["gain_fp16"]["exp_avg"] = _poke(state["gain_fp16"]["exp_avg"], i16, 16, [NAN_BITS_F16, 0x8000])
-    tw = state["trunk.weight"]
-    tw["exp_avg"] = tw["exp_avg"].t().contiguous().t()
-    tb = state["trunk.bias"]
-    n = tb["exp_avg"].numel()
-    shared = torch.cat([tb["exp_avg"], tb["exp_avg_sq"]])
-    tb["exp_avg"], tb["exp_avg_sq"] = shared[:n], shared[n:]
-    payload["optimizer_state_dict"] = sd
-    path = _single_file(root, "tricky_tensors.pt", payload)
-    return Built(path, {Site("", OPT_SITE): absent_entries(model, r.optimizer, "name")})
-
-
-# --------------------------------------------------------------------------- unsafe pickles
-
-
-class ShellOnLoad:
-    """Pickles as ``os.system(command)``: unpickling it runs the command."""
-
-    def __init__(self, command: str) -> None:
-        self.command = command
-
-    def __reduce__(self) -> tuple[Callable[[str], int], tuple[str]]:
-        return (os.system, (self.command,))
-
-
-def _unsafe(root: Path, marker: Path, name: str, legacy: bool) -> Built:
-    r = run()
-    payload = unirl_payload(r)
-    payload["callback"] = ShellOnLoad(f"touch {shlex.quote(str(marker))}")
-    path = _single_file(root, name, payload, legacy=legacy)
-    return Built(path, {Site("", OPT_SITE): absent_entries(r.model, r.optimizer, "name")})
-
-
-def unsafe_pickle(root: Path, marker: Path) -> Built:
-    """``unsafe.pt``: a sparse UniRL payload that runs ``touch <marker>`` if unpickled."""
-    return _unsafe(root, marker, "unsafe.pt", legacy=False)
-
-
-def unsafe_legacy_pickle(root: Path, marker: Path) -> Built:
-    """``unsafe_legacy.pt``: ``unsafe_pickle`` in the legacy (non-zip) serialization."""
-    return _unsafe(root, marker, "unsafe_legacy.pt", legacy=True)
-
-
-# --------------------------------------------------------------------------- registry
-
-FACTORIES: dict[str, Callable[[Path], Built]] = {
-    "unirl_torch": unirl_torch,
-    "petrainer": petrainer,
-    "hf_trainer": hf_trainer,
-    "accelerate": accelerate,
-    "lightning": lightning,
-    "multi_optimizer": multi_optimizer,
-    "legacy_format": legacy_format,
-    "bug_report": bug_report,
-    "healthy": healthy,
-    "cold": cold,
-    "phantom_step": phantom_step,
-    "empty_entries": empty_entries,
-    "tricky_tensors": tricky_tensors,
-    **MALFORMED,
-}
-"""Every factory that needs only a directory, by name."""
-
-
-def iter_files(built: Built) -> Iterator[Path]:
-    """Every file under ``built.path`` (or the file itself), sorted."""
-    if built.path.is_file():
-        yield built.path
-        return
-    yield from sorted(p for p in built.path.rglob("*") if p.is_file())

@@ -6,9 +6,16 @@ are written opcode by opcode (``pickle`` itself would refuse to produce most of 
 
 from __future__ import annotations
 
+import os
+import shlex
 import struct
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
+
+from tests.factories.built import Built, Site
+from tests.factories.models import absent_entries, run
+from tests.factories.trainers import OPT_SITE, single_file, unirl_payload
 
 PROTO2 = b"\x80\x02"
 
@@ -75,3 +82,34 @@ def bytearray_bomb() -> bytes:
 
 def billion_laughs_persistent_id() -> bytes:
     return PROTO2 + billion_laughs() + b"Q."
+
+
+# --------------------------------------------------------------------------- unsafe pickles
+
+
+class ShellOnLoad:
+    """Pickles as ``os.system(command)``: unpickling it runs the command."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple[Callable[[str], int], tuple[str]]:
+        return (os.system, (self.command,))
+
+
+def _unsafe(root: Path, marker: Path, name: str, legacy: bool) -> Built:
+    r = run()
+    payload = unirl_payload(r)
+    payload["callback"] = ShellOnLoad(f"touch {shlex.quote(str(marker))}")
+    path = single_file(root, name, payload, legacy=legacy)
+    return Built(path, {Site("", OPT_SITE): absent_entries(r.model, r.optimizer, "name")})
+
+
+def unsafe_pickle(root: Path, marker: Path) -> Built:
+    """``unsafe.pt``: a sparse UniRL payload that runs ``touch <marker>`` if unpickled."""
+    return _unsafe(root, marker, "unsafe.pt", legacy=False)
+
+
+def unsafe_legacy_pickle(root: Path, marker: Path) -> Built:
+    """``unsafe_legacy.pt``: ``unsafe_pickle`` in the legacy (non-zip) serialization."""
+    return _unsafe(root, marker, "unsafe_legacy.pt", legacy=True)
