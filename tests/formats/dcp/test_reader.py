@@ -127,7 +127,7 @@ def test_reading_does_not_import_torch(tmp_path: Path) -> None:
         f"inventory = read_dcp(Path({os.fspath(built.path)!r}), '')\n"
         "assert inventory.optimizers and 'torch' not in sys.modules, sorted(sys.modules)\n"
     )
-    subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parents[1])
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parents[3])
 
 
 def test_reading_ignores_tensor_bytes(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from optim_repair.errors import ExitCode
 from tests import factories
 from tests.conftest import run_cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 CLI_DOC = (ROOT / "docs" / "cli.md").read_text()
 JSON_DOC = (ROOT / "docs" / "json.md").read_text()

@@ -27,11 +27,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 import optim_repair
 from tests.conftest import run_cli
+from tests.decisions.test_comparison import named_state_dict
 from tests.factories import trainers
 from tests.factories.built import Built
 from tests.factories.models import TwoHeadNet, make_optimizer, train
 from tests.factories.support import assert_nothing_written, untouched
-from tests.test_comparison import named_state_dict
 
 STEPS, MORE = 3, 3
 

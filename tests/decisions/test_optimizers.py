@@ -226,7 +226,7 @@ def test_fresh_fill_resumes_exactly_through_torch_set_optimizer_state_dict(varia
 
     if variant == "sgd":
         # Plain SGD stores no state at all; torch's own full_state_dict loader cannot load
-        # even its own output for it (optim_repair.torch_loader can: see test_torch_loader.py).
+        # even its own output for it (optim_repair.torch_loader can: see tests/faces/test_torch_loader.py).
         with pytest.raises(AssertionError, match="Expected device to be set"):
             run(variant, load)
         return
