@@ -1,4 +1,4 @@
-"""Shared fixtures: real checkpoints from ``tests.checkpoints`` and a CLI runner."""
+"""Shared fixtures: real checkpoints from ``tests.factories`` and a CLI runner."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner, Result
 
-from tests import checkpoints as ck
-from tests import models
-from tests.checkpoints import Built
+from tests import factories
+from tests.factories import defects, hostile, models, trainers
+from tests.factories.built import Built
 
 CLI_ENV: Mapping[str, str] = {"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
 """Environment for ``run_cli``: wide, uncoloured output so messages are not wrapped."""
@@ -71,18 +71,18 @@ def marker(tmp_path: Path) -> Path:
     return tmp_path / "marker-pwned"
 
 
-@pytest.fixture(params=sorted(ck.FACTORIES))
+@pytest.fixture(params=sorted(factories.FACTORIES))
 def any_checkpoint(request: pytest.FixtureRequest, root: Path) -> Built:
     """Every safe factory in turn."""
     name: str = request.param
-    return ck.FACTORIES[name](root)
+    return factories.FACTORIES[name](root)
 
 
-@pytest.fixture(params=sorted(ck.MALFORMED))
+@pytest.fixture(params=sorted(defects.MALFORMED))
 def malformed_checkpoint(request: pytest.FixtureRequest, root: Path) -> Built:
     """Every malformed variant in turn."""
     name: str = request.param
-    return ck.MALFORMED[name](root)
+    return defects.MALFORMED[name](root)
 
 
 @pytest.fixture(params=models.OPTIMIZER_NAMES)
@@ -94,74 +94,74 @@ def optimizer_name(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def unirl_checkpoint(root: Path) -> Built:
-    return ck.unirl_torch(root)
+    return trainers.unirl_torch(root)
 
 
 @pytest.fixture
 def petrainer_checkpoint(root: Path) -> Built:
-    return ck.petrainer(root)
+    return trainers.petrainer(root)
 
 
 @pytest.fixture
 def hf_checkpoint(root: Path) -> Built:
-    return ck.hf_trainer(root)
+    return trainers.hf_trainer(root)
 
 
 @pytest.fixture
 def accelerate_checkpoint(root: Path) -> Built:
-    return ck.accelerate(root)
+    return trainers.accelerate(root)
 
 
 @pytest.fixture
 def lightning_checkpoint(root: Path) -> Built:
-    return ck.lightning(root)
+    return trainers.lightning(root)
 
 
 @pytest.fixture
 def multi_optimizer_checkpoint(root: Path) -> Built:
-    return ck.multi_optimizer(root)
+    return trainers.multi_optimizer(root)
 
 
 @pytest.fixture
 def legacy_checkpoint(root: Path) -> Built:
-    return ck.legacy_format(root)
+    return trainers.legacy_format(root)
 
 
 @pytest.fixture
 def bug_report_checkpoint(root: Path) -> Built:
-    return ck.bug_report(root)
+    return trainers.bug_report(root)
 
 
 @pytest.fixture
 def healthy_checkpoint(root: Path) -> Built:
-    return ck.healthy(root)
+    return defects.healthy(root)
 
 
 @pytest.fixture
 def cold_checkpoint(root: Path) -> Built:
-    return ck.cold(root)
+    return defects.cold(root)
 
 
 @pytest.fixture
 def phantom_checkpoint(root: Path) -> Built:
-    return ck.phantom_step(root)
+    return defects.phantom_step(root)
 
 
 @pytest.fixture
 def empty_entries_checkpoint(root: Path) -> Built:
-    return ck.empty_entries(root)
+    return defects.empty_entries(root)
 
 
 @pytest.fixture
 def tricky_checkpoint(root: Path) -> Built:
-    return ck.tricky_tensors(root)
+    return defects.tricky_tensors(root)
 
 
 @pytest.fixture
 def unsafe_checkpoint(root: Path, marker: Path) -> Built:
-    return ck.unsafe_pickle(root, marker)
+    return hostile.unsafe_pickle(root, marker)
 
 
 @pytest.fixture
 def unsafe_legacy_checkpoint(root: Path, marker: Path) -> Built:
-    return ck.unsafe_legacy_pickle(root, marker)
+    return hostile.unsafe_legacy_pickle(root, marker)

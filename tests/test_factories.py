@@ -14,16 +14,16 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-from tests import checkpoints as ck
-from tests import models
-from tests.checkpoints import Built, Site
+from tests.factories import defects, hostile, models, trainers
+from tests.factories.built import Built, Site
+from tests.factories.models import ParamKey
 
 
 def load(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def params_of(sd: dict[str, Any]) -> list[ck.ParamKey]:
+def params_of(sd: dict[str, Any]) -> list[ParamKey]:
     return [p for group in sd["param_groups"] for p in group["params"]]
 
 
@@ -52,7 +52,7 @@ def test_every_factory_missing_is_absent_and_listed(any_checkpoint: Built) -> No
         assert not set(missing) & set(sd["state"])
         keys = {type(p) for p in params}
         assert keys in ({str}, {int})
-        if built.path.name in {f"{n}.pt" for n in ck.MALFORMED}:
+        if built.path.name in {f"{n}.pt" for n in defects.MALFORMED}:
             continue
         if site not in built.defects:
             # a stateful optimizer: every param has an entry, or is listed as missing
@@ -60,7 +60,7 @@ def test_every_factory_missing_is_absent_and_listed(any_checkpoint: Built) -> No
 
 
 def test_factories_are_deterministic(tmp_path: Path) -> None:
-    a, b = ck.unirl_torch(tmp_path / "a"), ck.unirl_torch(tmp_path / "b")
+    a, b = trainers.unirl_torch(tmp_path / "a"), trainers.unirl_torch(tmp_path / "b")
     sa, sb = a.load(), b.load()
     for name, entry in sa["state"].items():
         for key, value in entry.items():
@@ -102,7 +102,7 @@ def test_unirl_reproduces_the_bug(unirl_checkpoint: Built) -> None:
 
 @pytest.mark.parametrize("groups", [1, 2])
 def test_every_optimizer(root: Path, optimizer_name: str, groups: int) -> None:
-    built = ck.unirl_torch(root, optimizer=optimizer_name, groups=groups)
+    built = trainers.unirl_torch(root, optimizer=optimizer_name, groups=groups)
     sd = built.load()
     assert len(sd["param_groups"]) == groups
     if optimizer_name in models.STATELESS_NAMES:
@@ -138,7 +138,7 @@ def test_hf_trainer(hf_checkpoint: Built) -> None:
         with pytest.raises(pickle.UnpicklingError, match="Unsupported global"):
             load(d / name)
         assert torch.load(d / name, weights_only=False) is not None  # our own file: loads unsafely
-    assert isinstance(torch.load(d / "training_args.bin", weights_only=False), ck.TrainingArguments)
+    assert isinstance(torch.load(d / "training_args.bin", weights_only=False), trainers.TrainingArguments)
     weights = load_file(str(d / "model.safetensors"))
     assert torch.equal(weights["trunk.weight"], models.TwoHeadNet().trunk.weight) is False  # trained
     assert list(weights) == sorted(models.TwoHeadNet().state_dict())
@@ -223,16 +223,16 @@ def test_empty_entries(empty_entries_checkpoint: Built) -> None:
 
 
 def test_malformed(root: Path) -> None:
-    state = ck.partial_state(root).load()["state"]
+    state = defects.partial_state(root).load()["state"]
     assert "exp_avg_sq" not in state["trunk.bias"] and "exp_avg_sq" in state["trunk.weight"]
-    sd = ck.orphan_state(root).load()
+    sd = defects.orphan_state(root).load()
     assert "ghost.weight" in sd["state"] and "ghost.weight" not in params_of(sd)
-    groups = ck.duplicate_param(root).load()["param_groups"]
+    groups = defects.duplicate_param(root).load()["param_groups"]
     assert "trunk.weight" in groups[0]["params"] and "trunk.weight" in groups[1]["params"]
-    assert isinstance(ck.bad_entry_not_mapping(root, "list").load()["state"]["trunk.bias"], list)
-    assert isinstance(ck.bad_entry_not_mapping(root, "float").load()["state"]["trunk.bias"], float)
-    assert ck.bad_entry_moment_not_tensor(root).load()["state"]["trunk.weight"]["exp_avg"] == 0.25
-    assert ck.shape_mismatch(root).load()["state"]["trunk.weight"]["exp_avg_sq"].shape == (3, 3)
+    assert isinstance(defects.bad_entry_not_mapping(root, "list").load()["state"]["trunk.bias"], list)
+    assert isinstance(defects.bad_entry_not_mapping(root, "float").load()["state"]["trunk.bias"], float)
+    assert defects.bad_entry_moment_not_tensor(root).load()["state"]["trunk.weight"]["exp_avg"] == 0.25
+    assert defects.shape_mismatch(root).load()["state"]["trunk.weight"]["exp_avg_sq"].shape == (3, 3)
 
 
 def test_malformed_keep_missing(malformed_checkpoint: Built) -> None:
@@ -255,12 +255,12 @@ def test_tricky_tensors(tricky_checkpoint: Built) -> None:
     assert weights["spectral_unused"].dtype == torch.complex64 and weights["void_unused"].shape == (0,)
     assert weights["gain_bf16_unused"].dtype == torch.bfloat16
     hw = state["head_used.weight"]
-    assert bits32(hw["exp_avg"])[:3] == [*ck.NAN_BITS_F32, ck.NEG_ZERO_F32]
-    assert bits32(hw["exp_avg_sq"])[0] == ck.NEG_ZERO_F32
+    assert bits32(hw["exp_avg"])[:3] == [*defects.NAN_BITS_F32, defects.NEG_ZERO_F32]
+    assert bits32(hw["exp_avg_sq"])[0] == defects.NEG_ZERO_F32
     assert state["gain_bf16"]["exp_avg"].dtype == torch.bfloat16
-    assert bits16(state["gain_bf16"]["exp_avg"])[:2] == [ck.NAN_BITS_BF16, 0x8000]
+    assert bits16(state["gain_bf16"]["exp_avg"])[:2] == [defects.NAN_BITS_BF16, 0x8000]
     assert state["gain_fp16"]["exp_avg_sq"].dtype == torch.float16
-    assert bits16(state["gain_fp16"]["exp_avg"])[:2] == [ck.NAN_BITS_F16, 0x8000]
+    assert bits16(state["gain_fp16"]["exp_avg"])[:2] == [defects.NAN_BITS_F16, 0x8000]
     assert state["spectral"]["exp_avg"].dtype == torch.complex64 and state["spectral"]["exp_avg"].any()
     assert state["void"]["exp_avg"].shape == (0, 4)
     tw = state["trunk.weight"]["exp_avg"]
@@ -275,7 +275,7 @@ def test_tricky_tensors(tricky_checkpoint: Built) -> None:
 
 @pytest.mark.parametrize("legacy", [False, True])
 def test_unsafe_pickles(root: Path, marker: Path, legacy: bool) -> None:
-    built = ck.unsafe_legacy_pickle(root, marker) if legacy else ck.unsafe_pickle(root, marker)
+    built = hostile.unsafe_legacy_pickle(root, marker) if legacy else hostile.unsafe_pickle(root, marker)
     assert zipfile.is_zipfile(built.path) is not legacy
     with pytest.raises(pickle.UnpicklingError, match="system"):
         torch.load(built.path, weights_only=True)

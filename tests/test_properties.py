@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from optim_repair.formats.torchfile.verifier import verify_torch_file
-from tests import models
-from tests.support import assert_copy_faithful, fix, load
+from tests.factories import models
+from tests.factories.support import assert_copy_faithful, fix, load
 
 DTYPES = [
     torch.float32,

@@ -1,0 +1,176 @@
+"""The documentation is tested: every command, option, exit code and JSON field is documented."""
+
+from __future__ import annotations
+
+import re
+import typing
+from pathlib import Path
+
+import pytest
+import typer.main
+
+from optim_repair import render
+from optim_repair.cli import app
+from optim_repair.errors import ExitCode
+from tests import factories
+from tests.conftest import run_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+CLI_DOC = (ROOT / "docs" / "cli.md").read_text()
+JSON_DOC = (ROOT / "docs" / "json.md").read_text()
+COMMANDS = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_command_has_help_and_is_documented(name: str) -> None:
+    command = COMMANDS[name]
+    assert command.help and len(command.help.strip()) > 20
+    assert f"## `optim-repair {name}" in CLI_DOC
+    assert f"optim-repair {name}" in README
+
+
+@pytest.mark.parametrize(
+    ("name", "option"),
+    [
+        (name, opt)
+        for name, cmd in sorted(COMMANDS.items())
+        for param in cmd.params
+        for opt in param.opts
+        if opt.startswith("--")
+    ],
+)
+def test_every_option_is_documented(name: str, option: str) -> None:
+    assert f"`{option}" in CLI_DOC, f"{name} {option} is not in docs/cli.md"
+
+
+@pytest.mark.parametrize("code", [v for k, v in vars(ExitCode).items() if k.isupper()])
+def test_every_exit_code_is_documented(code: int) -> None:
+    row = re.compile(rf"^\| {code} \|", re.MULTILINE)
+    assert row.search(README), f"exit code {code} is not in the README"
+    assert row.search(CLI_DOC), f"exit code {code} is not in docs/cli.md"
+
+
+def _fields(doc_type: type, prefix: str = "") -> list[str]:
+    fields = []
+    for name, hint in typing.get_type_hints(doc_type).items():
+        fields.append(prefix + name)
+        origin = typing.get_origin(hint)
+        inner = typing.get_args(hint)[0] if origin is list else hint
+        if typing.is_typeddict(inner) and inner in _SMALL:
+            fields.extend(f"{prefix}{name}[]{{{key}}}" for key in typing.get_type_hints(inner))
+        elif typing.is_typeddict(inner):
+            fields.extend(_fields(inner, f"{prefix}{name}{'[]' if origin is list else ''}."))
+    return fields
+
+
+_SMALL = (
+    render.MalformedDoc, render.NoticeDoc, render.SkippedDoc, render.AddedDoc, render.ShapeMismatchDoc,
+    render.ChangedDoc,
+)  # fmt: skip
+"""Documented in one row each, as ``{a, b, c}``."""
+
+
+@pytest.mark.parametrize(
+    "field", sorted({*_fields(render.FixDoc), *_fields(render.DryRunDoc), *_fields(render.ErrorDoc)})
+)
+def test_every_json_field_is_documented(field: str) -> None:
+    if "{" in field:
+        row_name, key = field.split("[]{")
+        row = next((line for line in JSON_DOC.splitlines() if line.startswith(f"| `{row_name}[]`")), "")
+        assert re.search(rf"[{{ ]{key.rstrip('}')}[,}}]", row), field
+        return
+    top = field.split(".")[0].removesuffix("[]")
+    assert f"`{field}" in JSON_DOC or (field == top and f"`{top}[]`" in JSON_DOC), field
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "partial-state",
+        "orphan-state",
+        "duplicate-param",
+        "bad-entry",
+        "shape-mismatch",
+        "phantom-step",
+        "stock-loader-phantom-step",
+        "dcp-missing-key",
+        "flattened-missing-state",
+        "phantom-step-entries",
+        "cold",
+        "skipped-unsafe",
+        "deepspeed-zero",
+        "sparse-ok-for-load-state-dict",
+    ],
+)
+def test_every_finding_code_is_documented(code: str) -> None:
+    assert f"`{code}`" in CLI_DOC
+
+
+def _help(name: str) -> str:
+    return run_cli([name, "--help"], code=0).stdout
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_help_shows_the_usage_the_docs_show_and_every_exit_code(name: str) -> None:
+    """docs/cli.md is tested against --help: the usage line, the argument's name, and the exit codes."""
+    text = _help(name)
+    usage = re.search(rf"Usage: \S+ {name} \[OPTIONS\](.*)", text)
+    assert usage is not None, text
+    assert f"## `optim-repair {name}{usage.group(1).rstrip()}" in CLI_DOC, usage.group(0)
+    assert "{" not in usage.group(1), "the argument is named CKPT, as in the docs"
+    codes = [int(code) for code in re.findall(r"^\s+(\d+)  ", text.split("Exit codes:")[1], re.MULTILINE)]
+    for code in (
+        ExitCode.USAGE,
+        ExitCode.INPUT,
+        ExitCode.OUTPUT,
+        ExitCode.INTERNAL,
+        ExitCode.INTERRUPTED,
+        ExitCode.TERMINATED,
+        ExitCode.OK,
+    ):
+        assert code in codes, (name, code)
+        assert re.search(rf"^\| {int(code)} \|", CLI_DOC, re.MULTILINE)
+
+
+def test_optimizer_help_lists_every_name() -> None:
+    from optim_repair.decisions.optimizers import OPTIMIZERS
+
+    text = " ".join(_help("fix").split())
+    assert all(name in text for name in OPTIMIZERS)
+    assert "-h, --help" in text and "-q, --quiet" in text and "--color" in text
+
+
+def _resume_script() -> str:
+    block = README.split("## Before resuming", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    assert block.startswith("#!/bin/sh")
+    return block
+
+
+@pytest.mark.parametrize("factory", ["hf_trainer", "unirl_torch"])
+def test_the_readme_resume_script(tmp_path: Path, factory: str) -> None:
+    """HF Trainer (index keys, absent entries): resumes from the checkpoint itself, copying nothing.
+    UniRL (names): resumes from a verified repaired copy with exact fresh state."""
+    import os
+    import subprocess
+    import sys
+
+    import optim_repair
+
+    built = factories.FACTORIES[factory](tmp_path / "run")
+    script = tmp_path / "resume.sh"
+    script.write_text(_resume_script())
+    (tmp_path / "train.py").write_text("import sys\nprint('resuming from', sys.argv[2])\n")
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    before = sorted(p.name for p in built.path.parent.iterdir())
+    done = subprocess.run(["sh", str(script), f"{built.path}/"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PATH": path}, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    fixed = Path(f"{built.path}-fixed")
+    if factory == "hf_trainer":
+        assert done.stdout == f"resuming from {built.path}\n"
+        assert sorted(p.name for p in built.path.parent.iterdir()) == before, "nothing was copied"
+    else:
+        assert done.stdout == f"resuming from {fixed}\n"
+        assert optim_repair.inspect(fixed).verdict == "healthy"
+        assert optim_repair.plan(fixed).additions == ()

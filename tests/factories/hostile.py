@@ -1,0 +1,115 @@
+"""Hand-crafted hostile and damaged inputs, each the smallest that showed a class of failure.
+
+Every builder writes under a directory it is given and returns what to point the tool at. Pickles
+are written opcode by opcode (``pickle`` itself would refuse to produce most of them).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import struct
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.factories.built import Built, Site
+from tests.factories.models import absent_entries, run
+from tests.factories.trainers import OPT_SITE, single_file, unirl_payload
+
+PROTO2 = b"\x80\x02"
+
+
+def torch_zip(path: Path, data_pkl: bytes, records: dict[str, bytes] | None = None) -> Path:
+    """A zip-format torch file holding ``data_pkl`` (and ``records``, by name under ``archive/``)."""
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", data_pkl)
+        archive.writestr("archive/byteorder", "little")
+        for name, data in (records or {}).items():
+            archive.writestr(f"archive/{name}", data)
+        archive.writestr("archive/version", "3\n")
+    return path
+
+
+def binput(index: int) -> bytes:
+    return b"r" + struct.pack("<I", index)
+
+
+def binget(index: int) -> bytes:
+    return b"j" + struct.pack("<I", index)
+
+
+def billion_laughs(levels: int = 60) -> bytes:
+    """Opcodes that push a tuple of 2**levels leaves, built from memo references (about 12 bytes a level)."""
+    ops = b"K\x01" + binput(0)
+    for level in range(levels):
+        ops += binget(level) + binget(level) + b"\x86" + binput(level + 1)
+    return ops
+
+
+def optimizer_with_key(key_ops: bytes) -> bytes:
+    """A pickle of ``{"state": {KEY: {}}, "param_groups": []}``, the key given as opcodes."""
+    return (
+        PROTO2 + b"}" + b"\x8c\x05state" + b"}" + key_ops + b"}" + b"s" + b"s"
+        + b"\x8c\x0cparam_groups" + b"]" + b"s."
+    )  # fmt: skip
+
+
+def optimizer_with_param(param_ops: bytes) -> bytes:
+    """A pickle of ``{"state": {}, "param_groups": [{"params": [PARAM]}]}``, the param given as opcodes."""
+    return (
+        PROTO2 + b"}" + b"\x8c\x05state" + b"}" + b"s"
+        + b"\x8c\x0cparam_groups" + b"]" + b"}" + b"\x8c\x06params" + b"]" + param_ops + b"a" + b"s" + b"a" + b"s."
+    )  # fmt: skip
+
+
+def deep_tuple(depth: int) -> bytes:
+    return b"K\x01" + b"\x85" * depth
+
+
+def deep_list(depth: int) -> bytes:
+    return b"]" * depth + b"a" * (depth - 1)
+
+
+def memo_bomb() -> bytes:
+    return PROTO2 + b"K\x01" + binput(1 << 28) + b"."
+
+
+def bytearray_bomb() -> bytes:
+    """``bytearray(2**32)``: four GiB of zeros from one call of an allowlisted global."""
+    return PROTO2 + b"cbuiltins\nbytearray\n" + b"\x8a\x05\x00\x00\x00\x00\x01" + b"\x85R."
+
+
+def billion_laughs_persistent_id() -> bytes:
+    return PROTO2 + billion_laughs() + b"Q."
+
+
+# --------------------------------------------------------------------------- unsafe pickles
+
+
+class ShellOnLoad:
+    """Pickles as ``os.system(command)``: unpickling it runs the command."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple[Callable[[str], int], tuple[str]]:
+        return (os.system, (self.command,))
+
+
+def _unsafe(root: Path, marker: Path, name: str, legacy: bool) -> Built:
+    r = run()
+    payload = unirl_payload(r)
+    payload["callback"] = ShellOnLoad(f"touch {shlex.quote(str(marker))}")
+    path = single_file(root, name, payload, legacy=legacy)
+    return Built(path, {Site("", OPT_SITE): absent_entries(r.model, r.optimizer, "name")})
+
+
+def unsafe_pickle(root: Path, marker: Path) -> Built:
+    """``unsafe.pt``: a sparse UniRL payload that runs ``touch <marker>`` if unpickled."""
+    return _unsafe(root, marker, "unsafe.pt", legacy=False)
+
+
+def unsafe_legacy_pickle(root: Path, marker: Path) -> Built:
+    """``unsafe_legacy.pt``: ``unsafe_pickle`` in the legacy (non-zip) serialization."""
+    return _unsafe(root, marker, "unsafe_legacy.pt", legacy=True)

@@ -1,0 +1,1 @@
+"""Tests of optim_repair.formats: one adapter per on-disk format."""

@@ -1,0 +1,1 @@
+"""Tests of optim_repair.formats.dcp: DCP checkpoint directories."""

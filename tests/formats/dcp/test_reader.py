@@ -1,0 +1,245 @@
+"""DCP directories read safely from ``.metadata`` and bytes entries (``optim_repair.formats.dcp`` reader side).
+
+Checkpoints are real ``dcp.save`` outputs (``tests.factories.dcp``); nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.state_dict_loader import load
+from torch.distributed.checkpoint.state_dict_saver import save
+
+from optim_repair.errors import InputError, UnsafeInputError
+from optim_repair.formats.dcp import DcpChunk, DcpTensor, is_dcp_directory, read_dcp, read_metadata, write_dcp
+from optim_repair.records.inventory import TensorMeta
+from tests.factories import dcp as dk
+from tests.factories.built import Site
+from tests.factories.dcp import by_name, only
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+UNSAFE_OPEN = r"refuses to load global io\.open"
+
+
+def test_is_dcp_directory(tmp_path: Path) -> None:
+    built = dk.unirl_dcp(tmp_path)
+    assert is_dcp_directory(built.path)
+    assert not is_dcp_directory(built.path / "metadata.pt")
+    assert not is_dcp_directory(tmp_path)
+
+
+def test_reads_nested_unirl_layout(tmp_path: Path) -> None:
+    built = dk.unirl_dcp(tmp_path)
+    inventory = read_dcp(built.path, "checkpoint-3")
+    assert (inventory.file, inventory.format) == ("checkpoint-3", "dcp")
+    opt = only(inventory)
+    assert (opt.file, opt.location, opt.address, opt.key_style) == ("checkpoint-3", "optim", ("optim",), "name")
+    (weights,) = inventory.weights
+    assert weights.source == "checkpoint-3:model"
+    shapes = weights.lookup()
+    assert opt.params == tuple(name for name, _ in dk.DeepNet().named_parameters()) == tuple(shapes)
+    assert dk.missing_params(opt) == built.missing[Site("", ("optim",))] == dk.HEAD
+    assert len(opt.entries) == len(shapes) - 2
+    for entry in opt.entries:
+        assert entry.keys == ("step", "exp_avg", "exp_avg_sq")
+        step, exp_avg = entry.get("step"), entry.get("exp_avg")
+        assert isinstance(step, TensorMeta) and (step.dtype, step.shape) == ("float32", ())
+        assert exp_avg == TensorMeta(
+            dtype="float32",
+            shape=shapes[str(entry.param)].shape,
+            stride=shapes[str(entry.param)].stride,
+            storage=f"optim.state.{entry.param}.exp_avg",
+            storage_offset=0,
+            storage_nbytes=4 * shapes[str(entry.param)].numel,
+        )
+    (group,) = opt.groups
+    assert group.option("lr") == 1e-2
+    assert group.option("betas") == (0.9, 0.999)
+    assert group.option("weight_decay") == 0.01
+    assert "params" not in group.option_keys
+
+
+def test_reads_flattened_torchtitan_layout(tmp_path: Path) -> None:
+    built = dk.torchtitan_dcp(tmp_path)
+    inventory = read_dcp(built.path, "")
+    opt = only(inventory)  # lr_scheduler, dataloader and train_state are no optimizers
+    assert (opt.location, opt.address, opt.key_style) == ("optimizer", ("optimizer",), "name")
+    assert [w.source for w in inventory.weights] == [".:<top level>"], "torchtitan's weights sit at the top level"
+    assert opt.params == tuple(inventory.weights[0].lookup())
+    assert dk.missing_params(opt) == built.missing[Site("", ("optimizer",))]
+    assert {"lr", "betas", "initial_lr", "amsgrad"} <= opt.groups[0].option_keys
+    assert all(entry.keys == ("step", "exp_avg", "exp_avg_sq") for entry in opt.entries)
+
+
+def test_both_layouts_read_alike(tmp_path: Path) -> None:
+    nested = only(read_dcp(dk.unirl_dcp(tmp_path / "n").path, ""))
+    flat = only(read_dcp(dk.unirl_dcp(tmp_path / "f", flatten=True).path, ""))
+    assert [(g.params, g.options) for g in flat.groups] == [(g.params, g.options) for g in nested.groups]
+    assert by_name(flat) == by_name(nested)
+
+
+def test_flattened_names_resolve_without_model_weights(tmp_path: Path) -> None:
+    inventory = read_dcp(dk.flattened_without_model(tmp_path).path, "")
+    assert inventory.weights == ()
+    opt = only(inventory)
+    assert opt.params == tuple(name for name, _ in dk.DeepNet().named_parameters())
+    assert dk.missing_params(opt) == dk.HEAD
+    assert {entry.param for entry in opt.entries} == set(opt.params) - set(dk.HEAD)
+
+
+def test_reads_several_optimizers(tmp_path: Path) -> None:
+    built = dk.two_optimizers_dcp(tmp_path)
+    inventory = read_dcp(built.path, "")
+    assert [opt.location for opt in inventory.optimizers] == ["optim_g", "optim_d"]
+    for opt in inventory.optimizers:
+        assert dk.missing_params(opt) == built.missing[Site("", opt.address)]
+    generator, discriminator = inventory.optimizers
+    assert all(entry.keys == ("step", "mu_product", "exp_avg", "exp_avg_sq") for entry in discriminator.entries)
+    assert set(generator.params).isdisjoint(discriminator.params)
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
+def test_reads_tensors_chunked_by_two_ranks(tmp_path: Path, flatten: bool) -> None:
+    path = dk.sharded_dcp(tmp_path / "s", flatten=flatten).path
+    sharded = read_dcp(path, "")
+    whole = read_dcp(dk.unirl_dcp(tmp_path / "w", flatten=flatten).path, "")
+    assert sorted(p.name for p in path.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    meta = read_metadata(path)
+    exp_avg = meta.items["optim.state.blocks.0.attn.to_q.weight.exp_avg"]
+    assert exp_avg == DcpTensor("float32", (4, 4), (DcpChunk((0, 0), (2, 4)), DcpChunk((2, 0), (2, 4))))
+    assert by_name(only(sharded)) == by_name(only(whole))
+    assert sharded.weights == whole.weights
+
+
+def test_reading_does_not_import_torch(tmp_path: Path) -> None:
+    built = dk.torchtitan_dcp(tmp_path)
+    script = (
+        "import sys\nfrom pathlib import Path\nfrom optim_repair.formats.dcp import read_dcp\n"
+        f"inventory = read_dcp(Path({os.fspath(built.path)!r}), '')\n"
+        "assert inventory.optimizers and 'torch' not in sys.modules, sorted(sys.modules)\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parents[3])
+
+
+def test_reading_ignores_tensor_bytes(tmp_path: Path) -> None:
+    path = dk.sharded_dcp(tmp_path).path
+    before = read_dcp(path, "")
+    meta = read_metadata(path)
+    for (key, _), info in meta.storage.items():
+        if isinstance(meta.items[key], DcpTensor):
+            with (path / info.relative_path).open("r+b") as stream:
+                stream.seek(info.offset)
+                stream.write(b"\xa5" * info.length)
+    assert read_dcp(path, "") == before
+
+
+def test_refuses_a_metadata_pickle_that_runs_code(tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    path = dk.unsafe_metadata(tmp_path / "in", marker)
+    dest = tmp_path / "out"
+    dest.mkdir()
+    with pytest.raises(UnsafeInputError, match=UNSAFE_OPEN) as caught:
+        read_dcp(path, "")
+    assert caught.value.exit_code == 4
+    with pytest.raises(UnsafeInputError, match=UNSAFE_OPEN):
+        write_dcp(path, [], dest)
+    assert not marker.exists()
+    assert list(dest.iterdir()) == []
+    with (path / ".metadata").open("rb") as stream:
+        pickle.load(stream)  # what torch's FileSystemReader does: the payload is live
+    assert marker.exists()
+
+
+def test_refuses_a_bytes_entry_that_runs_code(tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    path = dk.unsafe_bytes_entry(tmp_path / "in", marker)
+    with pytest.raises(UnsafeInputError, match=UNSAFE_OPEN):
+        read_dcp(path, "")
+    assert not marker.exists()
+    template: dict[str, Any] = {"optim": {"param_groups": [{"lr": None, "params": []}]}}
+    load(template, checkpoint_id=path)  # stock DCP torch.loads it: the payload is live
+    assert marker.exists()
+
+
+def test_zstd_bytes_entries_need_a_zstd_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("zstandard", "compression", "compression.zstd"):
+        monkeypatch.setitem(sys.modules, name, None)  # as on a machine without any zstd module
+    path = dk.unirl_dcp(tmp_path).path
+    dk.with_transform(path, "optim.param_groups.0.lr", "stream.zstd/1")
+    with pytest.raises(InputError, match=r"zstd-compressed \(stream.zstd/1\); install the 'zstandard' package"):
+        read_dcp(path, "")
+
+
+def test_zstd_bytes_entries_are_read(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint._extension import ZStandard
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    run = dk.trained()
+    state = {"optim": get_optimizer_state_dict(run.model, run.optimizer)}
+    save(state, storage_writer=FileSystemWriter(tmp_path / "z", _extensions=[ZStandard()]))
+    save(state, checkpoint_id=tmp_path / "plain")
+    assert only(read_dcp(tmp_path / "z", "")).groups == only(read_dcp(tmp_path / "plain", "")).groups
+
+
+def test_refuses_unknown_stream_transforms(tmp_path: Path) -> None:
+    path = dk.unirl_dcp(tmp_path).path
+    dk.with_transform(path, "optim.param_groups.0.lr", "stream.rot13/1")
+    with pytest.raises(InputError, match=r"unknown stream transform 'stream\.rot13/1'"):
+        read_dcp(path, "")
+
+
+def rewrite_metadata(path: Path, edit: str) -> None:
+    with (path / ".metadata").open("rb") as stream:
+        metadata = pickle.load(stream)
+    if edit == "escape":
+        metadata.storage_data[MetadataIndex("optim.param_groups.0.lr")].relative_path = "../../etc/passwd"
+    else:
+        metadata.planner_data = None
+    with (path / ".metadata").open("wb") as stream:
+        pickle.dump(metadata, stream)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ("escape", "points outside the checkpoint directory"),
+        ("no-planner-data", "records no planner_data"),
+        ("truncated", "not a readable DCP metadata pickle"),
+        ("garbage-entry", r"__0_0\.distcp:optim\.param_groups\.0\.lr: not a torch\.save archive"),
+    ],
+)
+def test_refuses_malformed_metadata(tmp_path: Path, edit: str, message: str) -> None:
+    path = dk.unirl_dcp(tmp_path).path
+    if edit == "truncated":
+        (path / ".metadata").write_bytes((path / ".metadata").read_bytes()[:100])
+    elif edit == "garbage-entry":
+        info = read_metadata(path).storage[("optim.param_groups.0.lr", None)]
+        with (path / info.relative_path).open("r+b") as stream:
+            stream.seek(info.offset)
+            stream.write(b"\x00" * info.length)
+    else:
+        rewrite_metadata(path, edit)
+    with pytest.raises(InputError, match=message) as caught:
+        read_dcp(path, "")
+    assert not isinstance(caught.value, UnsafeInputError)
+
+
+def test_an_empty_key_path_is_no_weight(tmp_path: Path) -> None:
+    """planner_data may map a key to an empty path (a damaged or hand-made .metadata): no name, no weight."""
+    built = dk.unirl_dcp(tmp_path / "in")
+    with (built.path / ".metadata").open("rb") as stream:
+        metadata = pickle.load(stream)
+    metadata.planner_data["model.blocks.0.attn.to_q.weight"] = ()
+    with (built.path / ".metadata").open("wb") as stream:
+        pickle.dump(metadata, stream)
+    inventory = read_dcp(built.path, "")
+    assert "blocks.0.attn.to_q.weight" not in inventory.weights[0].lookup()

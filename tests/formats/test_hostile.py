@@ -1,0 +1,294 @@
+"""Hostile and damaged input: a one-line error and exit 3 or 4, never a crash, a hang or a memory blowup.
+
+Each case is the smallest input that showed a class of failure. They run in a child process with a
+time limit and an address-space limit, so that a regression fails the test instead of the test run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import resource
+import signal
+import struct
+import subprocess
+import time
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.factories import dcp as dk
+from tests.factories import defects, hostile, trainers
+from tests.factories.support import installed_command
+
+LIMIT_BYTES = 3 << 30
+
+
+def _limits() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (LIMIT_BYTES, LIMIT_BYTES))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT_BYTES, LIMIT_BYTES))
+
+
+def refused(*args: str | Path, codes: tuple[int, ...] = (3, 4), timeout: float = 60) -> str:
+    """Run the installed command under limits; assert a documented exit code and one error line; return it."""
+    result = subprocess.run(
+        [*installed_command(), *map(str, args)], capture_output=True, text=True, timeout=timeout, preexec_fn=_limits
+    )
+    assert result.returncode in codes, (result.returncode, result.stderr[-2000:])
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("optim-repair: error: "), result.stderr[-2000:]
+    if "--json" in map(str, args):  # the error as one JSON document too
+        error = json.loads(result.stdout)["error"]
+        assert (error["exit_code"], error["message"]) == (result.returncode, lines[0][len("optim-repair: error: ") :])
+    else:
+        assert result.stdout == ""
+    return lines[0]
+
+
+CRAFTED = {
+    "deep-tuple-key": hostile.optimizer_with_key(hostile.deep_tuple(500_000)),
+    "billion-laughs-key": hostile.optimizer_with_key(hostile.billion_laughs()),
+    "memo-index-2**28": hostile.memo_bomb(),
+    "bytearray-2**32": hostile.bytearray_bomb(),
+    "billion-laughs-persistent-id": hostile.billion_laughs_persistent_id(),
+    "deep-list": hostile.PROTO2 + hostile.deep_list(100_000) + b".",
+    "frame-of-8-GiB": b"\x80\x04\x95" + struct.pack("<Q", 8 << 30) + b"N.",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CRAFTED))
+def test_crafted_pickles_are_refused_in_bounded_time_and_memory(tmp_path: Path, name: str) -> None:
+    path = hostile.torch_zip(tmp_path / "crafted.pt", CRAFTED[name])
+    line = refused("inspect", path, codes=(4,))
+    assert "crafted.pt: " in line
+
+
+def test_an_opcode_across_the_end_of_its_frame_is_refused(tmp_path: Path) -> None:
+    # The C unpickler reads the rest of this LONG_BINPUT's index afresh from past the frame, and
+    # allocates a memo of 2**30 entries; read in order, the same bytes are a harmless pickle.
+    crossing = b"\x80\x04\x95" + struct.pack("<Q", 4) + b"]r\x00\x00" + b"\x00\x000N."
+    path = hostile.torch_zip(tmp_path / "crossing.pt", crossing)
+    assert "an opcode crosses the end of its frame" in refused("inspect", path, codes=(4,))
+    nested = b"\x80\x04\x95" + struct.pack("<Q", 10) + b"\x95" + struct.pack("<Q", 1) + b"N."
+    path = hostile.torch_zip(tmp_path / "nested.pt", nested)
+    assert "it begins a frame inside another" in refused("inspect", path, codes=(4,))
+
+
+def test_a_fifo_is_never_opened(tmp_path: Path) -> None:
+    """A FIFO would block open() forever: as the argument, in a directory, as --model or as a DCP shard."""
+    built = trainers.hf_trainer(tmp_path / "hf")
+    fifo = tmp_path / "fifo.pt"
+    os.mkfifo(fifo)
+    assert "fifo.pt: is a FIFO, not a file or directory" in refused("inspect", fifo, timeout=20)
+    os.mkfifo(built.path / "extra.pt")
+    os.mkfifo(built.path / "extra.safetensors")
+    document = json.loads(run_cli(["inspect", built.path, "--json"], code=None).stdout)
+    assert {"file": "extra.pt", "kind": "other", "reason": "is a FIFO, not a regular file"} in document["skipped"]
+    assert "extra.pt: is a FIFO; optim-repair copies only" in refused("fix", built.path, "--out", tmp_path / "o")
+    alone = trainers.unirl_torch(tmp_path / "u").path / "checkpoint.pt"
+    line = refused("fix", alone, "--out", tmp_path / "f.pt", "--fill", "fresh", "--model", fifo, timeout=20)
+    assert "is a FIFO" in line
+    dcp = dk.unirl_dcp(tmp_path / "d").path
+    (dcp / "__0_0.distcp").unlink()
+    os.mkfifo(dcp / "__0_0.distcp")
+    assert "__0_0.distcp: is a FIFO, not a regular file" in refused("inspect", dcp, timeout=20)
+
+
+def test_no_file_is_read_through_a_link(tmp_path: Path) -> None:
+    """One link policy: a link is copied as a link and never followed, except the argument itself."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    dcp = dk.unirl_dcp(tmp_path / "d").path
+    (dcp / "__0_0.distcp").rename(outside / "shard.distcp")
+    (dcp / "__0_0.distcp").symlink_to(outside / "shard.distcp")
+    assert "__0_0.distcp: is a symbolic link; optim-repair reads no file through a link" in refused("inspect", dcp)
+    built = trainers.hf_trainer(tmp_path / "hf")
+    (built.path / "optimizer.pt").rename(outside / "optimizer.pt")
+    (built.path / "optimizer.pt").symlink_to(outside / "optimizer.pt")
+    assert "no optimizer state found in any file" in refused("inspect", built.path)
+    link = tmp_path / "link.pt"
+    link.symlink_to(outside / "optimizer.pt")
+    assert run_cli(["inspect", link], code=None).exit_code == 0, "the argument itself may be a link"
+
+
+def test_a_link_loop_is_a_short_error(tmp_path: Path) -> None:
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    line = refused("inspect", loop)
+    assert "loop: cannot read (Too many levels of symbolic links)" in line and len(line) < 200
+
+
+def _zip_with(path: Path, name: str, data: bytes, compress: int = zipfile.ZIP_DEFLATED) -> Path:
+    """A copy of a real torch file with one more record (or a replaced one), written with ``compress``."""
+    source = defects.healthy(path.parent / "seed").path
+    with zipfile.ZipFile(source) as original, zipfile.ZipFile(path, "w") as archive:
+        for info in original.infolist():
+            if not info.filename.endswith(name):
+                archive.writestr(info, original.read(info), compress_type=info.compress_type)
+        prefix = original.infolist()[0].filename.split("/")[0]
+        archive.writestr(f"{prefix}/{name}", data, compress_type=compress)
+    return path
+
+
+def test_compressed_records_cannot_expand_without_bound(tmp_path: Path) -> None:
+    """A deflated pickle or framing record is read only up to a cap, and never written out expanded."""
+    pickle_bomb = _zip_with(tmp_path / "pickle.pt", "data.pkl", b"\x80\x02" + b"N0" * 1000 + b"N.")
+    data = bytearray(pickle_bomb.read_bytes())
+    entry = data.rindex(b"PK\x01\x02", 0, data.rindex(b"data.pkl"))  # its central directory entry
+    data[entry + 24 : entry + 28] = struct.pack("<I", 3 << 30)  # claims to expand to 3 GiB
+    pickle_bomb.write_bytes(bytes(data))
+    assert "its pickle holds 3221225472 bytes" in refused("inspect", pickle_bomb, codes=(4,))
+    framing_bomb = _zip_with(tmp_path / "framing.pt", "extra", bytes(2 << 20))
+    assert "record" in refused("fix", framing_bomb, "--out", tmp_path / "out.pt", codes=(4,))
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_duplicate_record_names_are_refused(tmp_path: Path) -> None:
+    path = _zip_with(tmp_path / "twice.pt", "byteorder", b"little", zipfile.ZIP_STORED)
+    with zipfile.ZipFile(path, "a") as archive, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        archive.writestr(archive.infolist()[0].filename.rsplit("/", 1)[0] + "/byteorder", b"big")
+    assert "two records are named" in refused("inspect", path, codes=(4,))
+
+
+def test_a_zstd_entry_is_decompressed_only_up_to_a_cap(tmp_path: Path) -> None:
+    import zstandard
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    path = dk.unirl_dcp(tmp_path).path
+    bomb = zstandard.ZstdCompressor().compress(bytes(600 << 20))
+    (path / "bomb.distcp").write_bytes(bomb)
+    with (path / ".metadata").open("rb") as stream:
+        metadata = pickle.load(stream)
+    info = metadata.storage_data[MetadataIndex("optim.param_groups.0.lr")]
+    info.relative_path, info.offset, info.length = "bomb.distcp", 0, len(bomb)
+    info.transform_descriptors = ["stream.zstd/1"]
+    with (path / ".metadata").open("wb") as stream:
+        pickle.dump(metadata, stream)
+    assert "decompresses to more than" in refused("inspect", path, codes=(4,))
+
+
+def test_odd_parameter_keys_are_refused_or_shown_escaped(tmp_path: Path) -> None:
+    """bytes and NaN keys are damage (exit 4); a lone surrogate in a name is a name, shown escaped."""
+    odd = {"bytes": b"\x43\x03abc", "nan": b"G\x7f\xf8\x00\x00\x00\x00\x00\x00", "list": b"]", "dict": b"}"}
+    for name, key in odd.items():
+        path = hostile.torch_zip(tmp_path / f"{name}.pt", hostile.optimizer_with_param(key))
+        assert "neither a name nor an index" in refused("inspect", path, "--json", codes=(4,)), name
+        if name in ("bytes", "nan"):  # hashable: a state key too
+            path = hostile.torch_zip(tmp_path / f"{name}-key.pt", hostile.optimizer_with_key(key))
+            assert "neither a name nor an index" in refused("inspect", path, codes=(4,)), name
+    surrogate = b"X\x03\x00\x00\x00\xed\xa0\x80"  # BINUNICODE of '\ud800', which pickle allows (surrogatepass)
+    path = hostile.torch_zip(tmp_path / "surrogate.pt", hostile.optimizer_with_key(surrogate))
+    for extra in ((), ("--json",)):
+        result = subprocess.run([*installed_command(), "inspect", str(path), *extra], capture_output=True, text=True)
+        assert result.returncode == 3 and "Traceback" not in result.stderr, result.stderr  # orphan-state
+        assert "\\ud800" in result.stdout
+
+
+def test_sigterm_removes_the_temporary_copy(tmp_path: Path) -> None:
+    built = trainers.unirl_torch(tmp_path / "u", steps=2)
+    big = built.path / "big.bin"
+    big.write_bytes(os.urandom(64 << 20))  # copied and compared: long enough to be caught mid-way
+    out = tmp_path / "out"
+    process = subprocess.Popen(
+        [*installed_command(), "fix", str(built.path), "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    while not list(tmp_path.glob(".out.optim-repair-*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode in (143, 0), stderr
+    if process.returncode == 143:
+        assert stderr.strip() == "optim-repair: error: terminated; nothing was written"
+        assert not out.exists()
+    assert not list(tmp_path.glob(".out.optim-repair-*"))
+
+
+def _handles_sigterm(pid: int) -> bool:
+    """Whether the process has installed its SIGTERM handler: optim-repair's entry point has begun."""
+    with open(f"/proc/{pid}/status") as status:
+        caught = next(line for line in status if line.startswith("SigCgt:")).split()[1]
+    return bool(int(caught, 16) & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.01, 0.03, 0.06, 0.1, 0.2])
+def test_ctrl_c_at_any_moment_after_the_entry_point_begins_is_one_line(tmp_path: Path, delay: float) -> None:
+    """From the entry point's first instruction on (Python's own start-up is Python's), Ctrl-C is one line."""
+    built = defects.healthy(tmp_path)
+    process = subprocess.Popen(
+        [*installed_command(), "inspect", str(built.path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 30
+    while not _handles_sigterm(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(delay)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=30)
+    # Done (0); interrupted (130, one line); or, once the work is done and Python is exiting, ended by the
+    # signal itself (its default action, restored for the exit), saying nothing: never a traceback.
+    assert process.returncode in (0, 130, -signal.SIGINT), stderr
+    expected = {130: "optim-repair: error: interrupted; nothing was written\n", -signal.SIGINT: ""}
+    assert stderr == expected.get(process.returncode, stderr), stderr
+
+
+def test_a_safetensors_header_is_refused_when_deep_or_larger_than_its_bytes(tmp_path: Path) -> None:
+    built = trainers.unirl_torch(tmp_path / "u")
+    weights = tmp_path / "model.safetensors"
+    deep = b"[" * 100_000 + b"]" * 100_000
+    weights.write_bytes(struct.pack("<Q", len(deep)) + deep)
+    model = ["--fill", "fresh", "--model", weights]
+    assert "not a safetensors file (bad header)" in refused("fix", built.path, "--out", tmp_path / "a", *model)
+    header = json.dumps({"head_unused.weight": {"dtype": "F32", "shape": [1 << 31, 4], "data_offsets": [0, 16]}})
+    weights.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(16))
+    assert "does not fit its bytes" in refused("fix", built.path, "--out", tmp_path / "b", *model)
+
+
+def test_a_dcp_chunk_stored_in_fewer_bytes_than_it_holds_is_refused(tmp_path: Path) -> None:
+    path = dk.unirl_dcp(tmp_path).path
+    with (path / ".metadata").open("rb") as stream:
+        metadata = pickle.load(stream)
+    key = "model.head.proj.weight"
+    item = metadata.state_dict_metadata[key]
+    item.size = type(item.size)([1 << 31, *item.size[1:]])
+    item.chunks[0].sizes = item.size
+    with (path / ".metadata").open("wb") as stream:
+        pickle.dump(metadata, stream)
+    assert "is stored in fewer bytes than it holds" in refused("inspect", path, codes=(4,))
+
+
+def test_a_dcp_tensor_larger_than_its_chunks_is_refused(tmp_path: Path) -> None:
+    # A fresh fill is sized by the weight's declared size: 2**28 elements held in 8 stored ones.
+    path = dk.unirl_dcp(tmp_path).path
+    with (path / ".metadata").open("rb") as stream:
+        metadata = pickle.load(stream)
+    item = metadata.state_dict_metadata["model.head.proj.weight"]
+    item.size = type(item.size)([1 << 28, *item.size[1:]])
+    with (path / ".metadata").open("wb") as stream:
+        pickle.dump(metadata, stream)
+    assert "the chunks of model.head.proj.weight hold 8 of its" in refused("inspect", path, codes=(4,))
+    fixed = tmp_path / "out"
+    assert "hold 8 of its" in refused("fix", path, "--out", fixed, "--fill", "fresh", codes=(4,))
+    assert not fixed.exists()
+
+
+def test_a_dcp_range_past_its_shard_is_refused_when_read_not_when_verified(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    path = dk.unirl_dcp(tmp_path).path
+    with (path / ".metadata").open("rb") as stream:
+        metadata = pickle.load(stream)
+    key = next(index for index in metadata.storage_data if index.fqn.endswith(".exp_avg"))
+    assert isinstance(key, MetadataIndex)
+    metadata.storage_data[key].offset = 1 << 64
+    with (path / ".metadata").open("wb") as stream:
+        pickle.dump(metadata, stream)
+    assert "lies past its end" in refused("inspect", path, codes=(4,))
+    assert "lies past its end" in refused("fix", path, "--out", tmp_path / "out", codes=(4,))

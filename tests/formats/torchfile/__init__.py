@@ -1,0 +1,1 @@
+"""Tests of optim_repair.formats.torchfile: torch files, zip and legacy."""
