@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 import optim_repair
 from optim_repair.errors import InputError
-from tests import checkpoints as ck
 from tests.conftest import run_cli
+from tests.factories import trainers
 
 NEVER_STEPPED = "transformer.wpe.weight"
 
@@ -84,7 +84,8 @@ def _one_error_line(result: Any, *fragments: str) -> None:
 
 
 def test_a_directory_of_shards_is_compared_as_one_file_is(saved: Saved) -> None:
-    torch.save(ck.TrainingArguments(output_dir=str(saved.shards)), saved.shards / "training_args.bin")  # passed over
+    arguments = trainers.TrainingArguments(output_dir=str(saved.shards))
+    torch.save(arguments, saved.shards / "training_args.bin")  # passed over
     single = _compared(saved.checkpoint, saved.single, code=1)  # the never-stepped parameter's absent entry: repairable
     sharded = _compared(saved.checkpoint, saved.shards, code=1)
     shard_files = sorted(saved.shards.glob("*.safetensors"))
@@ -133,7 +134,7 @@ def test_a_damaged_shard_is_an_error_that_names_it(saved: Saved) -> None:
 
 
 def test_a_directory_without_weights_is_an_error(tmp_path: Path) -> None:
-    built = ck.unirl_torch(tmp_path / "run")
+    built = trainers.unirl_torch(tmp_path / "run")
     empty = tmp_path / "config-only"
     empty.mkdir()
     (empty / "config.json").write_text("{}")

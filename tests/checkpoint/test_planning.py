@@ -10,10 +10,10 @@ import pytest
 
 import optim_repair
 from optim_repair.errors import ExitCode, InputError, RepairRefused
-from tests import checkpoints as ck
-from tests import dcp_checkpoints as dk
 from tests.conftest import run_cli
-from tests.support import assert_nothing_written, untouched
+from tests.factories import dcp as dk
+from tests.factories import trainers
+from tests.factories.support import assert_nothing_written, untouched
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -48,7 +48,7 @@ def test_a_dcp_refusal_comes_from_the_dry_run_and_the_plan_as_from_fix(tmp_path:
 
 def test_a_torch_file_refusal_comes_from_the_dry_run_as_from_fix(tmp_path: Path) -> None:
     """Resetting a phantom step drops storages, which a legacy-format file cannot: refused before writing."""
-    built = ck.legacy_format(tmp_path)
+    built = trainers.legacy_format(tmp_path)
     out = tmp_path / "fixed.pt"
     path = built.path
     with untouched(path):

@@ -23,10 +23,10 @@ from optim_repair.formats.dcp import plan_dcp
 from optim_repair.formats.dcp.planning import PlannedEntries
 from optim_repair.formats.torchfile import open_torch_file
 from optim_repair.records.repair_plan import Addition, FreshTensor, ParamChange
-from tests import dcp_checkpoints as dk
 from tests.conftest import run_cli
-from tests.models import TwoHeadNet, make_optimizer, train
-from tests.support import assert_nothing_written, flip_byte, untouched
+from tests.factories import dcp as dk
+from tests.factories.models import TwoHeadNet, make_optimizer, train
+from tests.factories.support import assert_nothing_written, flip_byte, untouched
 
 Plan = tuple[tuple[Addition, ...], tuple[ParamChange, ...]]
 
