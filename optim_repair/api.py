@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from optim_repair.checkpoint.discovery import Discovery, discover
-from optim_repair.checkpoint.planning import finish_plan
+from optim_repair.checkpoint.planning import FinishedPlan, finish_plan
 from optim_repair.checkpoint.reading import Parsed, read_discovered, read_model_weights
 from optim_repair.checkpoint.writing import free_space, space_needed, write_copy
 from optim_repair.decisions.diagnose import Diagnosis, diagnose
@@ -78,7 +78,7 @@ def plan(
     """
     parsed = Parsed()
     diagnosis, found = _diagnosed(checkpoint, parsed)
-    return _finished(diagnosis, found, parsed, fill, optimizer, model, reset_phantom_step, operations)
+    return _finished(diagnosis, found, parsed, fill, optimizer, model, reset_phantom_step, operations).plan
 
 
 def _finished(
@@ -90,7 +90,7 @@ def _finished(
     model: str | Path | None,
     reset_phantom_step: bool,
     operations: Operations,
-) -> RepairPlan:
+) -> FinishedPlan:
     """The repair plan for ``diagnosis``, finished in every file's format (each refusal raised)."""
     weights = read_model_weights(Path(model)) if model is not None else ()
     repair = plan_repair(
@@ -101,8 +101,7 @@ def _finished(
         reset_phantom_step=reset_phantom_step,
         operations=operations,
     )
-    finish_plan(found, diagnosis.inventory, repair, parsed)
-    return repair
+    return finish_plan(found, diagnosis.inventory, repair, parsed)
 
 
 def model_changes(
@@ -171,10 +170,10 @@ def dry_run(
     """What ``fix`` with the same arguments would add and write, and the room there is for it; writes nothing."""
     parsed = Parsed()
     diagnosis, found = _diagnosed(checkpoint, parsed)
-    repair = _finished(diagnosis, found, parsed, fill, optimizer, model, reset_phantom_step, operations)
+    finished = _finished(diagnosis, found, parsed, fill, optimizer, model, reset_phantom_step, operations)
     target = output_path(found.root, out)
-    needed = space_needed(found, diagnosis.inventory, repair, link=link)
-    return DryRun(diagnosis, repair, target, needed, free_space(target))
+    needed = space_needed(found, finished, link=link)
+    return DryRun(diagnosis, finished.plan, target, needed, free_space(target))
 
 
 @dataclass(frozen=True)

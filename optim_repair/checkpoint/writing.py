@@ -9,25 +9,19 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
-from optim_repair.checkpoint.discovery import Discovery
+from optim_repair.checkpoint.discovery import Discovery, Entry
 from optim_repair.checkpoint.planning import FinishedPlan, finish_plan
 from optim_repair.checkpoint.reading import Parsed
 from optim_repair.checkpoint.staging import move_into_place, remove_stale, temporary_sibling
 from optim_repair.errors import InputError, OutputError, Remedy, VerificationError, os_error_reason
 from optim_repair.formats.copied import verify_copied_file
-from optim_repair.formats.dcp import METADATA_FILE
-from optim_repair.formats.dcp.verifier import verify_planned_dcp
-from optim_repair.formats.dcp.writer import write_planned_dcp
 from optim_repair.formats.inputs import open_regular, size_of
 from optim_repair.formats.ranges import kernel_copy
-from optim_repair.formats.torchfile import write_torch_file
-from optim_repair.formats.torchfile.verifier import verify_torch_file
 from optim_repair.progress import Meter, Notice, Progress, ignore
 from optim_repair.records.inventory import CheckpointInventory
-from optim_repair.records.repair_plan import FreshTensor, RepairPlan
+from optim_repair.records.repair_plan import RepairPlan
 from optim_repair.records.verification import NOTHING, Verification
 
 
@@ -45,40 +39,6 @@ def check_output(source: Path, out: Path, *, force: bool) -> None:
             raise OutputError(f"exists and is not a {'directory' if source.is_dir() else 'file'}", path=str(out))
     if not Path(os.path.abspath(out)).parent.is_dir():  # beside a link named out, wherever it points
         raise OutputError("no such directory for {argument}", path=out.parent, argument="out")
-
-
-def _write_file(src: Path, dest: Path, rel: str, finished: FinishedPlan, *, sync: bool, meter: Meter) -> Verification:
-    """Write a torch file with its planned changes into the empty file ``dest``, and verify it against the
-    original as reading parsed it and the plan: nothing the writer made reaches the verifier."""
-    source = rel or str(src)
-    additions, changes = finished.plan.for_file(rel), finished.plan.changes_for(rel)
-    parsed = finished.torch_files.get(rel)
-    size = os.stat(src).st_size
-    # The writer and the verifier report the storages they move and compare; the rest of the file
-    # (its pickle, headers and framing) is reported when each is done, so that stages end at the total.
-    written = _Tally(meter.writing)
-    write_torch_file(src, source, additions, dest, changes=changes, sync=sync, parsed=parsed, on_bytes=written)
-    written.top_up(size)
-    verified = _Tally(meter.verifying)
-    verification = verify_torch_file(src, dest, source, additions, changes=changes, parsed=parsed, on_bytes=verified)
-    verified.top_up(size)
-    return verification
-
-
-class _Tally:
-    """Passes byte counts on, remembering their sum, and can bring the sum up to a file's size."""
-
-    def __init__(self, report: Callable[[int], None]) -> None:
-        self._report = report
-        self._sum = 0
-
-    def __call__(self, nbytes: int) -> None:
-        self._sum += nbytes
-        self._report(nbytes)
-
-    def top_up(self, size: int) -> None:
-        if size > self._sum:
-            self(size - self._sum)
 
 
 def _copy(
@@ -123,83 +83,58 @@ def _sync_directories(root: Path) -> None:
             os.close(descriptor)
 
 
-def _rewritten(finished: FinishedPlan, dcp: str) -> bool:
-    """Whether the plan gives the DCP checkpoint ``dcp`` a new ``.metadata`` (else its own is copied)."""
-    return finished.dcp[dcp].rewrites_metadata
-
-
 def _write_directory(
-    found: Discovery,
-    tmp: Path,
-    finished: FinishedPlan,
-    inventory: CheckpointInventory,
-    *,
-    link: bool,
-    sync: bool,
-    meter: Meter,
-    notice: Notice,
+    found: Discovery, tmp: Path, finished: FinishedPlan, *, link: bool, sync: bool, meter: Meter, notice: Notice
 ) -> Verification:
+    """Write every entry discovery listed into ``tmp``: the planned files by their adapters, the rest copied
+    as they are (or hard-linked); then verify each planned file from disk."""
     total = NOTHING
-    plan = finished.plan
-    optimizer_files = {file.file for file in inventory.files}
     for entry in found.entries:
         source, target = found.path(entry), tmp / entry.rel if entry.rel else tmp
+        planned = finished.files.get(entry.rel) if entry.role in ("torch", "dcp") else None
         if entry.link:
             os.symlink(os.readlink(source), target)  # a link (even a dangling one) stays a link, as cp -R does
         elif entry.role == "directory":
             target.mkdir()
-        elif entry.role == "dcp":
-            target.mkdir(exist_ok=True)
-            notice(f"writing {entry.rel or 'DCP checkpoint'}")
-            write_planned_dcp(source, finished.dcp[entry.rel], target, sync=sync)
-        elif (
-            entry.dcp is not None and entry.member_name() == METADATA_FILE and finished.dcp[entry.dcp].rewrites_metadata
-        ):
-            continue  # replaced by the metadata write_planned_dcp wrote
-        elif entry.rel in optimizer_files:
-            if plan.for_file(entry.rel) or plan.changes_for(entry.rel):
-                notice(f"writing {entry.rel}")
-            total += _write_file(source, target, entry.rel, finished, sync=sync, meter=meter)
+        elif planned is not None:
+            if planned.changes_anything:
+                notice(f"writing {entry.rel or 'DCP checkpoint'}")
+            planned.write(source, target, sync=sync, meter=meter)
+        elif entry.dcp is not None and finished.files[entry.dcp].replaces(entry.member_name()):
+            continue  # its adapter wrote it
         elif entry.dcp is not None:  # verified with its checkpoint, through the new metadata
             total += _copy(source, target, entry.rel, link=link, sync=sync, meter=meter, verify=False)
         else:
             total += _copy(source, target, entry.rel, link=link, sync=sync, meter=meter)
     if sync:
         _sync_directories(tmp)
-    for rel, planned in finished.dcp.items():
-        directory = found.target / rel if rel else found.target
-        proven = verify_planned_dcp(directory, tmp / rel if rel else tmp, planned)
-        meter.verifying(proven.bytes)
-        total += proven
+    for rel, planned in finished.files.items():
+        total += planned.verify(found.target / rel if rel else found.target, tmp / rel if rel else tmp, meter)
     return total
 
 
-def _bytes_to_copy(found: Discovery, inventory: CheckpointInventory, *, link: bool) -> int:
-    """What a copy will write and verify, in bytes, for the progress it reports."""
+def _written_bytes(found: Discovery, finished: FinishedPlan, *, link: bool) -> int:
+    """The bytes of the checkpoint's files the copy writes: every file but those hard-linked (``link``) and
+    links. A file an adapter writes anew (a torch file, a DCP ``.metadata``) is never hard-linked. The one
+    count both the space check and the progress use."""
     if not found.is_directory:
         return os.stat(found.target).st_size
-    rewritten = {file.file for file in inventory.files}
+
+    def rewritten(entry: Entry) -> bool:
+        if entry.dcp is not None:
+            return finished.files[entry.dcp].replaces(entry.member_name())
+        return entry.rel in finished.files
+
     return sum(
         os.lstat(found.path(entry)).st_size
         for entry in found.entries
-        if entry.role in ("torch", "safetensors", "file") and not entry.link and (not link or entry.rel in rewritten)
+        if entry.role not in ("directory", "special", "dcp") and not entry.link and (not link or rewritten(entry))
     )
 
 
-def space_needed(found: Discovery, inventory: CheckpointInventory, plan: RepairPlan, *, link: bool) -> int:
+def space_needed(found: Discovery, finished: FinishedPlan, *, link: bool) -> int:
     """About how many bytes the copy takes on the disk: every file not hard-linked, and the added entries."""
-    rewritten = {file.file for file in inventory.files}
-    added = sum(value.nbytes for a in plan.additions for _, value in a.state if isinstance(value, FreshTensor))
-    if not found.is_directory:
-        return os.stat(found.target).st_size + added
-    copied = sum(
-        os.lstat(found.path(entry)).st_size
-        for entry in found.entries
-        if entry.role not in ("directory", "special")
-        and not entry.link
-        and not (link and entry.rel not in rewritten and not (entry.dcp and entry.member_name() == METADATA_FILE))
-    )
-    return copied + added
+    return _written_bytes(found, finished, link=link) + finished.added_bytes()
 
 
 def free_space(out: Path) -> int:
@@ -239,24 +174,24 @@ def write_copy(
             f"is {special[0].kind}; optim-repair copies only regular files, directories and links",
             path=found.root / special[0].rel,
         )
-    needed, free = space_needed(found, inventory, plan, link=link), free_space(out)
+    finished = finish_plan(found, inventory, plan, parsed)
+    needed, free = space_needed(found, finished, link=link), free_space(out)
     if needed > free:
         raise OutputError(
             f"the copy needs about {needed:,} bytes and only {free:,} are free there; nothing was written",
             path=Path(os.path.abspath(out)).parent,
         )
-    finished = finish_plan(found, inventory, plan, parsed)
     remove_stale(out, notice)
-    meter = Meter(progress, _bytes_to_copy(found, inventory, link=link))
+    meter = Meter(progress, _written_bytes(found, finished, link=link))
     with temporary_sibling(out, directory=found.is_directory) as tmp:
         try:
             if found.is_directory:
-                verification = _write_directory(
-                    found, tmp, finished, inventory, link=link, sync=sync, meter=meter, notice=notice
-                )
+                verification = _write_directory(found, tmp, finished, link=link, sync=sync, meter=meter, notice=notice)
             else:
                 notice(f"writing {out}")
-                verification = _write_file(source, tmp, "", finished, sync=sync, meter=meter)
+                planned = finished.files[""]
+                planned.write(source, tmp, sync=sync, meter=meter)
+                verification = planned.verify(source, tmp, meter)
             move_into_place(tmp, out, force=force, sync=sync)
         except OSError as exc:
             reason = f"cannot write ({os_error_reason(exc)}); nothing was left behind"
