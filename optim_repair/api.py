@@ -12,14 +12,14 @@ from typing import NamedTuple
 
 from optim_repair.checkpoint.discovery import Discovery, discover
 from optim_repair.checkpoint.planning import FinishedPlan, finish_plan
-from optim_repair.checkpoint.reading import Parsed, read_discovered, read_model_weights
+from optim_repair.checkpoint.reading import Parsed, read_model_weights, read_parsed
 from optim_repair.checkpoint.writing import free_space, space_needed, write_copy
 from optim_repair.decisions.diagnose import Diagnosis, diagnose
-from optim_repair.decisions.operations import NO_OPERATIONS, Operations
 from optim_repair.decisions.repair import plan_repair
 from optim_repair.errors import Remedy, UsageError
-from optim_repair.progress import Notice, Progress, ignore
+from optim_repair.progress import Notice, Progress, Reporter, ignore, silent
 from optim_repair.records.repair_plan import Addition, Fill, PlanFill, RepairPlan
+from optim_repair.records.request import NO_OPERATIONS, CopyRequest, Operations, PlanRequest
 from optim_repair.records.verification import Verification
 from optim_repair.version import __version__
 
@@ -53,7 +53,8 @@ def inspect(path: str | Path, *, strict: bool = False, model: str | Path | None 
     unsafely. Raises ``optim_repair.errors.InputError`` when there is nothing to inspect.
     """
     weights = read_model_weights(Path(model)) if model is not None else None
-    return diagnose(read_discovered(discover(Path(path))), strict=strict, model=weights)
+    inventory, _ = read_parsed(discover(Path(path)))
+    return diagnose(inventory, strict=strict, model=weights)
 
 
 def compare(checkpoint: str | Path, model: str | Path) -> Diagnosis:
@@ -76,32 +77,42 @@ def plan(
     in every file's format as ``fix`` finishes it, so that it raises ``RepairRefused`` (or ``InputError``)
     for everything ``fix`` would refuse.
     """
-    parsed = Parsed()
-    diagnosis, found = _diagnosed(checkpoint, parsed)
-    return _finished(diagnosis, found, parsed, fill, optimizer, model, reset_phantom_step, operations).plan
+    request = _request(fill, optimizer, model, reset_phantom_step, operations)
+    return _finished(_read(checkpoint), request).plan
 
 
-def _finished(
-    diagnosis: Diagnosis,
-    found: Discovery,
-    parsed: Parsed,
-    fill: Fill | None,
-    optimizer: str | None,
-    model: str | Path | None,
-    reset_phantom_step: bool,
-    operations: Operations,
-) -> FinishedPlan:
-    """The repair plan for ``diagnosis``, finished in every file's format (each refusal raised)."""
-    weights = read_model_weights(Path(model)) if model is not None else ()
+def _request(
+    fill: Fill | None, optimizer: str | None, model: str | Path | None, reset_phantom_step: bool, operations: Operations
+) -> PlanRequest:
+    return PlanRequest(fill, optimizer, Path(model) if model is not None else None, reset_phantom_step, operations)
+
+
+@dataclass(frozen=True)
+class _Read:
+    """A checkpoint as read for a repair: its diagnosis, what discovery found, and what reading parsed."""
+
+    diagnosis: Diagnosis
+    found: Discovery
+    parsed: Parsed
+
+
+def _read(checkpoint: str | Path | Diagnosis) -> _Read:
+    """The checkpoint's diagnosis (the one given, or read once) and what discovery found and reading parsed."""
+    if isinstance(checkpoint, Diagnosis):
+        return _Read(checkpoint, discover(Path(checkpoint.inventory.path)), Parsed())
+    found = discover(Path(checkpoint))
+    inventory, parsed = read_parsed(found)
+    return _Read(diagnose(inventory), found, parsed)
+
+
+def _finished(read: _Read, request: PlanRequest) -> FinishedPlan:
+    """The repair plan ``request`` asks for, finished in every file's format (each refusal raised)."""
+    weights = read_model_weights(request.model) if request.model is not None else ()
     repair = plan_repair(
-        diagnosis,
-        fill,
-        optimizer=optimizer,
-        model_weights=weights,
-        reset_phantom_step=reset_phantom_step,
-        operations=operations,
-    )
-    return finish_plan(found, diagnosis.inventory, repair, parsed)
+        read.diagnosis, request.fill, optimizer=request.optimizer, model_weights=weights,
+        reset_phantom_step=request.reset_phantom_step, operations=request.operations,
+    )  # fmt: skip
+    return finish_plan(read.found, read.diagnosis.inventory, repair, read.parsed)
 
 
 def model_changes(
@@ -124,14 +135,6 @@ def model_changes(
             remedy=Remedy("add_from_model"),
         )
     return Operations(tuple(rename), tuple(drop), drop_not_in_model, add_from_model, to_group)
-
-
-def _diagnosed(checkpoint: str | Path | Diagnosis, keep: Parsed) -> tuple[Diagnosis, Discovery]:
-    """The checkpoint's diagnosis (the one given, or read once, keeping what was parsed) and what discovery found."""
-    if isinstance(checkpoint, Diagnosis):
-        return checkpoint, discover(Path(checkpoint.inventory.path))
-    found = discover(Path(checkpoint))
-    return diagnose(read_discovered(found, keep=keep)), found
 
 
 def output_path(checkpoint: Path, out: str | Path) -> Path:
@@ -168,12 +171,11 @@ def dry_run(
     operations: Operations = NO_OPERATIONS,
 ) -> DryRun:
     """What ``fix`` with the same arguments would add and write, and the room there is for it; writes nothing."""
-    parsed = Parsed()
-    diagnosis, found = _diagnosed(checkpoint, parsed)
-    finished = _finished(diagnosis, found, parsed, fill, optimizer, model, reset_phantom_step, operations)
-    target = output_path(found.root, out)
-    needed = space_needed(found, finished, link=link)
-    return DryRun(diagnosis, finished.plan, target, needed, free_space(target))
+    read = _read(checkpoint)
+    finished = _finished(read, _request(fill, optimizer, model, reset_phantom_step, operations))
+    target = output_path(read.found.root, out)
+    needed = space_needed(read.found, finished, link=link)
+    return DryRun(read.diagnosis, finished.plan, target, needed, free_space(target))
 
 
 @dataclass(frozen=True)
@@ -207,7 +209,7 @@ def fix(
     reset_phantom_step: bool = False,
     operations: Operations = NO_OPERATIONS,
     progress: Progress = ignore,
-    notice: Notice = lambda message: None,
+    notice: Notice = silent,
 ) -> FixResult:
     """Write a repaired copy of ``checkpoint`` to ``out``, verified as read back; the input is never modified.
 
@@ -225,24 +227,9 @@ def fix(
     drop and add parameters first, when the model changed. Refused up front when the file system holding
     ``out`` has too little room for the copy.
     """
-    parsed = Parsed()  # what reading parsed, for the writer not to parse it again
-    diagnosis, found = _diagnosed(checkpoint, parsed)
-    weights = read_model_weights(Path(model)) if model is not None else ()
-    repair = plan_repair(
-        diagnosis, fill, optimizer=optimizer, model_weights=weights, reset_phantom_step=reset_phantom_step,
-        operations=operations,
-    )  # fmt: skip
-    target = output_path(found.root, out)
-    verification = write_copy(
-        found,
-        diagnosis.inventory,
-        repair,
-        target,
-        force=force,
-        link=link,
-        sync=sync,
-        parsed=parsed,
-        progress=progress,
-        notice=notice,
-    )
-    return FixResult(diagnosis, repair, target, verification)
+    read = _read(checkpoint)
+    finished = _finished(read, _request(fill, optimizer, model, reset_phantom_step, operations))
+    target = output_path(read.found.root, out)
+    copy = CopyRequest(force=force, link=link, sync=sync)
+    verification = write_copy(read.found, finished, target, copy, Reporter(progress, notice))
+    return FixResult(read.diagnosis, finished.plan, target, verification)

@@ -14,6 +14,7 @@ from typer.core import TyperCommand, TyperGroup
 from optim_repair import api, render
 from optim_repair.decisions.optimizers import OPTIMIZERS
 from optim_repair.errors import ExitCode, OptimRepairError, Remedy, Terminated, UsageError
+from optim_repair.records.repair_plan import Fill
 
 _COMMON_EXITS = {
     ExitCode.USAGE: "usage error",
@@ -95,6 +96,15 @@ def _choice(option: str, choices: list[str]) -> Callable[[str], str]:
         )
 
     return parse
+
+
+_FILLS: dict[str, Fill] = {"empty": "empty", "fresh": "fresh"}
+_COLORS: dict[str, render.Color] = {"auto": "auto", "always": "always", "never": "never"}
+"""The values ``_choice`` admitted, as the types the library takes."""
+
+
+def _screen(color: str, quiet: bool) -> render.Screen:
+    return render.Screen(_COLORS[color], quiet)
 
 
 def _rename(text: str) -> tuple[str, str]:
@@ -210,7 +220,7 @@ def inspect(
     color: ColorOption = "auto",
 ) -> None:
     """Report every optimizer, every parameter without state, and every malformed entry."""
-    screen = render.Screen(color, quiet)  # type: ignore[arg-type]
+    screen = _screen(color, quiet)
 
     def command() -> int:
         diagnosis = api.inspect(checkpoint, strict=strict, model=model)
@@ -315,8 +325,8 @@ def fix(
     color: ColorOption = "auto",
 ) -> None:
     """Write a repaired, verified copy; the input is never modified."""
-    screen = render.Screen(color, quiet)  # type: ignore[arg-type]
-    filled: Any = fill
+    screen = _screen(color, quiet)
+    filled = _FILLS[fill] if fill is not None else None
 
     def command() -> int:
         changes = api.model_changes(
@@ -373,7 +383,7 @@ def demo(
     color: ColorOption = "auto",
 ) -> None:
     """Train a tiny model whose aux head never gets a gradient, then inspect, fix and resume it."""
-    screen = render.Screen(color, quiet)  # type: ignore[arg-type]
+    screen = _screen(color, quiet)
 
     def command() -> int:
         from optim_repair.demo import run_demo

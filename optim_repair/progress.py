@@ -27,6 +27,18 @@ def ignore(step: Step) -> None:
     """The progress callback of a caller that shows none."""
 
 
+def silent(message: str) -> None:
+    """The notice callback of a caller that shows none."""
+
+
+@dataclass(frozen=True)
+class Reporter:
+    """Where the library reports while it works (as pypa/build injects its logger): progress, and notices."""
+
+    progress: Progress = ignore
+    notice: Notice = silent
+
+
 class Meter:
     """Counts the bytes each stage has done and reports every advance to a ``Progress`` callback."""
 
@@ -44,3 +56,7 @@ class Meter:
 
     def verifying(self, nbytes: int) -> None:
         self.advance("verify", nbytes)
+
+
+QUIET = Reporter()
+"""The reporter of a caller that shows nothing."""

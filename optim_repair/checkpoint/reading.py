@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -15,25 +16,35 @@ from optim_repair.formats.torchfile import TorchFile, read_inventory
 from optim_repair.records.inventory import CheckpointInventory, Skipped, WeightMap
 
 
-@dataclass
+@dataclass(frozen=True)
 class Parsed:
-    """What reading parsed, kept for the writer so that it need not parse it again."""
+    """What reading parsed, returned with the inventory so that planning and writing need not parse it again.
+    Nothing changes it: the writers build what they write anew."""
 
-    torch_files: dict[str, TorchFile] = field(default_factory=dict)
+    torch_files: Mapping[str, TorchFile] = field(default_factory=dict)
     """The torch files that hold optimizers, by path relative to the argument."""
-    dcp: dict[str, DcpMetadata] = field(default_factory=dict)
+    dcp: Mapping[str, DcpMetadata] = field(default_factory=dict)
     """The metadata of each DCP checkpoint, by its directory relative to the argument."""
 
 
 def read_checkpoint(path: Path) -> CheckpointInventory:
     """The inventory of every optimizer under ``path``. Raises InputError when there is none."""
-    return read_discovered(discover(path))
+    return read_parsed(discover(path))[0]
 
 
-def read_discovered(found: Discovery, *, keep: Parsed | None = None) -> CheckpointInventory:
-    """The inventory of every optimizer in what ``discover`` found; ``keep`` receives what was parsed."""
+def read_parsed(found: Discovery) -> tuple[CheckpointInventory, Parsed]:
+    """The inventory of every optimizer in what ``discover`` found, and what was parsed to make it."""
+    torch_files: dict[str, TorchFile] = {}
+    dcp: dict[str, DcpMetadata] = {}
+    inventory = _read_discovered(found, torch_files, dcp)
+    return inventory, Parsed(torch_files, dcp)
+
+
+def _read_discovered(
+    found: Discovery, torch_files: dict[str, TorchFile], dcp: dict[str, DcpMetadata]
+) -> CheckpointInventory:
     if not found.is_directory:
-        inventory = read_inventory(found.target, "", str(found.root), keep=keep.torch_files if keep else None)
+        inventory = read_inventory(found.target, "", str(found.root), keep=torch_files)
         if not inventory.optimizers:
             if inventory.weights:
                 raise InputError(model_only(found.target), path=str(found.root))
@@ -42,7 +53,7 @@ def read_discovered(found: Discovery, *, keep: Parsed | None = None) -> Checkpoi
             str(found.root), "torch", False, (inventory,), weights=_weights_beside(found.neighbours)
         )
     try:
-        return _read_directory(found, keep)
+        return _read_directory(found, torch_files, dcp)
     except PermissionError as exc:
         raise InputError("cannot read (permission denied)", path=str(exc.filename)) from exc
 
@@ -75,9 +86,10 @@ def _skipped(rel: str, exc: InputError) -> Skipped:
     return Skipped(rel, exc.reason, "unsafe")
 
 
-def _read_directory(found: Discovery, keep: Parsed | None) -> CheckpointInventory:
+def _read_directory(
+    found: Discovery, torch_files: dict[str, TorchFile], dcp: dict[str, DcpMetadata]
+) -> CheckpointInventory:
     root = found.root
-    dcp = keep.dcp if keep else None
     files = [read_dcp(found.path(entry), entry.rel, keep=dcp) for entry in found.with_role("dcp")]
     skipped: list[Skipped] = []
     weights: list[WeightMap] = []
@@ -93,8 +105,7 @@ def _read_directory(found: Discovery, keep: Parsed | None) -> CheckpointInventor
             skipped.append(Skipped(entry.rel, "is a symbolic link; optim-repair reads no file through a link"))
         elif entry.role == "torch":
             try:
-                kept = keep.torch_files if keep else None
-                inventory = read_inventory(found.path(entry), entry.rel, entry.rel, keep=kept)
+                inventory = read_inventory(found.path(entry), entry.rel, entry.rel, keep=torch_files)
             except (UnsafeInputError, NotATorchFile) as exc:
                 skipped.append(_skipped(entry.rel, exc))
                 continue

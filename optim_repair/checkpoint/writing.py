@@ -12,16 +12,14 @@ import shutil
 from pathlib import Path
 
 from optim_repair.checkpoint.discovery import Discovery, Entry
-from optim_repair.checkpoint.planning import FinishedPlan, finish_plan
-from optim_repair.checkpoint.reading import Parsed
+from optim_repair.checkpoint.planning import FinishedPlan
 from optim_repair.checkpoint.staging import move_into_place, remove_stale, temporary_sibling
 from optim_repair.errors import InputError, OutputError, Remedy, VerificationError, os_error_reason
 from optim_repair.formats.copied import verify_copied_file
 from optim_repair.formats.inputs import open_regular, size_of
 from optim_repair.formats.ranges import kernel_copy
-from optim_repair.progress import Meter, Notice, Progress, ignore
-from optim_repair.records.inventory import CheckpointInventory
-from optim_repair.records.repair_plan import RepairPlan
+from optim_repair.progress import QUIET, Meter, Notice, Reporter
+from optim_repair.records.request import DEFAULT_COPY, CopyRequest
 from optim_repair.records.verification import NOTHING, Verification
 
 
@@ -148,24 +146,19 @@ def free_space(out: Path) -> int:
 
 def write_copy(
     found: Discovery,
-    inventory: CheckpointInventory,
-    plan: RepairPlan,
+    finished: FinishedPlan,
     out: Path,
-    *,
-    force: bool = False,
-    link: bool = False,
-    sync: bool = True,
-    parsed: Parsed | None = None,
-    progress: Progress = ignore,
-    notice: Notice = lambda message: None,
+    copy: CopyRequest = DEFAULT_COPY,
+    reporter: Reporter = QUIET,
 ) -> Verification:
-    """Write the repaired copy of what ``found`` lists to ``out`` and verify it; return what was proven.
+    """Write the repaired copy of what ``found`` lists, as ``finished`` plans it, to ``out`` and verify it;
+    return what was proven.
 
-    With ``sync`` (the default) every file and directory written is synced to the disk before it is
-    verified and renamed into place, and the directory holding ``out`` after. ``parsed`` holds what
-    reading parsed, so that it is not parsed again. ``progress`` hears of the bytes written and verified;
-    ``notice`` gets lines of text for the user.
+    With ``copy.sync`` (the default) every file and directory written is synced to the disk before it is
+    verified and renamed into place, and the directory holding ``out`` after. ``reporter`` hears of the
+    bytes written and verified, and gets lines of text for the user.
     """
+    force, link, sync, notice = copy.force, copy.link, copy.sync, reporter.notice
     source = found.target
     check_output(found.root, out, force=force)
     special = [entry for entry in found.entries if entry.role == "special"]
@@ -174,7 +167,6 @@ def write_copy(
             f"is {special[0].kind}; optim-repair copies only regular files, directories and links",
             path=found.root / special[0].rel,
         )
-    finished = finish_plan(found, inventory, plan, parsed)
     needed, free = space_needed(found, finished, link=link), free_space(out)
     if needed > free:
         raise OutputError(
@@ -182,7 +174,7 @@ def write_copy(
             path=Path(os.path.abspath(out)).parent,
         )
     remove_stale(out, notice)
-    meter = Meter(progress, _written_bytes(found, finished, link=link))
+    meter = Meter(reporter.progress, _written_bytes(found, finished, link=link))
     with temporary_sibling(out, directory=found.is_directory) as tmp:
         try:
             if found.is_directory:

@@ -16,25 +16,7 @@ from optim_repair.decisions.optimizers import PARAM_SHAPED_KEYS
 from optim_repair.errors import Remedy, RepairRefused, UsageError, shown
 from optim_repair.records.inventory import OptimizerInventory, ParamGroup, ParamKey, TensorMeta, WeightMap
 from optim_repair.records.repair_plan import ParamChange
-
-
-@dataclass(frozen=True)
-class Operations:
-    """What ``fix`` is asked to change besides filling entries (its ``--rename``, ``--drop``, ... options)."""
-
-    renames: tuple[tuple[str, str], ...] = ()
-    """Regular expressions and their replacements, applied to every parameter name in turn."""
-    drops: tuple[str, ...] = ()
-    """Regular expressions: parameters whose (renamed) name matches one are dropped."""
-    drop_not_in_model: bool = False
-    add_from_model: bool = False
-    to_group: int | None = None
-
-    def __bool__(self) -> bool:
-        return bool(self.renames or self.drops or self.drop_not_in_model or self.add_from_model)
-
-
-NO_OPERATIONS = Operations()
+from optim_repair.records.request import Operations
 
 
 @dataclass(frozen=True)

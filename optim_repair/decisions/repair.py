@@ -8,11 +8,12 @@ from dataclasses import replace
 from optim_repair.decisions.comparison import model_of
 from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis, diagnose_optimizer
 from optim_repair.decisions.identify import identify_optimizer
-from optim_repair.decisions.operations import NO_OPERATIONS, Operations, apply_operations
+from optim_repair.decisions.operations import apply_operations
 from optim_repair.decisions.optimizers import OPTIMIZERS, PARAM_SHAPED_KEYS, ParamSpec, fresh_state
 from optim_repair.errors import Remedy, RepairRefused, UsageError, shown
 from optim_repair.records.inventory import OptimizerInventory, ParamKey, TensorMeta, WeightMap
 from optim_repair.records.repair_plan import Addition, Fill, FilledOptimizer, ParamChange, PlanFill, RepairPlan
+from optim_repair.records.request import NO_OPERATIONS, Operations
 
 
 def default_fill(format: str) -> Fill:

@@ -22,6 +22,7 @@ from optim_repair.render.documents import (
     print_json,
 )
 from optim_repair.render.reports import (
+    Color,
     Screen,
     message_printer,
     print_demo,
@@ -36,6 +37,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "AddedDoc",
     "ChangedDoc",
+    "Color",
     "DryRunDoc",
     "ErrorDoc",
     "FixDoc",

@@ -45,11 +45,13 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LinearLR
 
 from optim_repair.checkpoint.discovery import discover
+from optim_repair.checkpoint.planning import finish_plan
 from optim_repair.checkpoint.reading import read_checkpoint
 from optim_repair.checkpoint.writing import write_copy
 from optim_repair.formats.dcp import read_dcp
 from optim_repair.records.inventory import FileInventory, OptimizerInventory
 from optim_repair.records.repair_plan import Addition, FreshTensor, RepairPlan
+from optim_repair.records.request import CopyRequest
 from tests.factories.built import Built, Site
 from tests.factories.models import Net, make_optimizer, train
 
@@ -372,7 +374,9 @@ def repaired(built: Built, kinds: dict[str, str], dest: Path, *, link: bool = Fa
     """Write ``built`` repaired with hand-written fresh state to ``dest`` (the tool's own atomic, verified copy);
     returns the additions."""
     additions = additions_for(read_dcp(built.path, ""), kinds)
-    write_copy(discover(built.path), read_checkpoint(built.path), RepairPlan("fresh", additions), dest, link=link)
+    found = discover(built.path)
+    finished = finish_plan(found, read_checkpoint(built.path), RepairPlan("fresh", additions))
+    write_copy(found, finished, dest, CopyRequest(link=link))
     return additions
 
 

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from optim_repair.checkpoint.discovery import discover
+from optim_repair.checkpoint.planning import finish_plan
 from optim_repair.checkpoint.reading import read_checkpoint
 from optim_repair.checkpoint.writing import write_copy
 from optim_repair.errors import InputError, RepairRefused
@@ -227,6 +228,7 @@ def test_refuses_additions_it_cannot_write(tmp_path: Path) -> None:
 def test_no_additions_copy_everything_as_is(tmp_path: Path) -> None:
     built = dk.unirl_dcp(tmp_path / "in")
     dest = tmp_path / "out"
-    write_copy(discover(built.path), read_checkpoint(built.path), RepairPlan("fresh", ()), dest)
+    found = discover(built.path)
+    write_copy(found, finish_plan(found, read_checkpoint(built.path), RepairPlan("fresh", ())), dest)
     assert files(dest) == files(built.path)
     assert verify_dcp(built.path, dest, []).bytes > 0
