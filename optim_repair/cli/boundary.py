@@ -1,0 +1,161 @@
+"""The command line's boundary with click and the library: options, one-line usage errors, and exit codes.
+
+``run_command`` is the one place where a library error becomes a message on stderr (and a JSON document
+on stdout with ``--json``) and an exit code; ``Command`` and ``Group`` make click's own usage errors read
+the same way.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from typer.core import TyperCommand, TyperGroup
+
+from optim_repair import render
+from optim_repair.errors import ExitCode, OptimRepairError, Remedy, Terminated, UsageError
+from optim_repair.records.repair_plan import Fill
+
+_COMMON_EXITS = {
+    ExitCode.USAGE: "usage error",
+    ExitCode.INPUT: "input missing, unreadable, unsafe to load, or without optimizer state",
+    ExitCode.OUTPUT: "output refused or failed",
+    ExitCode.INTERNAL: "internal error (a bug in optim-repair: please report it)",
+    ExitCode.INTERRUPTED: "interrupted (Ctrl-C); nothing was written",
+    ExitCode.TERMINATED: "terminated (SIGTERM); nothing was written",
+}
+
+
+def exit_codes(own: dict[ExitCode, str]) -> str:
+    """A command's exit codes, for the end of its help: its own, then those every command shares."""
+    rows = sorted({**_COMMON_EXITS, **own}.items())
+    return "\b\nExit codes:\n" + "\n".join(f"  {int(code):>3}  {meaning}" for code, meaning in rows)
+
+
+_click_errors: Any = importlib.import_module(typer.BadParameter.__module__)
+"""The exceptions of the click typer runs on: its own vendored copy (typer 0.29+) or the click package."""
+_SHOWS_HELP = getattr(_click_errors, "NoArgsIsHelpError", ())
+"""What click (8.2+) raises for a bare command that shows its help instead."""
+
+
+Parsed = TypeVar("Parsed")
+
+
+def _parse_with_one_line_errors(parse: Callable[[Any, list[str]], Parsed], ctx: Any, args: list[str]) -> Parsed:
+    """Click's usage errors as one line on stderr, as optim-repair's own errors are (and, with ``--json``,
+    one JSON document on stdout), exit 2; ``--help`` and a bare command still show the help."""
+    json = "--json" in args  # before click consumes them
+    try:
+        return parse(ctx, args)
+    except _SHOWS_HELP:
+        raise
+    except _click_errors.UsageError as exc:
+        text = exc.format_message().rstrip(".")
+        message = f"{text[:1].lower()}{text[1:]}; see '{ctx.command_path} --help'"
+        fail(message, ExitCode.USAGE, "usage", None, json, render.Screen())
+        raise typer.Exit(ExitCode.USAGE) from None
+
+
+class Command(TyperCommand):
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        return _parse_with_one_line_errors(super().parse_args, ctx, args)
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        # "optim-repair fix [OPTIONS] CKPT", as the docs write it, not typer's "{CKPT}"
+        return [piece.strip("{}") for piece in super().collect_usage_pieces(ctx)]
+
+
+class Group(TyperGroup):
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        return _parse_with_one_line_errors(super().parse_args, ctx, args)
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        return _parse_with_one_line_errors(super().resolve_command, ctx, args)
+
+
+def choice(option: str, choices: list[str]) -> Callable[[str], str]:
+    """A parser for an option with a few valid values, whose error says what to choose:
+    "invalid value 'zero' for --fill: choose empty or fresh"."""
+
+    def parse(value: str) -> str:
+        if value in choices:
+            return value
+        raise _click_errors.UsageError(
+            f"invalid value {value!r} for {option}: choose {', '.join(choices[:-1])} or {choices[-1]}"
+        )
+
+    return parse
+
+
+FILLS: dict[str, Fill] = {"empty": "empty", "fresh": "fresh"}
+COLORS: dict[str, render.Color] = {"auto": "auto", "always": "always", "never": "never"}
+"""The values ``choice`` admitted, as the types the library takes."""
+
+
+def make_screen(color: str, quiet: bool) -> render.Screen:
+    return render.Screen(COLORS[color], quiet)
+
+
+def rename_pair(text: str) -> tuple[str, str]:
+    """``--rename OLD=NEW``: split at the first ``=`` (a replacement may hold one; a pattern rarely does)."""
+    old, equals, new = text.partition("=")
+    if not equals or not old:
+        raise UsageError(f"{{argument}} takes OLD=NEW, not {text!r}", argument="rename")
+    return old, new
+
+
+Checkpoint = Annotated[
+    Path,
+    typer.Argument(
+        metavar="CKPT", help="A torch file, a checkpoint directory, or a DCP directory.", show_default=False
+    ),
+]
+JsonFlag = Annotated[
+    bool, typer.Option("--json", help="Print one JSON document (schema_version 2) instead, errors included.")
+]
+QuietFlag = Annotated[bool, typer.Option("--quiet", "-q", help="Show results only: no progress, no messages.")]
+ColorOption = Annotated[
+    str,
+    typer.Option(
+        "--color",
+        metavar="auto|always|never",
+        parser=choice("--color", ["auto", "always", "never"]),
+        help="Colour: auto (a terminal, unless NO_COLOR), always, or never.",
+    ),
+]
+
+
+def _as_flag(remedy: Remedy) -> str:
+    """A remedy in the CLI's words: the flag that has the name of the library's keyword argument."""
+    flag = "--" + remedy.option.replace("_", "-")
+    return f"pass {flag}{f' {remedy.value}' if remedy.value else ''}{remedy.note}"
+
+
+def run_command(command: Callable[[], int], screen: render.Screen, *, json: bool) -> None:
+    """The boundary around everything a command does, rendering included: the one place library errors
+    become a message on stderr (and a JSON document on stdout with ``--json``) and an exit code."""
+    try:
+        code = command()
+    except OptimRepairError as exc:
+        argument = "--" + exc.argument.replace("_", "-") if exc.argument else ""
+        message = exc.describe(argument, _as_flag(exc.remedy) if exc.remedy else "")
+        code = fail(message, exc.exit_code, exc.code, exc.path, json, screen)
+    except KeyboardInterrupt:
+        code = fail("interrupted; nothing was written", ExitCode.INTERRUPTED, "interrupted", None, json, screen)
+    except Terminated:
+        code = fail("terminated; nothing was written", ExitCode.TERMINATED, "terminated", None, json, screen)
+    except Exception as exc:  # a bug, not an input problem: one line, its own exit code
+        message = f"internal error ({type(exc).__name__}: {exc}); please report it"
+        code = fail(message, ExitCode.INTERNAL, "internal", None, json, screen)
+    raise typer.Exit(code)
+
+
+def fail(message: str, code: int, kind: str, path: str | None, json: bool, screen: render.Screen) -> int:
+    line = " ".join(message.split()) if "\n" in message else message
+    render.print_error(line, screen)
+    if json:
+        render.print_json(render.error_document(kind, code, line, path))
+    return code
