@@ -27,11 +27,6 @@ class Parsed:
     """The metadata of each DCP checkpoint, by its directory relative to the argument."""
 
 
-def read_checkpoint(path: Path) -> CheckpointInventory:
-    """The inventory of every optimizer under ``path``. Raises InputError when there is none."""
-    return read_parsed(discover(path))[0]
-
-
 def read_parsed(found: Discovery) -> tuple[CheckpointInventory, Parsed]:
     """The inventory of every optimizer in what ``discover`` found, and what was parsed to make it."""
     torch_files: dict[str, TorchFile] = {}

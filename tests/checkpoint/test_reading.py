@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from optim_repair.checkpoint.reading import read_checkpoint
 from optim_repair.errors import InputError, UnsafeInputError
 from tests import factories
 from tests.factories import hostile, models, trainers
 from tests.factories.built import Built
+from tests.factories.support import read_checkpoint
 
 
 def found(built: Built) -> dict[tuple[str, str], str]:

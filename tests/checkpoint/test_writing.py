@@ -20,10 +20,10 @@ import torch
 import optim_repair
 from optim_repair.checkpoint import adapters
 from optim_repair.errors import OutputError, RepairRefused, VerificationError
-from optim_repair.formats.dcp.verifier import verify_dcp
 from tests.factories import dcp as dk
 from tests.factories import defects, trainers
 from tests.factories.built import Built
+from tests.factories.dcp import verify_dcp
 from tests.factories.support import (
     assert_fixed_copy,
     assert_nothing_written,

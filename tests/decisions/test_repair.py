@@ -9,12 +9,12 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 import optim_repair
-from optim_repair.checkpoint.reading import read_checkpoint
 from optim_repair.decisions.diagnose import diagnose
 from optim_repair.decisions.repair import plan_repair
 from optim_repair.errors import RepairRefused, UsageError
 from optim_repair.records.repair_plan import FreshTensor
 from tests.factories import models, trainers
+from tests.factories.support import read_checkpoint
 
 
 def _optimizer_only(root: Path, optimizer: str = "adamw") -> tuple[Path, models.Run]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -46,14 +46,18 @@ from torch.optim.lr_scheduler import LinearLR
 
 from optim_repair.checkpoint.discovery import discover
 from optim_repair.checkpoint.planning import finish_plan
-from optim_repair.checkpoint.reading import read_checkpoint
 from optim_repair.checkpoint.writing import write_copy
-from optim_repair.formats.dcp import read_dcp
+from optim_repair.formats.dcp import METADATA_FILE, PlannedEntries, plan_dcp, read_dcp, read_metadata
+from optim_repair.formats.dcp.metadata import display_path
+from optim_repair.formats.dcp.verifier import verify_planned_dcp
+from optim_repair.formats.dcp.writer import write_planned_dcp
 from optim_repair.records.inventory import FileInventory, OptimizerInventory
-from optim_repair.records.repair_plan import Addition, FreshTensor, RepairPlan
+from optim_repair.records.repair_plan import Addition, FreshTensor, ParamChange, RepairPlan
 from optim_repair.records.request import CopyRequest
+from optim_repair.records.verification import Verification
 from tests.factories.built import Built, Site
 from tests.factories.models import Net, make_optimizer, train
+from tests.factories.support import read_checkpoint
 
 PRE_STEPS = 3
 """Steps before the checkpoint, in which ``head`` gets no gradient."""
@@ -387,3 +391,19 @@ def by_name(opt: OptimizerInventory) -> dict[object, dict[str, object]]:
 def only(inventory: FileInventory) -> OptimizerInventory:
     (opt,) = inventory.optimizers
     return opt
+
+
+def write_dcp(
+    src: Path, additions: Sequence[Addition], dest: Path, *, changes: Sequence[ParamChange] = ()
+) -> PlannedEntries:
+    """Plan, then write into ``dest`` what ``fix`` writes for ``additions`` and ``changes`` to ``src``."""
+    source = display_path(str(src), METADATA_FILE)
+    planned = plan_dcp(read_metadata(src, str(src)), source, additions, changes)
+    write_planned_dcp(src, planned, dest)
+    return planned
+
+
+def verify_dcp(src: Path, dest: Path, additions: Sequence[Addition]) -> Verification:
+    """Verify ``dest`` as the copy of ``src`` with ``additions``, planned anew from ``src``'s own metadata."""
+    source = display_path(str(src), METADATA_FILE)
+    return verify_planned_dcp(src, dest, plan_dcp(read_metadata(src, str(src)), source, additions))

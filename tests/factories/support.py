@@ -23,8 +23,10 @@ import torch
 
 import optim_repair
 from optim_repair.api import FixResult
+from optim_repair.checkpoint.discovery import discover
+from optim_repair.checkpoint.reading import read_parsed
 from optim_repair.formats.torchfile import open_torch_file
-from optim_repair.records.inventory import ParamGroup
+from optim_repair.records.inventory import CheckpointInventory, ParamGroup
 from tests.factories.built import Built
 from tests.factories.models import ParamKey
 
@@ -242,3 +244,8 @@ def group_of(group: dict[str, Any]) -> ParamGroup:
     """The inventory's view of one saved param group (its options as plain values)."""
     options = tuple((k, v) for k, v in group.items() if k not in ("params", "param_names"))
     return ParamGroup(params=tuple(group["params"]), options=options)
+
+
+def read_checkpoint(path: Path) -> CheckpointInventory:
+    """The inventory of every optimizer under ``path``, as ``inspect`` reads it."""
+    return read_parsed(discover(path))[0]

@@ -18,7 +18,6 @@ from optim_repair.formats.dcp.metadata import (
 from optim_repair.formats.dcp.metadata_reader import read_metadata
 from optim_repair.formats.dcp.planning import PlannedEntries, plan_dcp
 from optim_repair.formats.dcp.reader import read_dcp
-from optim_repair.formats.dcp.writer import write_dcp
 
 __all__ = [
     "METADATA_FILE",
@@ -32,5 +31,4 @@ __all__ = [
     "plan_dcp",
     "read_dcp",
     "read_metadata",
-    "write_dcp",
 ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import os
 import zipfile
-from collections.abc import Sequence
 from pathlib import Path
 
 from optim_repair.errors import InputError, VerificationError, shown
@@ -21,12 +20,12 @@ from optim_repair.formats.dcp.metadata import (
     display_path,
 )
 from optim_repair.formats.dcp.metadata_reader import read_metadata
-from optim_repair.formats.dcp.planning import NewEntry, PlannedEntries, Rekeyed, plan_entries
+from optim_repair.formats.dcp.planning import NewEntry, PlannedEntries, Rekeyed
 from optim_repair.formats.dcp.storage import read_ranges, read_saved_object, untransform
 from optim_repair.formats.inputs import open_beneath
 from optim_repair.formats.pickled import load_graph, tensor_meta
 from optim_repair.formats.ranges import FileSlice, same_range
-from optim_repair.records.repair_plan import Addition, FreshTensor
+from optim_repair.records.repair_plan import FreshTensor
 from optim_repair.records.verification import Verification
 
 
@@ -105,22 +104,11 @@ def _check_fresh_tensor(shard: Path, info: DcpStorage, value: FreshTensor, where
                 raise VerificationError(f"does not hold {shown(value.fill)} everywhere", path=where)
 
 
-def verify_dcp(
-    src: Path, dest: Path, additions: Sequence[Addition], *, original: DcpMetadata | None = None
-) -> Verification:
-    """Prove, through ``dest``'s own new metadata, that every original entry's bytes are unchanged,
-    every other file is identical and the additions are present; raise ``VerificationError`` if not.
-
-    ``original`` is ``src``'s metadata as reading read it (read anew when not given). Counts the original
-    tensor entries and the bytes of every original entry compared.
-    """
-    source = display_path(str(src), METADATA_FILE)
-    meta = original or read_metadata(src, str(src))
-    return verify_planned_dcp(src, dest, plan_entries(meta, additions, source))
-
-
 def verify_planned_dcp(src: Path, dest: Path, planned: PlannedEntries) -> Verification:
-    """``verify_dcp`` for the entries the plan holds: the copy's metadata and every file of it read from disk."""
+    """Prove, through ``dest``'s own new metadata, that every original entry's bytes are unchanged, every other
+    file is identical and the planned entries are present; raise ``VerificationError`` if not. The copy's
+    metadata and every file of it are read from disk. Counts the original tensor entries and the bytes of
+    every original entry compared."""
     try:
         verification = _verify_entries(src, dest, planned)
         _verify_members(src, dest, planned.original)

@@ -8,20 +8,18 @@ which follows the discovery list), and gains one shard holding the new entries a
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from optim_repair.errors import InputError, OutputError, os_error_reason
-from optim_repair.formats.dcp.metadata import METADATA_FILE, SHARD_SUFFIX, DcpMetadata, KeyPath, display_path
-from optim_repair.formats.dcp.metadata_reader import memo_objects, read_metadata
+from optim_repair.formats.dcp.metadata import METADATA_FILE, SHARD_SUFFIX, display_path
+from optim_repair.formats.dcp.metadata_reader import memo_objects
 from optim_repair.formats.dcp.metadata_writer import Place, extended_metadata, rebuilt_metadata
-from optim_repair.formats.dcp.planning import PlannedEntries, plan_dcp
+from optim_repair.formats.dcp.planning import PlannedEntries
 from optim_repair.formats.pickled import dump_graph, new_tensor, storage_for
 from optim_repair.formats.ranges import write_all
 from optim_repair.formats.torchfile.zipwriter import ZipWriter
 from optim_repair.records.dtypes import numel
-from optim_repair.records.inventory import ParamKey
-from optim_repair.records.repair_plan import AddedValue, Addition, FreshTensor, ParamChange
+from optim_repair.records.repair_plan import AddedValue, FreshTensor
 
 
 def _shard_name(src: Path) -> str:
@@ -57,24 +55,6 @@ def _write_value(target: int, base: int, value: AddedValue) -> int:
         storage = storage_for("0", value.dtype, numel(value.shape), legacy=False)
         return _write_archive(target, base, new_tensor(storage, value.shape), value)
     return _write_archive(target, base, value, None)
-
-
-def write_dcp(
-    src: Path,
-    additions: Sequence[Addition],
-    dest: Path,
-    *,
-    sync: bool = True,
-    original: DcpMetadata | None = None,
-    changes: Sequence[ParamChange] = (),
-    groups: Mapping[KeyPath, Sequence[Sequence[ParamKey]]] | None = None,
-) -> PlannedEntries:
-    """Plan (``planning.plan_dcp``), then write into ``dest`` what renames and drops ``changes`` and adds
-    ``additions`` to ``src``; returns the plan. ``original`` is ``src``'s metadata as reading read it."""
-    source = display_path(str(src), METADATA_FILE)
-    planned = plan_dcp(original or read_metadata(src, str(src)), source, additions, changes, groups)
-    write_planned_dcp(src, planned, dest, sync=sync)
-    return planned
 
 
 def write_planned_dcp(src: Path, planned: PlannedEntries, dest: Path, *, sync: bool = True) -> None:

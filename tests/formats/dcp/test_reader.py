@@ -19,11 +19,11 @@ from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
 
 from optim_repair.errors import InputError, UnsafeInputError
-from optim_repair.formats.dcp import DcpChunk, DcpTensor, is_dcp_directory, read_dcp, read_metadata, write_dcp
+from optim_repair.formats.dcp import DcpChunk, DcpTensor, is_dcp_directory, read_dcp, read_metadata
 from optim_repair.records.inventory import TensorMeta
 from tests.factories import dcp as dk
 from tests.factories.built import Site
-from tests.factories.dcp import by_name, only
+from tests.factories.dcp import by_name, only, write_dcp
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

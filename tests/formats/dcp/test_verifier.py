@@ -9,10 +9,9 @@ import pytest
 
 from optim_repair.errors import VerificationError
 from optim_repair.formats.dcp import read_metadata
-from optim_repair.formats.dcp.verifier import verify_dcp
 from optim_repair.records.repair_plan import Addition, FreshTensor
 from tests.factories import dcp as dk
-from tests.factories.dcp import repaired
+from tests.factories.dcp import repaired, verify_dcp
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

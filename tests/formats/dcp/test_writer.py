@@ -18,14 +18,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from optim_repair.checkpoint.discovery import discover
 from optim_repair.checkpoint.planning import finish_plan
-from optim_repair.checkpoint.reading import read_checkpoint
 from optim_repair.checkpoint.writing import write_copy
 from optim_repair.errors import InputError, RepairRefused
-from optim_repair.formats.dcp import DcpBytes, DcpChunk, DcpTensor, read_dcp, read_metadata, write_dcp
-from optim_repair.formats.dcp.verifier import verify_dcp
+from optim_repair.formats.dcp import DcpBytes, DcpChunk, DcpTensor, read_dcp, read_metadata
 from optim_repair.records.repair_plan import Addition, FreshTensor, RepairPlan
 from tests.factories import dcp as dk
-from tests.factories.dcp import by_name, files, only, repaired
+from tests.factories.dcp import by_name, files, only, repaired, verify_dcp, write_dcp
+from tests.factories.support import read_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
