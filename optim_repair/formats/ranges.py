@@ -8,9 +8,7 @@ import os
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError
-
-CHUNK = 16 << 20
-"""Bytes read at a time: large enough to stream at disk speed, small enough to bound memory."""
+from optim_repair.records.dtypes import CHUNK
 
 
 def same_range(a: BinaryIO, a_offset: int, b: BinaryIO, b_offset: int, length: int) -> bool:

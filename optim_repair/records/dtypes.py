@@ -133,8 +133,13 @@ def element_bytes(dtype: str, value: float | int | bool | complex) -> bytes:
     return struct.pack(known.struct_code, value)
 
 
+CHUNK = 16 << 20
+"""Bytes handled at a time, read, compared or created: large enough to stream at disk speed, small enough
+to bound memory."""
+
+
 def filled_chunks(
-    dtype: str, shape: tuple[int, ...], fill: float | int | bool | complex, limit: int = 16 << 20
+    dtype: str, shape: tuple[int, ...], fill: float | int | bool | complex, limit: int = CHUNK
 ) -> Iterator[bytes]:
     """The contiguous bytes of a ``dtype`` tensor of ``shape`` whose every element is ``fill``, in chunks of
     at most about ``limit`` bytes: a tensor of any size, in bounded memory."""

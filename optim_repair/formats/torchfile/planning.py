@@ -12,11 +12,10 @@ from typing import Any, BinaryIO
 from optim_repair.errors import RepairRefused, shown
 from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickled import resolve, tensor_meta
-from optim_repair.formats.ranges import CHUNK
 from optim_repair.formats.torchfile.files import TorchFile
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile
 from optim_repair.records import keys
-from optim_repair.records.dtypes import itemsize
+from optim_repair.records.dtypes import CHUNK, itemsize
 from optim_repair.records.repair_plan import Addition, ParamChange
 
 
