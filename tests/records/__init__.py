@@ -1,0 +1,1 @@
+"""Tests of the plain records: the key grammar."""
