@@ -1,17 +1,19 @@
 """Comparing an optimizer's parameters with a model's: names, shapes, and the rename that explains them.
 
-A consistent change of names (``torch.compile``'s ``_orig_mod.``, DDP's ``module.``) is found and offered as
-the ``--rename`` that fixes it. Pure functions.
+Names that differ only by what torch's wrappers insert (DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``)
+match, as torch's own state-dict functions match them; another consistent change of names is found and
+offered as the ``--rename`` that fixes it. Pure functions.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from optim_repair.decisions.optimizers import PARAM_SHAPED_KEYS
 from optim_repair.records.inventory import OptimizerInventory, ParamKey, TensorMeta, WeightMap
+from optim_repair.records.keys import unwrapped
 
 WRAPPERS = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 """What wrappers insert into parameter names: torch.compile, DDP/DataParallel, FSDP1, activation checkpointing."""
@@ -95,18 +97,40 @@ def compare(optimizer: OptimizerInventory, weights: Sequence[WeightMap]) -> Mode
     sources = tuple(weight_map.source for weight_map in weights)
     if optimizer.key_style == "index":
         return ModelComparison(sources, True, len(params), len(shapes), (), (), (), None)
-    names = set(params)
-    not_in_model = tuple(param for param in params if param not in shapes)
-    not_in_optimizer = tuple(name for name in shapes if name not in names)
+    model_name = _model_names(params, shapes)
+    not_in_model = tuple(param for param in params if param not in model_name)
+    named = set(model_name.values())
+    not_in_optimizer = tuple(name for name in shapes if name not in named)
     mismatches = tuple(
-        ShapeMismatch(str(entry.param), key, value.shape, shapes[str(entry.param)].shape)
+        ShapeMismatch(str(entry.param), key, value.shape, shapes[model_name[entry.param]].shape)
         for entry in optimizer.entries
-        if entry.param in shapes and entry.param not in ambiguous
+        if entry.param in model_name and model_name[entry.param] not in ambiguous
         for key, value in entry.values or ()
-        if key in PARAM_SHAPED_KEYS and isinstance(value, TensorMeta) and value.shape != shapes[str(entry.param)].shape
+        if key in PARAM_SHAPED_KEYS
+        and isinstance(value, TensorMeta)
+        and value.shape != shapes[model_name[entry.param]].shape
     )
     rename = _explaining_rename([str(p) for p in not_in_model], set(shapes))
     return ModelComparison(sources, False, len(params), len(shapes), not_in_model, not_in_optimizer, mismatches, rename)
+
+
+def _model_names(params: Sequence[ParamKey], shapes: Mapping[str, TensorMeta]) -> dict[ParamKey, str]:
+    """The model's name of each parameter it has: the same name, or else the model's name with what torch's wrappers
+    insert (a DDP or compiled model's ``module.``/``_orig_mod.`` weights beside a clean-named optimizer, as
+    ``get_optimizer_state_dict`` writes it and ``set_optimizer_state_dict`` loads it into the wrapper). A rename
+    would break that resume, so none is suggested. An optimizer whose own names carry a wrapper's prefix the
+    model lacks still gets the rename that explains them."""
+    by_unwrapped: dict[str, str | None] = {}
+    for name in shapes:
+        key = unwrapped(name)
+        by_unwrapped[key] = name if key not in by_unwrapped else None  # two model names unwrap alike: no match
+    found: dict[ParamKey, str] = {}
+    for param in params:
+        if param in shapes:
+            found[param] = str(param)
+        elif isinstance(param, str) and (match := by_unwrapped.get(param)) is not None:
+            found[param] = match
+    return found
 
 
 def model_of(optimizer: OptimizerInventory, weights: Sequence[WeightMap]) -> tuple[WeightMap, ...]:
@@ -115,7 +139,9 @@ def model_of(optimizer: OptimizerInventory, weights: Sequence[WeightMap]) -> tup
     if optimizer.key_style == "index":
         return tuple(weights)
     names = set(optimizer.params)
-    sharing = tuple(weight_map for weight_map in weights if any(name in names for name, _ in weight_map.tensors))
+    sharing = tuple(
+        weight_map for weight_map in weights if any(unwrapped(name) in names for name, _ in weight_map.tensors)
+    )
     if sharing:
         return sharing
     # none names a parameter: the model of a run whose names a wrapper changed (``_orig_mod.``, ``module.``)

@@ -12,6 +12,7 @@ from functools import cached_property
 from typing import Literal
 
 from optim_repair.records.dtypes import itemsize, numel
+from optim_repair.records.keys import unwrapped
 
 ParamKey = str | int
 """A parameter's key in an optimizer state dict: its name, or its integer index."""
@@ -156,7 +157,12 @@ class WeightMap:
     tensors: tuple[tuple[str, TensorMeta], ...]
 
     def lookup(self) -> dict[str, TensorMeta]:
-        return dict(self.tensors)
+        """Each tensor by its name, and by its name without wrapper prefixes (``keys.unwrapped``) where that
+        names no other tensor: a DDP or compiled model's weights give the shapes of a clean-named optimizer."""
+        found = dict(self.tensors)
+        for name, meta in self.tensors:
+            found.setdefault(unwrapped(name), meta)
+        return found
 
 
 @dataclass(frozen=True)

@@ -65,3 +65,21 @@ def renamed_flat(key: str, mapping: Mapping[Any, Any]) -> str | None:
 def dotted(parts: Iterable[object]) -> str:
     """A key path as DCP flattens it into a metadata key: its parts joined by dots."""
     return ".".join(str(part) for part in parts)
+
+
+_LEADING_WRAPPERS = frozenset({"module", "_orig_mod"})
+"""What DDP (``module``) and ``torch.compile`` (``_orig_mod``) put before the wrapped model's names."""
+_WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+"""What FSDP1 and activation checkpointing put between a module and the one they wrap."""
+
+
+def unwrapped(name: str) -> str:
+    """A parameter name without what torch's wrappers insert, as torch's ``state_dict._get_fqns`` strips them:
+    ``module.`` (DDP) and ``_orig_mod.`` (``torch.compile``) before the name, ``_fsdp_wrapped_module.`` and
+    ``_checkpoint_wrapped_module.`` anywhere. ``get_optimizer_state_dict`` keys the optimizer by these names
+    while ``model.state_dict()`` of the wrapper keeps the wrapped ones."""
+    parts = [part for part in name.split(".") if part not in _WRAPPER_PARTS]
+    start = 0
+    while start < len(parts) - 1 and parts[start] in _LEADING_WRAPPERS:
+        start += 1
+    return ".".join(parts[start:])

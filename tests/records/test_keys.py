@@ -67,3 +67,11 @@ def test_a_key_of_neither_section_is_refused() -> None:
 def test_dotted_joins_a_dcp_key_path() -> None:
     assert keys.dotted(("optim", "state", "0.weight", "exp_avg")) == "optim.state.0.weight.exp_avg"
     assert keys.dotted(("optim", "param_groups", 0, "lr")) == "optim.param_groups.0.lr"
+
+
+def test_unwrapped_strips_what_torchs_wrappers_insert_as_get_fqns_does() -> None:
+    assert keys.unwrapped("module.encoder.weight") == "encoder.weight"
+    assert keys.unwrapped("_orig_mod.module.encoder.weight") == "encoder.weight"
+    assert keys.unwrapped("layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.w") == "layers.0.w"
+    assert keys.unwrapped("encoder.module.weight") == "encoder.module.weight"  # a submodule named module
+    assert keys.unwrapped("module") == "module"
