@@ -18,6 +18,7 @@ from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, RepairRefused, UnsafeInputError, shown
 from optim_repair.formats.pickle_limits import MAX_DEPTH
+from optim_repair.formats.pickled_objects import STAND_IN_CLASSES, PickledObject, dtensor_local, is_dtensor_class
 from optim_repair.formats.unpickling import AllowlistUnpickler
 from optim_repair.records.dtypes import DTYPES, LEGACY_STORAGES, contiguous_strides, itemsize
 from optim_repair.records.inventory import OtherValue, StateValue, TensorMeta
@@ -165,6 +166,8 @@ def _allowed_global(module: str, name: str) -> Any:
     """The stand-in for a global a torch pickle names: a real harmless builtin, or a ``GlobalRef``."""
     if (module, name) in _REAL_GLOBALS:
         return _REAL_GLOBALS[(module, name)]
+    if (module, name) in STAND_IN_CLASSES:
+        return STAND_IN_CLASSES[(module, name)]
     for stand_in, ref in _STAND_INS.items():
         if (module, name) == (ref.module, ref.name):
             return stand_in
@@ -216,7 +219,7 @@ def _children(node: Any) -> Iterable[Any]:
         return [*node.keys(), *node.values()]
     if isinstance(node, (list, tuple, set, frozenset)):
         return node
-    if isinstance(node, Reduced):
+    if isinstance(node, (Reduced, PickledObject)):
         return (node.args, node.state)
     return ()
 
@@ -269,6 +272,8 @@ class _GraphPickler(pickle._Pickler):
     def save_global(self, obj: Any, name: str | None = None) -> None:
         # The pure-Python pickler's internals (save, write, memoize, proto) are not in typeshed.
         this: Any = self
+        if isinstance(obj, type) and issubclass(obj, PickledObject):
+            obj = GlobalRef(obj.module, obj.name)
         if not isinstance(obj, GlobalRef):
             if obj in _STAND_INS:
                 obj = _STAND_INS[obj]
@@ -293,13 +298,15 @@ def dump_graph(root: Any, protocol: int) -> bytes:
 
 
 def tensor_meta(value: Any) -> TensorMeta | None:
-    """The ``TensorMeta`` of a tensor or Parameter stand-in, or None for anything else."""
+    """The ``TensorMeta`` of a tensor or Parameter stand-in (a DTensor's local shard), or None for anything else."""
     if not isinstance(value, Reduced):
         return None
     func = value.func
     if func.module == "torch._utils" and func.name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
         return tensor_meta(value.args[0]) if value.args else None
     if func.module == "torch._tensor" and func.name == "_rebuild_from_type_v2":
+        if len(value.args) > 3 and is_dtensor_class(value.args[1]):
+            return tensor_meta(dtensor_local(value.args[3]))
         inner = value.args[0] if value.args else None
         inner_args = value.args[2] if len(value.args) > 2 else ()
         if isinstance(inner, GlobalRef) and isinstance(inner_args, tuple):
@@ -357,6 +364,16 @@ def option_value(value: Any, *, tensors: bool = True) -> StateValue | tuple[Stat
 def is_tensor(value: Any) -> bool:
     """Whether a graph value stands for a tensor of any kind (dense, Parameter, sparse, ...)."""
     return isinstance(value, Reduced) and value.func.module in ("torch._utils", "torch._tensor")
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether a graph value stands for a DTensor (FSDP2's sharded parameters and their optimizer state)."""
+    return (
+        isinstance(value, Reduced)
+        and value.func.qualname == "torch._tensor._rebuild_from_type_v2"
+        and len(value.args) > 1
+        and is_dtensor_class(value.args[1])
+    )
 
 
 def walk(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
