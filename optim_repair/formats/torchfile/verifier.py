@@ -16,8 +16,8 @@ from typing import Any, BinaryIO
 from optim_repair.errors import InputError, VerificationError, shown
 from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickled import GlobalRef, Reduced, StorageRef, describe_address, resolve, tensor_meta
-from optim_repair.formats.pickled_objects import PickledObject
 from optim_repair.formats.ranges import same_range
+from optim_repair.formats.safe_globals import PickledObject
 from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile
 from optim_repair.formats.torchfile.planning import entry_values

@@ -1,4 +1,7 @@
-"""Stand-ins for the objects DTensor state pickles: its device mesh, its spec, its placements.
+"""The globals beyond torch's own that torch's weights-only loader admits once they are declared safe.
+
+numpy's arrays, scalars and dtypes (HF Trainer's ``rng_state.pth``) are named by ``GlobalRef`` stand-ins.
+DTensor state brings objects: its device mesh, its spec, its placements.
 
 ``torch.save`` of an FSDP2 model's or optimizer's ``state_dict()`` pickles each DTensor as a wrapper
 tensor whose state holds its local tensor and a ``DTensorSpec``. The spec, its ``DeviceMesh`` and its
@@ -31,6 +34,24 @@ DTENSOR_CLASSES = (
     ("torch.distributed.tensor.placement_types", "Partial"),
 )
 """The classes ``torch.distributed.tensor`` declares safe for torch's weights-only loader (torch 2.13)."""
+
+
+_NUMPY_GLOBALS = frozenset(
+    {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+    }
+)
+"""The globals numpy arrays, scalars and dtypes are pickled with, which torch's weights-only loader reads when
+they are declared safe (HF Trainer's ``rng_state.pth``): data, never code; stand-ins here, never numpy."""
+
+
+def is_numpy_data(module: str, name: str) -> bool:
+    return (module, name) in _NUMPY_GLOBALS or (module == "numpy.dtypes" and name.endswith("DType"))
 
 
 class PickledObject:

@@ -1,4 +1,4 @@
-"""The stand-ins for DTensor's classes (``optim_repair.formats.pickled_objects``), on a real DTensor pickle."""
+"""The stand-ins for DTensor's classes (``optim_repair.formats.safe_globals``), on a real DTensor pickle."""
 
 from __future__ import annotations
 
