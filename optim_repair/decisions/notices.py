@@ -105,6 +105,45 @@ def _index_keyed_sparse(missing: tuple[ParamKey, ...]) -> Notice:
     )
 
 
+FSDP1_EMPTY_ERROR = "The state of _OptimStateKey(...) is empty"
+"""What FSDP1's ``FSDP.optim_state_dict_to_load`` raises on a ``{}`` entry (with ``use_orig_params=False``, its
+default)."""
+
+
+def fsdp1_loader(missing: int, empty: int) -> Notice:
+    """What FSDP1's loader does with a name-keyed file. ``FSDP.optim_state_dict`` (FULL_STATE_DICT) writes what
+    ``get_optimizer_state_dict`` writes, so a file cannot say which of the two wrote it."""
+    loader = (
+        "if FSDP1's FSDP.optim_state_dict wrote this file (it writes what get_optimizer_state_dict writes), "
+        "its loader FSDP.optim_state_dict_to_load"
+    )
+    exact = f"resumes the {missing} absent entries exactly, as they are"
+    fresh = "resumes exactly through it and through set_optimizer_state_dict"
+    if empty:
+        also = f"; it {exact}" if missing else ""
+        what = (
+            f'{loader} raises on the {empty} {{}} entries ("{FSDP1_EMPTY_ERROR}"){also}: resume from the file '
+            f"before {{}} was added, or from its copy made with optim-repair fix --fill fresh, which {fresh}"
+        )
+    else:
+        what = (
+            f'{loader} {exact}, but raises on {{}} entries ("{FSDP1_EMPTY_ERROR}"): the copy optim-repair fix makes '
+            f"by default (--fill empty) breaks it, while a copy made with --fill fresh {fresh}"
+        )
+    return Notice("fsdp1-loader", what)
+
+
+def fsdp1_after_fill(added_empty: int) -> str:
+    """The fix summary's word on ``{}`` entries added to a name-keyed torch file, which FSDP1's loader rejects."""
+    return (
+        f"the {added_empty} {{}} entries suit set_optimizer_state_dict(full_state_dict=False) and "
+        "optimizer.load_state_dict, but FSDP1's FSDP.optim_state_dict_to_load raises on them "
+        f'("{FSDP1_EMPTY_ERROR}"): '
+        "if FSDP1 wrote this file, resume from the original, or from a copy made with --fill fresh, which resumes "
+        "exactly through every loader"
+    )
+
+
 def loader_notices(
     optimizer: OptimizerInventory, loader: Loader, missing: tuple[ParamKey, ...], empty: int
 ) -> list[Notice]:
@@ -116,7 +155,8 @@ def loader_notices(
     if optimizer.layout == "flattened":
         return [_flattened_missing(missing)] if missing else []
     phantom = _stock_loader_phantom(optimizer, len(missing), empty)
-    return [phantom] if phantom is not None else []
+    found = [phantom] if phantom is not None else []
+    return [*found, fsdp1_loader(len(missing), empty)] if missing or empty else found
 
 
 def loader_of(key_style: str, file_format: str) -> Loader:

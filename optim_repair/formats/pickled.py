@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, RepairRefused, UnsafeInputError, shown
+from optim_repair.formats import safe_globals
 from optim_repair.formats.pickle_limits import MAX_DEPTH
 from optim_repair.formats.unpickling import AllowlistUnpickler
 from optim_repair.records.dtypes import DTYPES, LEGACY_STORAGES, contiguous_strides, itemsize
@@ -143,28 +144,12 @@ def _storage_dtype(ref: object, source: str) -> str:
     raise InputError(f"unknown storage type {ref.qualname}", path=source)
 
 
-_NUMPY_GLOBALS = frozenset(
-    {
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy.core.multiarray", "scalar"),
-        ("numpy._core.multiarray", "scalar"),
-        ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-    }
-)
-"""The globals numpy arrays, scalars and dtypes are pickled with, which torch's weights-only loader reads when
-they are declared safe (HF Trainer's ``rng_state.pth``): data, never code; stand-ins here, never numpy."""
-
-
-def _is_numpy_data(module: str, name: str) -> bool:
-    return (module, name) in _NUMPY_GLOBALS or (module == "numpy.dtypes" and name.endswith("DType"))
-
-
 def _allowed_global(module: str, name: str) -> Any:
     """The stand-in for a global a torch pickle names: a real harmless builtin, or a ``GlobalRef``."""
     if (module, name) in _REAL_GLOBALS:
         return _REAL_GLOBALS[(module, name)]
+    if (module, name) in safe_globals.STAND_IN_CLASSES:
+        return safe_globals.STAND_IN_CLASSES[(module, name)]
     for stand_in, ref in _STAND_INS.items():
         if (module, name) == (ref.module, ref.name):
             return stand_in
@@ -175,7 +160,7 @@ def _allowed_global(module: str, name: str) -> Any:
         or (module == "torch.serialization" and name == "_get_layout")
         or (module == "torch" and (name in _TORCH_GLOBALS or name in LEGACY_STORAGES or name in DTYPES))
         or (module == "torch.storage" and name == "UntypedStorage")
-        or _is_numpy_data(module, name)
+        or safe_globals.is_numpy_data(module, name)
     )
     if not allowed:
         raise UnsafeInputError(f"refuses to load global {module}.{name}", global_name=f"{module}.{name}")
@@ -216,7 +201,7 @@ def _children(node: Any) -> Iterable[Any]:
         return [*node.keys(), *node.values()]
     if isinstance(node, (list, tuple, set, frozenset)):
         return node
-    if isinstance(node, Reduced):
+    if isinstance(node, (Reduced, safe_globals.PickledObject)):
         return (node.args, node.state)
     return ()
 
@@ -269,6 +254,8 @@ class _GraphPickler(pickle._Pickler):
     def save_global(self, obj: Any, name: str | None = None) -> None:
         # The pure-Python pickler's internals (save, write, memoize, proto) are not in typeshed.
         this: Any = self
+        if isinstance(obj, type) and issubclass(obj, safe_globals.PickledObject):
+            obj = GlobalRef(obj.module, obj.name)
         if not isinstance(obj, GlobalRef):
             if obj in _STAND_INS:
                 obj = _STAND_INS[obj]
@@ -293,13 +280,15 @@ def dump_graph(root: Any, protocol: int) -> bytes:
 
 
 def tensor_meta(value: Any) -> TensorMeta | None:
-    """The ``TensorMeta`` of a tensor or Parameter stand-in, or None for anything else."""
+    """The ``TensorMeta`` of a tensor or Parameter stand-in (a DTensor's local shard), or None for anything else."""
     if not isinstance(value, Reduced):
         return None
     func = value.func
     if func.module == "torch._utils" and func.name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
         return tensor_meta(value.args[0]) if value.args else None
     if func.module == "torch._tensor" and func.name == "_rebuild_from_type_v2":
+        if len(value.args) > 3 and safe_globals.is_dtensor_class(value.args[1]):
+            return tensor_meta(safe_globals.dtensor_local(value.args[3]))
         inner = value.args[0] if value.args else None
         inner_args = value.args[2] if len(value.args) > 2 else ()
         if isinstance(inner, GlobalRef) and isinstance(inner_args, tuple):
@@ -357,6 +346,16 @@ def option_value(value: Any, *, tensors: bool = True) -> StateValue | tuple[Stat
 def is_tensor(value: Any) -> bool:
     """Whether a graph value stands for a tensor of any kind (dense, Parameter, sparse, ...)."""
     return isinstance(value, Reduced) and value.func.module in ("torch._utils", "torch._tensor")
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether a graph value stands for a DTensor (FSDP2's sharded parameters and their optimizer state)."""
+    return (
+        isinstance(value, Reduced)
+        and value.func.qualname == "torch._tensor._rebuild_from_type_v2"
+        and len(value.args) > 1
+        and safe_globals.is_dtensor_class(value.args[1])
+    )
 
 
 def walk(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:

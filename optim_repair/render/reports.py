@@ -22,7 +22,7 @@ from rich.text import Text
 from optim_repair.api import DryRun, FixResult
 from optim_repair.decisions.comparison import ModelComparison
 from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis
-from optim_repair.decisions.notices import Notice
+from optim_repair.decisions.notices import Notice, fsdp1_after_fill
 from optim_repair.demo import DemoReport
 from optim_repair.progress import Progress, Step, ignore
 from optim_repair.records.inventory import ParamKey
@@ -225,6 +225,15 @@ def _changes(plan: RepairPlan) -> str:
     return ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
 
 
+def _print_fill_notes(console: Console, diagnosis: Diagnosis, plan: RepairPlan) -> None:
+    """What FSDP1's loader, which a name-keyed torch file may be meant for, does with the ``{}`` entries added."""
+    for opt in diagnosis.optimizers:
+        inv = opt.optimizer
+        empty = [a for a in plan.additions if (a.file, a.address) == (inv.file, inv.address) and not a.state]
+        if empty and opt.loader == "set_optimizer_state_dict":
+            console.print(Text(f"{_optimizer_label(opt)}: {fsdp1_after_fill(len(empty))}"))
+
+
 def _print_changes(console: Console, plan: RepairPlan) -> None:
     renamed = [c for c in plan.changes if c.new is not None]
     dropped = [c.old for c in plan.changes if c.new is None]
@@ -247,6 +256,7 @@ def print_fix(result: FixResult, screen: Screen) -> None:
     )
     _print_changes(console, result.plan)
     console.print(_additions_table(console, result.diagnosis, result.plan))
+    _print_fill_notes(console, result.diagnosis, result.plan)
     v = result.verification
     console.print(
         f"[bold green]verified[/]: {v.tensors} existing tensors and {_human_bytes(v.bytes)} "
@@ -266,6 +276,7 @@ def print_dry_run(planned: DryRun, screen: Screen) -> None:
     )  # fmt: skip
     _print_changes(console, planned.plan)
     console.print(_additions_table(console, planned.diagnosis, planned.plan))
+    _print_fill_notes(console, planned.diagnosis, planned.plan)
     room = "enough room" if planned.bytes_to_write <= planned.free_bytes else "[bold red]not enough room[/]"
     console.print(
         f"would write about {_human_bytes(planned.bytes_to_write)}; {_human_bytes(planned.free_bytes)} free there: "

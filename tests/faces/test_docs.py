@@ -94,6 +94,7 @@ def test_every_json_field_is_documented(field: str) -> None:
         "shape-mismatch",
         "phantom-step",
         "stock-loader-phantom-step",
+        "fsdp1-loader",
         "dcp-missing-key",
         "flattened-missing-state",
         "phantom-step-entries",

@@ -9,14 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
-from optim_repair.errors import RepairRefused, shown
+from optim_repair.errors import Remedy, RepairRefused, shown
 from optim_repair.formats.inputs import open_regular
-from optim_repair.formats.pickled import resolve, tensor_meta
+from optim_repair.formats.pickled import is_dtensor, resolve, tensor_meta
 from optim_repair.formats.torchfile.files import TorchFile
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile
 from optim_repair.records import keys
 from optim_repair.records.dtypes import CHUNK, itemsize
-from optim_repair.records.repair_plan import Addition, ParamChange
+from optim_repair.records.repair_plan import Addition, FreshTensor, ParamChange
 
 
 def entry_values(optimizer: dict[Any, Any], param: object) -> list[tuple[str, Any]]:
@@ -49,11 +49,35 @@ def _moments_are_zero(torch_file: TorchFile, stream: BinaryIO, old: Sequence[tup
     return True
 
 
+def _holds_dtensors(optimizer: dict[Any, Any]) -> bool:
+    if keys.is_nested(optimizer):
+        entries = (entry for entry in optimizer[keys.STATE].values() if isinstance(entry, dict))
+        return any(is_dtensor(value) for entry in entries for value in entry.values())
+    return any(is_dtensor(value) for key, value in optimizer.items() if keys.section_of(key) == keys.STATE)
+
+
+def _refuse_fresh_dtensors(torch_file: TorchFile, source: str, additions: Sequence[Addition]) -> None:
+    """Fresh state for a parameter of DTensor state must be a DTensor sharded as that parameter is; a plain
+    tensor is not what its loader expects, and no DTensor is made here."""
+    for addition in additions:
+        fresh = any(isinstance(value, FreshTensor) for _, value in addition.state)
+        if fresh and _holds_dtensors(resolve(torch_file.graph.root, addition.address)):
+            raise RepairRefused(
+                f"{addition.location or 'the top level'} holds DTensor state (FSDP2, saved per rank): fresh state "
+                "would have to be a DTensor sharded as its parameter is, which optim-repair does not write; "
+                "optimizer.load_state_dict resumes {} entries as the optimizer would have created them",
+                path=source,
+                remedy=Remedy("fill", "empty"),
+            )
+
+
 def plan_torch_file(
     torch_file: TorchFile, source: str, additions: Sequence[Addition], changes: Sequence[ParamChange]
 ) -> None:
     """Refuse (``RepairRefused``) what the writer could not do to ``torch_file``: drop a storage of a legacy file,
-    or reset an entry whose moments are not all zero (every byte of them is read here)."""
+    or reset an entry whose moments are not all zero (every byte of them is read here), or add fresh state to
+    DTensor state."""
+    _refuse_fresh_dtensors(torch_file, source, additions)
     replacing = [addition for addition in additions if addition.replaces]
     if (replacing or any(change.new is None for change in changes)) and isinstance(torch_file, LegacyTorchFile):
         raise RepairRefused(

@@ -17,6 +17,7 @@ from optim_repair.errors import InputError, VerificationError, shown
 from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickled import GlobalRef, Reduced, StorageRef, describe_address, resolve, tensor_meta
 from optim_repair.formats.ranges import same_range
+from optim_repair.formats.safe_globals import PickledObject
 from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile
 from optim_repair.formats.torchfile.planning import entry_values
@@ -57,7 +58,7 @@ class _GraphComparison:
         pair = (id(a), id(b))
         if pair in self._seen:
             return
-        if isinstance(a, (dict, list, tuple, Reduced, StorageRef)):
+        if isinstance(a, (dict, list, tuple, Reduced, StorageRef, PickledObject)):
             self._seen.add(pair)
         if isinstance(a, dict) and path in self.edited:
             self._same_optimizer(a, b, path)
@@ -80,10 +81,15 @@ class _GraphComparison:
             self.same(a.state, b.state, path)
         elif isinstance(a, StorageRef):
             self.same(a.pid, b.pid, path)
+        elif isinstance(a, PickledObject):  # its class is its type, compared above
+            if a.has_state != b.has_state:
+                self.fail(path, f"the state of a {a.qualname()} was {'dropped' if a.has_state else 'added'}")
+            self.same(a.args, b.args, path)
+            self.same(a.state, b.state, path)
         elif isinstance(a, (float, complex)):
             if _float_bits(a) != _float_bits(b):
                 self.fail(path, f"{shown(a)} became {shown(b)}")
-        elif isinstance(a, (GlobalRef, int, str, bytes, bytearray, set, frozenset)) or a is None:
+        elif isinstance(a, (GlobalRef, type, int, str, bytes, bytearray, set, frozenset)) or a is None:
             if a != b:
                 self.fail(path, f"{shown(a)} became {shown(b)}")
         else:
