@@ -164,21 +164,29 @@ def _value_kind(value: object) -> str:
 
 
 def _partial_entries(optimizer: OptimizerInventory) -> list[Malformed]:
+    """Entries that lack keys other entries of their group have, and have no key of their own.
+
+    An entry is partial only when its keys are a strict subset of another entry's in the same group.
+    Entries whose key sets merely differ are not: factored optimizers keep different state by rank
+    (torch's Adafactor ``row_var``/``col_var`` for matrices, ``variance`` for vectors; transformers'
+    ``exp_avg_sq_row``/``exp_avg_sq_col`` against ``exp_avg_sq``).
+    """
     found = []
     for index, group in enumerate(optimizer.groups):
         members = set(group.params)
         populated = [e for e in optimizer.entries if e.param in members and e.values]
-        if len(populated) < 2:
-            continue
-        reference, _ = Counter(frozenset(e.keys) for e in populated).most_common(1)[0]
+        counts = Counter(frozenset(e.keys) for e in populated)
         for entry in populated:
-            lacking = [key for key in sorted(reference) if key not in entry.keys]
-            if lacking:
+            keys = frozenset(entry.keys)
+            wider = [(count, sorted(other)) for other, count in counts.items() if keys < other]
+            if wider:
+                _, reference = max(wider)
+                lacking = [key for key in reference if key not in keys]
                 found.append(
                     Malformed(
                         entry.param,
                         "partial-state",
-                        f"lacks {', '.join(lacking)}, which the other entries of group {index} have",
+                        f"lacks {', '.join(lacking)}, which other entries of group {index} have",
                     )
                 )
     return found

@@ -194,6 +194,20 @@ def test_partial_state_is_judged_per_group() -> None:
     assert "exp_avg_sq" in finding.detail
 
 
+def test_entries_whose_keys_differ_by_rank_are_not_partial() -> None:
+    """torch's Adafactor: row and column factors for a matrix, a full variance for a vector."""
+    step = ("step", tensor((), value=3.0))
+    matrix = StateEntry(0, (step, ("row_var", tensor((3, 1))), ("col_var", tensor((1, 4)))))
+    vector = StateEntry(1, (step, ("variance", tensor((3,)))))
+    opt = optimizer([[0, 1, 2]], [matrix, vector, StateEntry(2, (step, ("variance", tensor((2,)))))])
+    assert diagnose_optimizer(opt).malformed == ()
+    lacking = StateEntry(3, (step, ("row_var", tensor((3, 1)))))
+    opt = optimizer([[0, 1, 2, 3]], [matrix, vector, StateEntry(2, (step, ("variance", tensor((2,))))), lacking])
+    (finding,) = diagnose_optimizer(opt).malformed
+    assert (finding.code, finding.param) == ("partial-state", 3)
+    assert finding.detail == "lacks col_var, which other entries of group 0 have"
+
+
 def test_momentum_buffer_none_is_not_a_bad_entry() -> None:
     no_buffer = (("momentum_buffer", None),)
     opt = optimizer([[0, 1]], [StateEntry(0, no_buffer), StateEntry(1, no_buffer)])
