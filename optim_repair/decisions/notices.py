@@ -31,16 +31,19 @@ def _phantom_kind(optimizer: OptimizerInventory) -> str | None:
     """The optimizer kind, when a phantom step (what torch's full-state loader gives a parameter without
     state) changes how it trains; None when it does not.
 
-    That loader's ``_init_optim_state`` runs a zero-gradient step on every parameter without state. It
-    is harmless for RMSprop and Adadelta, and for SGD unless momentum is used with dampening; every
-    other lazy optimizer then takes a different first step. Unknown kinds are assumed affected.
+    That loader's ``_init_optim_state`` runs a zero-gradient, lr=0 step on every parameter without
+    state. It is harmless for RMSprop, Adadelta and Muon (whose zero momentum stays zero), and for SGD
+    unless momentum is used with dampening; every other lazy optimizer then takes a different first
+    step. An optimizer not identified exactly is assumed affected.
     """
-    kind = guess_optimizer(optimizer.groups, optimizer.entries) or "an unidentified optimizer"
-    if kind in ("rmsprop", "adadelta"):
+    found = guess_optimizer(optimizer.groups, optimizer.entries)
+    if found is None:
+        return "an unidentified optimizer"
+    if found.name in ("rmsprop", "adadelta", "muon"):
         return None
-    if kind == "sgd" and not any(g.option("momentum") and g.option("dampening") for g in optimizer.groups):
+    if found.name == "sgd" and not any(g.option("momentum") and g.option("dampening") for g in optimizer.groups):
         return None
-    return kind
+    return found.kind
 
 
 def shown_params(params: tuple[ParamKey, ...], limit: int = 8) -> str:
