@@ -182,6 +182,12 @@ def test_stock_loader_with_empty_entries_diverges_for_adamw() -> None:
     assert not cold.state[resumed.extra.weight]["exp_avg"].any()
 
 
+def test_stock_loader_with_empty_entries_and_the_default_options_resumes_exactly() -> None:
+    """Without ``full_state_dict=True`` torch loads ``{}`` through ``optimizer.load_state_dict``, which keeps
+    an empty entry lazy: no phantom step."""
+    run(single(*VARIANTS["adamw"]), with_empty_entries(stock(full=False)), expect_stateless=False)
+
+
 @pytest.mark.parametrize("variant", ["adafactor", "muon"])
 def test_what_the_stock_loaders_phantom_step_does_to_adafactor_and_muon(variant: str) -> None:
     """What ``decisions.notices`` says: the phantom step moves Adafactor's clock (step=1), and leaves Muon's
