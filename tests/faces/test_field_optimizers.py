@@ -161,3 +161,28 @@ def test_a_fresh_fill_resumes_through_the_stock_loader_exactly(tmp_path: Path, o
         for key, value in entry.items():
             assert torch.equal(actual_state[index][key], value), (index, key)
 
+
+def test_lbfgs_state_is_not_per_parameter(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = BranchNet()
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=2)
+    x = branch_inputs(1, seed=1)[0]
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x, True).pow(2).mean()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    path = save_by_name(tmp_path / "checkpoint.pt", model, opt)
+    document = inspect(path, code=0)
+    (found,) = document["optimizers"]
+    assert found["missing"] == [] and found["states"] == 1 and found["params"] == 6
+    (notice,) = [n for n in found["notices"] if n["code"] == "whole-optimizer-state"]
+    assert notice["severity"] == "info"
+    assert (
+        "under its first parameter (trunk.weight)" in notice["detail"]
+        and "the other 5 parameter(s)" in notice["detail"]
+    )
+    assert "--optimizer" not in json.dumps(document)
