@@ -14,7 +14,7 @@ entry can be filled with a state that continues bit-identically:
 * hyperparameter-dependent values from the parameter's group (Rprop ``step_size = lr``,
   ASGD ``eta = lr``), exactly as ``_init_group`` reads them;
 * plain values where torch stores them: SGD with momentum stores ``momentum_buffer = None``
-  until the first update, and ``None`` is *not* the same as zeros (see ``_sgd``); Muon, whose
+  until the first update, and ``None`` is *not* the same as zeros (see ``sgd``); Muon, whose
   ``momentum_buffer`` looks the same, creates zeros;
 * shapes that are not the parameter's where torch factors a moment: Adafactor keeps a row and a
   column factor for a parameter of two or more dimensions, and a full ``variance`` below.

@@ -115,6 +115,8 @@ def _why_not_exact(groups: Sequence[ParamGroup], entries: Sequence[StateEntry]) 
     if not groups:
         return "it has no param groups"
     fitting = [spec for spec in SPECS if _matches_options(spec, groups)]
+    if not fitting:
+        return "its param groups hold the option keys of different torch optimizers"
     spec = fitting[0]
     entry = next(e for e in _populated(entries) if frozenset(e.keys) not in spec.state_key_sets)
     return (

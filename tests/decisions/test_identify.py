@@ -176,6 +176,13 @@ def test_identify_optimizer_refuses_state_that_contradicts_the_options() -> None
     assert "its options are torch's Adam's, but the state of 0 has keys exp_avg, exp_inf, step, which Adam" in message
 
 
+def test_groups_of_different_optimizers_are_refused() -> None:
+    (adam,) = state_dicts("adam", steps=0)
+    (sgd,) = state_dicts("sgd", steps=0)
+    adam["param_groups"].append(dict(sgd["param_groups"][0], params=[9]))
+    assert "its param groups hold the option keys of different torch optimizers;" in refusal(adam)
+
+
 def test_lbfgs_keeps_whole_optimizer_state() -> None:
     torch.manual_seed(0)
     model = BranchNet()
