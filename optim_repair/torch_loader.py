@@ -1,7 +1,7 @@
 """A drop-in ``set_optimizer_state_dict`` that keeps never-stepped parameters stateless.
 
 torch's lazily-initialized optimizers (Adam, AdamW, NAdam, RAdam, Adamax, RMSprop, SGD,
-Adadelta, ASGD, Rprop) have no ``state`` entry for a parameter that never had a gradient.
+Adadelta, ASGD, Rprop, Adafactor, Muon) have no ``state`` entry for a parameter that never had a gradient.
 ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` refuses such a
 checkpoint ("Missing optimizer state for parameter ..."), and if the entries are filled with
 ``{}`` it silently loads the *phantom* state of its ``_init_optim_state`` fake step (``step=1``,

@@ -47,6 +47,8 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "Adadelta": lambda p: torch.optim.Adadelta(p, lr=1.0),
     "ASGD": lambda p: torch.optim.ASGD(p, lr=1e-2, t0=1),
     "Rprop": lambda p: torch.optim.Rprop(p, lr=1e-2),
+    "Adafactor": lambda p: torch.optim.Adafactor(p, lr=1e-2),
+    "Muon (matrices only)": lambda p: torch.optim.Muon([q for q in p if q.ndim == 2], lr=1e-2),
 }
 
 LOADERS = ("stock full_state_dict=True", "stock full_state_dict=False", "optim_repair", "optimizer.load_state_dict")

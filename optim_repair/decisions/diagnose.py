@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from optim_repair.decisions.comparison import ModelComparison, compare, model_of
+from optim_repair.decisions.identify import keeps_whole_optimizer_state
 from optim_repair.decisions.notices import (
     Loader,
     Notice,
@@ -164,21 +165,29 @@ def _value_kind(value: object) -> str:
 
 
 def _partial_entries(optimizer: OptimizerInventory) -> list[Malformed]:
+    """Entries that lack keys other entries of their group have, and have no key of their own.
+
+    An entry is partial only when its keys are a strict subset of another entry's in the same group.
+    Entries whose key sets merely differ are not: factored optimizers keep different state by rank
+    (torch's Adafactor ``row_var``/``col_var`` for matrices, ``variance`` for vectors; transformers'
+    ``exp_avg_sq_row``/``exp_avg_sq_col`` against ``exp_avg_sq``).
+    """
     found = []
     for index, group in enumerate(optimizer.groups):
         members = set(group.params)
         populated = [e for e in optimizer.entries if e.param in members and e.values]
-        if len(populated) < 2:
-            continue
-        reference, _ = Counter(frozenset(e.keys) for e in populated).most_common(1)[0]
+        counts = Counter(frozenset(e.keys) for e in populated)
         for entry in populated:
-            lacking = [key for key in sorted(reference) if key not in entry.keys]
-            if lacking:
+            keys = frozenset(entry.keys)
+            wider = [(count, sorted(other)) for other, count in counts.items() if keys < other]
+            if wider:
+                _, reference = max(wider)
+                lacking = [key for key in reference if key not in keys]
                 found.append(
                     Malformed(
                         entry.param,
                         "partial-state",
-                        f"lacks {', '.join(lacking)}, which the other entries of group {index} have",
+                        f"lacks {', '.join(lacking)}, which other entries of group {index} have",
                     )
                 )
     return found
@@ -220,6 +229,17 @@ def _is_phantom(optimizer: OptimizerInventory) -> bool:
     return bool(populated) and all(_phantom_entry(entry) for entry in populated)
 
 
+def _whole_optimizer_state(optimizer: OptimizerInventory) -> Notice:
+    params = tuple(dict.fromkeys(optimizer.params))
+    first = f" ({params[0]})" if params else ""
+    return Notice(
+        "whole-optimizer-state",
+        f"LBFGS keeps one state entry for the whole optimizer, under its first parameter{first}, not one per "
+        f"parameter: the other {max(len(params) - 1, 0)} parameter(s) have no entry by design, and nothing is missing",
+        "info",
+    )
+
+
 def _reference_shapes(weights: Iterable[WeightMap]) -> dict[str, TensorMeta]:
     """Parameter shapes to check moments against. A name the weight maps disagree on is no reference:
     a file holding two models (``models.actor``, ``models.critic``) names ``trunk.weight`` twice."""
@@ -240,7 +260,8 @@ def diagnose_optimizer(
     shapes = _reference_shapes(weights)
     listed = set(optimizer.params)
     present = {entry.param for entry in optimizer.entries}
-    missing = tuple(dict.fromkeys(param for param in optimizer.params if param not in present))
+    whole = keeps_whole_optimizer_state(optimizer.groups)
+    missing = () if whole else tuple(dict.fromkeys(param for param in optimizer.params if param not in present))
     malformed = _duplicate_params(optimizer)
     malformed += [
         Malformed(entry.param, "orphan-state", "has a state entry but is in no param group")
@@ -251,7 +272,7 @@ def diagnose_optimizer(
         malformed += _bad_entries(entry)
         malformed += _shape_mismatches(entry, shapes)
     malformed += _partial_entries(optimizer)
-    notices = []
+    notices = [_whole_optimizer_state(optimizer)] if whole else []
     if all(entry.is_empty for entry in optimizer.entries):
         cold = "no parameter has optimizer state yet: the optimizer never stepped with a gradient for any of them"
         notices.append(Notice("cold", cold, "info"))

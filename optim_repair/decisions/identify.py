@@ -1,69 +1,128 @@
-"""Telling which lazily-initialized torch optimizer wrote a state dict, from its options and state keys."""
+"""Telling which lazily-initialized torch optimizer wrote a state dict, exactly, from its options and state keys.
+
+Fresh state is built only for an optimizer identified exactly: every param group holds the very option
+keys some torch version writes for it (keys torch's LR schedulers add aside), and its registry entry
+explains the keys of every populated state entry. An optimizer from another library that keeps a
+lookalike subset of torch's keys (torchao's ``AdamW8bit``: ``lr, betas, eps, weight_decay, amsgrad``)
+or adds its own (pytorch-optimizer's ``LARS``: ``trust_coefficient``, a group ``step``) is not guessed
+at: its fresh state differs from torch's.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from optim_repair.decisions.optimizers import KNOWN_OPTIONS, OPTIMIZERS, SPECS, OptimizerSpec, ParamSpec, fresh_state
+from optim_repair.decisions.optimizers import (
+    NOT_OPTIMIZER_OPTIONS,
+    OPTIMIZERS,
+    SPECS,
+    WHOLE_OPTIMIZER_STATE,
+    OptimizerSpec,
+)
 from optim_repair.errors import Remedy, RepairRefused
 from optim_repair.records.inventory import ParamGroup, StateEntry
 
 
+@dataclass(frozen=True)
+class Identification:
+    """The optimizer that wrote a state dict."""
+
+    name: str
+    """The registry name whose fresh state fills it."""
+    kind: str
+    """What to call it: ``name``, or ``"adam or adamw"`` when the writer recorded nothing that tells them apart."""
+
+
+def _own_options(group: ParamGroup) -> frozenset[str]:
+    return group.option_keys - NOT_OPTIMIZER_OPTIONS
+
+
 def _matches_options(spec: OptimizerSpec, groups: Sequence[ParamGroup]) -> bool:
-    for group in groups:
-        keys = group.option_keys
-        if not spec.required_options <= keys:
-            return False
-        if not (keys & KNOWN_OPTIONS) <= spec.allowed_options:
-            return False
-    return True
+    return bool(groups) and all(_own_options(group) in spec.option_sets for group in groups)
+
+
+def _populated(entries: Sequence[StateEntry]) -> list[StateEntry]:
+    return [entry for entry in entries if entry.is_mapping and not entry.is_empty]
 
 
 def _matches_state(spec: OptimizerSpec, entries: Sequence[StateEntry]) -> bool:
-    return all(
-        frozenset(entry.keys) in spec.state_key_sets for entry in entries if entry.is_mapping and not entry.is_empty
-    )
-
-
-def _same_fresh_state(names: Sequence[str], groups: Sequence[ParamGroup]) -> bool:
-    """Whether every candidate would fill every group's parameters identically."""
-    probe = ParamSpec("float32", (1,))
-    for group in groups or (ParamGroup(params=()),):
-        states = set()
-        for name in names:
-            try:
-                states.add(fresh_state(name, group, probe))
-            except RepairRefused:
-                return False
-        if len(states) > 1:
-            return False
-    return True
+    return all(frozenset(entry.keys) in spec.state_key_sets for entry in _populated(entries))
 
 
 def _candidates(groups: Sequence[ParamGroup], entries: Sequence[StateEntry]) -> list[str]:
-    options_known = any(group.option_keys for group in groups)
-    return [
-        spec.name
-        for spec in SPECS
-        if (not options_known or _matches_options(spec, groups)) and _matches_state(spec, entries)
-    ]
+    return [spec.name for spec in SPECS if _matches_options(spec, groups) and _matches_state(spec, entries)]
 
 
-def _one_candidate(candidates: Sequence[str], groups: Sequence[ParamGroup]) -> str | None:
-    """The one candidate to fill for, or None when their fresh states would differ."""
-    if len(candidates) == 1:
-        return candidates[0]
-    if not candidates or not _same_fresh_state(candidates, groups):
-        return None
-    if set(candidates) <= {"adam", "adamw"}:
-        decoupled = any(group.option("decoupled_weight_decay") is True for group in groups)
-        return "adamw" if decoupled else "adam"
-    return candidates[0]
+def _one_candidate(candidates: Sequence[str], groups: Sequence[ParamGroup]) -> Identification | None:
+    """The candidate to fill for, or None when there is none.
+
+    Only Adam and AdamW share option keys (the registry's tests check it), and they create the same
+    state (AdamW is ``Adam(decoupled_weight_decay=True)``). torch from 2.8 records that flag; before
+    2.8 neither records it, and no value tells them apart (AdamW's ``weight_decay`` default of 1e-2
+    is anyone's choice), so the kind is then "adam or adamw": the fill is the same either way.
+    """
+    if len(candidates) <= 1:
+        return Identification(candidates[0], candidates[0]) if candidates else None
+    flags = {group.option("decoupled_weight_decay") for group in groups}
+    if flags == {True}:
+        return Identification("adamw", "adamw")
+    if flags == {False}:
+        return Identification("adam", "adam")
+    return Identification("adamw", "adam or adamw")
 
 
-def guess_optimizer(groups: Sequence[ParamGroup], entries: Sequence[StateEntry]) -> str | None:
-    """The registry name of the optimizer that wrote ``groups`` and ``entries``, or None when unsure."""
+def guess_optimizer(groups: Sequence[ParamGroup], entries: Sequence[StateEntry]) -> Identification | None:
+    """The optimizer that wrote ``groups`` and ``entries`` when it is identified exactly, else None."""
     return _one_candidate(_candidates(groups, entries), groups)
+
+
+def keeps_whole_optimizer_state(groups: Sequence[ParamGroup]) -> bool:
+    """Whether the groups are LBFGS's, which keeps one state entry for the whole optimizer, not one per parameter."""
+    return bool(groups) and all(_own_options(group) == WHOLE_OPTIMIZER_STATE for group in groups)
+
+
+def _shown_keys(keys: frozenset[str] | set[str]) -> str:
+    return ", ".join(sorted(keys)) or "none"
+
+
+def _nearest(keys: frozenset[str]) -> tuple[OptimizerSpec, frozenset[str], frozenset[str]]:
+    """The registry optimizer nearest to option keys ``keys``: the fewest keys it never writes, then the fewest
+    it writes that ``keys`` lacks. Returns it, the keys lacking and the keys foreign to it."""
+    scored = [
+        (len(keys - spec.options), len(option_set - keys), spec.name, spec, option_set)
+        for spec in SPECS
+        for option_set in spec.option_sets
+    ]
+    *_, spec, option_set = min(scored, key=lambda item: item[:3])
+    return spec, option_set - keys, keys - spec.options
+
+
+def _why_not_exact(groups: Sequence[ParamGroup], entries: Sequence[StateEntry]) -> str:
+    """Why no registry optimizer fits, in one clause about the first group or entry that rules them out."""
+    for index, group in enumerate(groups):
+        keys = _own_options(group)
+        if not keys:
+            return f"param group {index} records no options"
+        if not any(keys in spec.option_sets for spec in SPECS):
+            spec, lacking, foreign = _nearest(keys)
+            differences = [f"lacks {_shown_keys(lacking)}"] if lacking else []
+            differences += [f"has {_shown_keys(foreign)}"] if foreign else []
+            return (
+                f"the options of param group {index} ({_shown_keys(keys)}) are not the ones torch's "
+                f"{spec.torch_class} writes: it {' and '.join(differences)}"
+            )
+    if not groups:
+        return "it has no param groups"
+    fitting = [spec for spec in SPECS if _matches_options(spec, groups)]
+    if not fitting:
+        return "its param groups hold the option keys of different torch optimizers"
+    spec = fitting[0]
+    entry = next(e for e in _populated(entries) if frozenset(e.keys) not in spec.state_key_sets)
+    return (
+        f"its options are torch's {spec.torch_class}'s, but the state of {entry.param!r} has keys "
+        f"{_shown_keys(set(entry.keys))}, which {spec.torch_class} does not create"
+    )
 
 
 def identify_optimizer(
@@ -71,34 +130,22 @@ def identify_optimizer(
     entries: Sequence[StateEntry],
     *,
     where: str = "this optimizer state",
-) -> str:
-    """The registry name of the optimizer that wrote ``groups`` and ``entries``.
+) -> Identification:
+    """The optimizer that wrote ``groups`` and ``entries``, identified exactly.
 
-    A candidate must (1) find, in every group, the option keys every torch version writes
-    for it (``betas`` + ``amsgrad`` for Adam, ``momentum_decay`` for NAdam, ``rho`` for
-    Adadelta, ...) and no option key that only other torch optimizers write (keys no torch
-    optimizer writes, such as ``initial_lr``, are ignored), and (2) explain the key set of
+    A candidate must (1) find in every group exactly the option keys some torch version writes for
+    it (``initial_lr`` and the other keys torch's LR schedulers add are set aside; any other key, a
+    trainer's own or another library's, rules every candidate out), and (2) explain the key set of
     every populated state entry. ``where`` names the state in messages.
 
-    When several candidates remain, it is only ambiguous if their fresh states would differ.
-    Adam and AdamW create identical state (AdamW is ``Adam(decoupled_weight_decay=True)``):
-    the answer is ``"adamw"`` when the groups say ``decoupled_weight_decay=True`` and
-    ``"adam"`` otherwise (older torch wrote no such key for either). Likewise when only
-    state keys are known and Adam and RAdam both fit, the first in registry order is
-    returned, since their fills are the same.
-
-    Raises ``RepairRefused`` listing the candidates and the accepted names otherwise.
+    Raises ``RepairRefused`` with the reason otherwise, naming ``optimizer`` as the remedy: a user
+    who knows which registry optimizer's fresh state fits can say so.
     """
-    candidates = _candidates(groups, entries)
-    chosen = _one_candidate(candidates, groups)
+    chosen = guess_optimizer(groups, entries)
     if chosen is not None:
         return chosen
-    remedy = Remedy("optimizer", "NAME", placeholder=True, note=f" (one of: {', '.join(OPTIMIZERS)})")
-    if not candidates:
-        seen = sorted(frozenset().union(*(group.option_keys for group in groups)))
-        raise RepairRefused(
-            f"cannot tell which optimizer wrote {where}: its options ({', '.join(seen) or 'none'}) "
-            "and state keys fit no lazily-initializing torch optimizer",
-            remedy=remedy,
-        )
-    raise RepairRefused(f"cannot tell which optimizer wrote {where}: candidates {', '.join(candidates)}", remedy=remedy)
+    raise RepairRefused(
+        f"cannot identify the optimizer that wrote {where} exactly, so fresh state is not given: "
+        f"{_why_not_exact(groups, entries)}",
+        remedy=Remedy("optimizer", "NAME", placeholder=True, note=f" (one of: {', '.join(OPTIMIZERS)})"),
+    )

@@ -31,16 +31,19 @@ def _phantom_kind(optimizer: OptimizerInventory) -> str | None:
     """The optimizer kind, when a phantom step (what torch's full-state loader gives a parameter without
     state) changes how it trains; None when it does not.
 
-    That loader's ``_init_optim_state`` runs a zero-gradient step on every parameter without state. It
-    is harmless for RMSprop and Adadelta, and for SGD unless momentum is used with dampening; every
-    other lazy optimizer then takes a different first step. Unknown kinds are assumed affected.
+    That loader's ``_init_optim_state`` runs a zero-gradient, lr=0 step on every parameter without
+    state. It is harmless for RMSprop, Adadelta and Muon (whose zero momentum stays zero), and for SGD
+    unless momentum is used with dampening; every other lazy optimizer then takes a different first
+    step. An optimizer not identified exactly is assumed affected.
     """
-    kind = guess_optimizer(optimizer.groups, optimizer.entries) or "an unidentified optimizer"
-    if kind in ("rmsprop", "adadelta"):
+    found = guess_optimizer(optimizer.groups, optimizer.entries)
+    if found is None:
+        return "an unidentified optimizer"
+    if found.name in ("rmsprop", "adadelta", "muon"):
         return None
-    if kind == "sgd" and not any(g.option("momentum") and g.option("dampening") for g in optimizer.groups):
+    if found.name == "sgd" and not any(g.option("momentum") and g.option("dampening") for g in optimizer.groups):
         return None
-    return kind
+    return found.kind
 
 
 def shown_params(params: tuple[ParamKey, ...], limit: int = 8) -> str:
@@ -61,13 +64,15 @@ def _stock_loader_phantom(optimizer: OptimizerInventory, missing: int, empty: in
     if empty:
         what = (
             f"{missing + empty} parameter(s) without state would get a phantom step=1 from torch's stock "
-            f"set_optimizer_state_dict(full_state_dict=True) and train differently ({kind})"
+            f"set_optimizer_state_dict with full_state_dict=True (torch 2.6 and later) and train differently "
+            f"({kind}); with the default full_state_dict=False, {{}} entries resume exactly"
         )
     else:
         what = (
             f"torch's stock set_optimizer_state_dict refuses the {missing} absent entries (\"Missing optimizer "
-            'state"); {} entries would make it load, but give them a phantom step=1, and they would train '
-            f"differently ({kind})"
+            'state" from torch 2.10, a KeyError before); {} entries would make it load, exactly with the default '
+            "full_state_dict=False, but with full_state_dict=True (torch 2.6 and later) they would get a phantom "
+            f"step=1 and train differently ({kind})"
         )
     return Notice("stock-loader-phantom-step", f"{what}; remedies: {remedies}")
 
@@ -78,8 +83,8 @@ def _dcp_missing_key(optimizer: OptimizerInventory, missing: tuple[ParamKey, ...
     kind = _phantom_kind(optimizer)
     if kind is not None:
         detail += (
-            "; with allow_partial_load=True it loads, and set_optimizer_state_dict then gives them a phantom "
-            f"step=1 and they train differently ({kind})"
+            "; with allow_partial_load=True it loads, and set_optimizer_state_dict(full_state_dict=True) "
+            f"then gives them a phantom step=1 (torch 2.6 and later) and they train differently ({kind})"
         )
     return Notice("dcp-missing-key", f"{detail}; remedy: optim-repair fix (exact fresh state, the default for DCP)")
 

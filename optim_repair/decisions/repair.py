@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from optim_repair.decisions.comparison import model_of
 from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis, diagnose_optimizer
-from optim_repair.decisions.identify import identify_optimizer
+from optim_repair.decisions.identify import Identification, identify_optimizer
 from optim_repair.decisions.operations import apply_operations
 from optim_repair.decisions.optimizers import OPTIMIZERS, PARAM_SHAPED_KEYS, ParamSpec, fresh_state
 from optim_repair.errors import Remedy, RepairRefused, UsageError, shown
@@ -113,19 +113,20 @@ def _fresh_additions(
     reset: tuple[ParamKey, ...],
 ) -> tuple[str, list[Addition]]:
     optimizer = opt.optimizer
-    chosen = kind or identify_optimizer(optimizer.groups, optimizer.entries, where=where)
+    found = Identification(kind, kind) if kind else identify_optimizer(optimizer.groups, optimizer.entries, where=where)
     shapes = _missing_shapes(opt, weights, where) if opt.missing else {}
     shapes.update({param: _own_shape(opt, param) for param in reset})
     additions = []
     groups = {param: group for group in optimizer.groups for param in group.params}
+    scalar_dtype = _scalar_dtype(opt)
     for param in (*opt.missing, *reset):
         meta = shapes[param]
-        state = fresh_state(chosen, groups[param], ParamSpec(meta.dtype, meta.shape), scalar_dtype=_scalar_dtype(opt))
+        state = fresh_state(found.name, groups[param], ParamSpec(meta.dtype, meta.shape), scalar_dtype=scalar_dtype)
         if not state and not stores_empty:
             continue  # a stateless optimizer (plain SGD): its fresh state is no state, which DCP cannot store
         replaces = param in reset
         additions.append(Addition(optimizer.file, optimizer.location, optimizer.address, param, state, replaces))
-    return chosen, additions
+    return found.kind, additions
 
 
 def _group_members(optimizer: OptimizerInventory, joined: dict[ParamKey, int]) -> dict[ParamKey, ParamKey]:

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 import optim_repair
 from optim_repair.decisions.diagnose import diagnose_optimizer
@@ -13,6 +14,7 @@ from optim_repair.records.inventory import OptimizerInventory, ParamGroup, Param
 from tests import factories
 from tests.factories import defects, models, trainers
 from tests.factories.built import Built
+from tests.factories.support import group_of
 
 # ---------------------------------------------------------------- real checkpoints
 
@@ -194,6 +196,20 @@ def test_partial_state_is_judged_per_group() -> None:
     assert "exp_avg_sq" in finding.detail
 
 
+def test_entries_whose_keys_differ_by_rank_are_not_partial() -> None:
+    """torch's Adafactor: row and column factors for a matrix, a full variance for a vector."""
+    step = ("step", tensor((), value=3.0))
+    matrix = StateEntry(0, (step, ("row_var", tensor((3, 1))), ("col_var", tensor((1, 4)))))
+    vector = StateEntry(1, (step, ("variance", tensor((3,)))))
+    opt = optimizer([[0, 1, 2]], [matrix, vector, StateEntry(2, (step, ("variance", tensor((2,)))))])
+    assert diagnose_optimizer(opt).malformed == ()
+    lacking = StateEntry(3, (step, ("row_var", tensor((3, 1)))))
+    opt = optimizer([[0, 1, 2, 3]], [matrix, vector, StateEntry(2, (step, ("variance", tensor((2,))))), lacking])
+    (finding,) = diagnose_optimizer(opt).malformed
+    assert (finding.code, finding.param) == ("partial-state", 3)
+    assert finding.detail == "lacks col_var, which other entries of group 0 have"
+
+
 def test_momentum_buffer_none_is_not_a_bad_entry() -> None:
     no_buffer = (("momentum_buffer", None),)
     opt = optimizer([[0, 1]], [StateEntry(0, no_buffer), StateEntry(1, no_buffer)])
@@ -242,6 +258,37 @@ def test_the_phantom_step_remedy_fits_absent_and_empty_entries(
     assert both in remedy(unirl_checkpoint)
     empty = remedy(empty_entries_checkpoint)
     assert empty.startswith("2 parameter(s) without state") and "--fill fresh fills absent entries only" in empty
+
+
+def test_the_phantom_step_notice_says_which_torch_and_which_options_give_it(
+    unirl_checkpoint: Built, empty_entries_checkpoint: Built
+) -> None:
+    """torch refuses absent entries ("Missing optimizer state" from 2.10, a KeyError before); ``{}`` entries
+    get the phantom step only with ``full_state_dict=True``, from torch 2.6 (tests/faces/test_torch_loader.py
+    shows both loaders on the installed torch)."""
+
+    def notice(built: Built) -> str:
+        (opt,) = optim_repair.inspect(built.path).optimizers
+        return next(w.detail for w in opt.notices if w.code == "stock-loader-phantom-step")
+
+    absent = notice(unirl_checkpoint)
+    assert '("Missing optimizer state" from torch 2.10, a KeyError before)' in absent
+    assert (
+        "exactly with the default full_state_dict=False, but with full_state_dict=True (torch 2.6 and later)" in absent
+    )
+    empty = notice(empty_entries_checkpoint)
+    assert "set_optimizer_state_dict with full_state_dict=True (torch 2.6 and later)" in empty
+    assert "with the default full_state_dict=False, {} entries resume exactly" in empty
+
+
+def test_the_phantom_step_notice_calls_an_adamw_from_before_torch_2_8_adam_or_adamw() -> None:
+    group = dict(torch.optim.AdamW(models.TwoHeadNet().parameters()).state_dict()["param_groups"][0])
+    del group["decoupled_weight_decay"]  # what torch before 2.8 wrote
+    group["params"] = ["w", "b"]
+    opt = OptimizerInventory("", "opt", ("opt",), "name", (group_of(group),), (adam_entry("w", (2,)),))
+    diagnosis = diagnose_optimizer(opt, loader="set_optimizer_state_dict")
+    (notice,) = [w for w in diagnosis.notices if w.code == "stock-loader-phantom-step"]
+    assert "they would get a phantom step=1 and train differently (adam or adamw); remedies:" in notice.detail
 
 
 def test_python_names_are_the_json_names(unirl_checkpoint: Built) -> None:

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from optim_repair.errors import RepairRefused
 from optim_repair.torch_loader import set_optimizer_state_dict
-from tests.factories.models import BranchNet, branch_inputs
+from tests.factories.models import BranchNet, MatrixMuon, branch_inputs
 
 VARIANTS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adam": (torch.optim.Adam, {"lr": 1e-2}),
@@ -37,6 +37,8 @@ VARIANTS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adadelta": (torch.optim.Adadelta, {"lr": 0.5}),
     "asgd": (torch.optim.ASGD, {"lr": 1e-2, "t0": -1.0}),
     "rprop": (torch.optim.Rprop, {"lr": 3e-3}),
+    "adafactor": (torch.optim.Adafactor, {"lr": 1e-2}),
+    "muon": (MatrixMuon, {"lr": 1e-2}),
 }
 
 
@@ -178,6 +180,24 @@ def test_stock_loader_with_empty_entries_diverges_for_adamw() -> None:
     with_empty_entries(stock(full=True))(resumed, (cold,), checkpoint)
     assert cold.state[resumed.extra.weight]["step"] == 1
     assert not cold.state[resumed.extra.weight]["exp_avg"].any()
+
+
+def test_stock_loader_with_empty_entries_and_the_default_options_resumes_exactly() -> None:
+    """Without ``full_state_dict=True`` torch loads ``{}`` through ``optimizer.load_state_dict``, which keeps
+    an empty entry lazy: no phantom step."""
+    run(single(*VARIANTS["adamw"]), with_empty_entries(stock(full=False)), expect_stateless=False)
+
+
+@pytest.mark.parametrize("variant", ["adafactor", "muon"])
+def test_what_the_stock_loaders_phantom_step_does_to_adafactor_and_muon(variant: str) -> None:
+    """What ``decisions.notices`` says: the phantom step moves Adafactor's clock (step=1), and leaves Muon's
+    zero momentum zero, so ``{}`` entries resume Muon exactly even through torch's full-state loader."""
+    load = with_empty_entries(stock(full=True))
+    if variant == "muon":
+        run(single(*VARIANTS[variant]), load, expect_stateless=False)
+        return
+    with pytest.raises(AssertionError, match=r"torch\.equal"):
+        run(single(*VARIANTS[variant]), load, expect_stateless=False)
 
 
 def test_stock_loader_refuses_a_sparse_dict() -> None:

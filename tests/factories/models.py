@@ -370,6 +370,13 @@ def run(
     return Run(model, opt, scheduler, steps)
 
 
+class MatrixMuon(torch.optim.Muon):
+    """torch's Muon over the parameters it supports: the matrices (the others are not trained)."""
+
+    def __init__(self, params: Any, **kwargs: Any) -> None:
+        super().__init__([p for p in params if p.ndim == 2], **kwargs)
+
+
 # id -> (registry name, class, keyword arguments): every flag that changes the fresh state.
 VARIANTS: dict[str, tuple[str, type[Optimizer], dict[str, Any]]] = {
     "adam": ("adam", torch.optim.Adam, {"lr": 1e-2}),
@@ -391,4 +398,6 @@ VARIANTS: dict[str, tuple[str, type[Optimizer], dict[str, Any]]] = {
     # t0=-1: averaging from the first step, so a wrong fresh mu would show in ax.
     "asgd": ("asgd", torch.optim.ASGD, {"lr": 1e-2, "t0": -1.0}),
     "rprop": ("rprop", torch.optim.Rprop, {"lr": 3e-3}),
+    "adafactor": ("adafactor", torch.optim.Adafactor, {"lr": 1e-2}),
+    "muon": ("muon", MatrixMuon, {"lr": 1e-2}),
 }  # fmt: skip
