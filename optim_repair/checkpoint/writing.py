@@ -239,13 +239,13 @@ def write_copy(
             f"is {special[0].kind}; optim-repair copies only regular files, directories and links",
             path=found.root / special[0].rel,
         )
+    finished = finish_plan(found, inventory, plan, parsed)  # what cannot be done is refused first
     needed, free = space_needed(found, inventory, plan, link=link), free_space(out)
     if needed > free:
         raise OutputError(
             f"the copy needs about {needed:,} bytes and only {free:,} are free there; nothing was written",
             path=Path(os.path.abspath(out)).parent,
         )
-    finished = finish_plan(found, inventory, plan, parsed)
     remove_stale(out, notice)
     meter = Meter(progress, _bytes_to_copy(found, inventory, link=link))
     with temporary_sibling(out, directory=found.is_directory) as tmp:
