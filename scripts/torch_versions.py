@@ -1,7 +1,9 @@
 """Run the test suite and a write-fix-resume check under other torch versions, and print a summary.
 
 Each argument is the Python of an environment that has another torch and the test extras (CI runs only the
-pinned torch; this script is for people who change how checkpoints are read or written):
+pinned torch; this script is for people who change how checkpoints are read or written). Make each one with
+``pip install torch==X.Y.Z <the test extras>`` and ``pip install --no-deps -e .`` (for the ``optim-repair``
+command the README's resume script calls); tests whose libraries do not install on that torch skip:
 
     python scripts/torch_versions.py /work/venv-torch24/bin/python /work/venv-torch215/bin/python
 
