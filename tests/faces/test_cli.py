@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import os
@@ -23,6 +24,10 @@ from tests.conftest import run_cli
 from tests.factories import defects, hostile, models, trainers
 from tests.factories.built import Built
 from tests.factories.support import assert_fixed_copy, assert_nothing_written, installed_command, untouched
+
+TORCH_PACKAGE = importlib.metadata.version("torch")
+"""The installed torch as the tool reports it: the package's version, which a CUDA build's ``torch.__version__``
+extends by a local part (``2.4.1`` against ``2.4.1+cu121``)."""
 
 OPTIMIZER_FIELDS = {
     "file",
@@ -92,7 +97,7 @@ def inspect_json(path: Path, code: int) -> dict[str, Any]:
     document: dict[str, Any] = json.loads(result.stdout)
     assert set(document) >= INSPECT_FIELDS
     assert document["schema_version"] == 2 and document["format"] == "torch" and document["path"] == str(path)
-    assert document["versions"] == {"optim_repair": optim_repair.__version__, "torch": torch.__version__}
+    assert document["versions"] == {"optim_repair": optim_repair.__version__, "torch": TORCH_PACKAGE}
     for opt in document["optimizers"]:
         check_optimizer_doc(opt)
     for skipped in document["skipped"]:
@@ -445,7 +450,7 @@ def test_inspect_and_help_never_import_torch(unirl_checkpoint: Built) -> None:
 
 def test_version_help_and_quiet(unirl_checkpoint: Built, tmp_path: Path) -> None:
     version = run_cli(["--version"]).stdout
-    assert version == f"optim-repair {optim_repair.__version__} (torch {torch.__version__})\n"
+    assert version == f"optim-repair {optim_repair.__version__} (torch {TORCH_PACKAGE})\n"
     assert run_cli(["fix", "-h"]).stdout.startswith("Usage: ")
     out = tmp_path / "fixed"
     loud = fix_cli(unirl_checkpoint.path, out, code=0)

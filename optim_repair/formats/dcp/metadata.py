@@ -38,6 +38,11 @@ class DcpTensor:
     dtype: str
     size: tuple[int, ...]
     chunks: tuple[DcpChunk, ...]
+    strides: tuple[int, ...] | None = None
+    """The strides of the tensor that was saved, which torch records from 2.15 on (``TensorProperties.strides``)."""
+    compact: bool = False
+    """Whether a chunk is stored in fewer bytes than its elements take: a tensor subclass that saves itself in
+    its own encoding (torchao's quantized optimizer state), whose size no stored bytes back."""
 
     def meta(self, key: str) -> TensorMeta:
         """The entry as the inventory describes a tensor: contiguous, its storage named by its key."""
@@ -78,6 +83,9 @@ class MetadataPickle:
     """Where the pickle ends: just past its STOP."""
     tables: tuple[int, int, int]
     """Where the unpickler's memo holds ``state_dict_metadata``, ``planner_data`` and ``storage_data``."""
+    property_fields: int = 5
+    """How many fields its ``TensorProperties`` pickle: 5 before torch 2.15, 6 from it (``strides``); a repair
+    writes new ones alike."""
 
 
 @dataclass(frozen=True)

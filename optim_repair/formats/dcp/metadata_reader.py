@@ -11,7 +11,7 @@ import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from optim_repair.errors import InputError, UnsafeInputError, os_error_reason, shown
 from optim_repair.formats.dcp.metadata import (
@@ -144,14 +144,16 @@ def _record_fields(value: Any, kind: str, source: str) -> dict[str, Any]:
     return value.state
 
 
-def _tensor_item(value: Any, key: str, source: str) -> DcpTensor:
+def _tensor_item(value: Any, key: str, source: str) -> tuple[DcpTensor, int]:
+    """The tensor entry, and how many fields its ``TensorProperties`` pickled."""
     fields = _record_fields(value, "TensorStorageMetadata", source)
     properties = fields.get("properties")
     if not (isinstance(properties, MetadataRecord) and properties.kind == "TensorProperties"):
         raise InputError(f"{key} has no tensor properties", path=source)
     state = properties.state
-    # As torch's TensorProperties.__setstate__ takes it: (dtype, layout, requires_grad, memory format, pin_memory).
-    if not (isinstance(state, tuple) and len(state) == 5 and isinstance(state[3], _MemoryFormat)):
+    # As torch's TensorProperties.__setstate__ takes it: (dtype, layout, requires_grad, memory format, pin_memory),
+    # and from torch 2.15 on the saved tensor's strides (or None) after them.
+    if not (isinstance(state, tuple) and len(state) in (5, 6) and isinstance(state[3], _MemoryFormat)):
         raise InputError(f"{key} has tensor properties {shown(state)}, not what torch writes", path=source)
     dtype = state[0]
     if not isinstance(dtype, _DType):
@@ -159,6 +161,9 @@ def _tensor_item(value: Any, key: str, source: str) -> DcpTensor:
     size = _int_tuple(fields.get("size"), f"the size of {key}", source)
     if any(dimension < 0 for dimension in size):
         raise InputError(f"{key} has the size {shown(size)}", path=source)
+    strides = None if len(state) == 5 or state[5] is None else _int_tuple(state[5], f"the strides of {key}", source)
+    if strides is not None and (len(strides) != len(size) or any(stride < 0 for stride in strides)):
+        raise InputError(f"{key} of size {shown(size)} has the strides {shown(strides)}", path=source)
     chunks = fields.get("chunks")
     if not isinstance(chunks, list):
         raise InputError(f"{key} lists no chunks", path=source)
@@ -178,7 +183,7 @@ def _tensor_item(value: Any, key: str, source: str) -> DcpTensor:
     held, whole = sum(numel(chunk.sizes) for chunk in parsed), numel(size)
     if held < whole:
         raise InputError(f"the chunks of {key} hold {held} of its {whole} elements", path=source)
-    return DcpTensor(dtype.name, size, tuple(parsed))
+    return DcpTensor(dtype.name, size, tuple(parsed), strides), len(state)
 
 
 def _relative_path(value: Any, source: str) -> str:
@@ -215,19 +220,28 @@ def _storage_entry(
     return (fqn, offsets), DcpStorage(relative, start, length, tuple(transforms))
 
 
-def _parse_metadata(root: Any, source: str) -> DcpMetadata:
+def _parse_metadata(root: Any, source: str) -> tuple[DcpMetadata, int]:
+    """The metadata, and how many fields its ``TensorProperties`` pickle (5 when it has no tensor)."""
     fields = _record_fields(root, "Metadata", source)
     entries = fields.get("state_dict_metadata")
     if not isinstance(entries, dict):
         raise InputError("holds no state_dict_metadata", path=source)
     items: dict[str, DcpItem] = {}
+    property_fields: dict[int, str] = {}
     for key, value in entries.items():
         if not isinstance(key, str):
             raise InputError(f"has the key {shown(key)}", path=source)
         if isinstance(value, MetadataRecord) and value.kind == "BytesStorageMetadata":
             items[key] = DcpBytes()
         else:
-            items[key] = _tensor_item(value, key, source)
+            items[key], count = _tensor_item(value, key, source)
+            property_fields.setdefault(count, key)
+    if len(property_fields) > 1:
+        raise InputError(
+            f"its tensor properties have 5 fields ({shown(property_fields[5])}) and 6 ({shown(property_fields[6])}): "
+            "one torch writes all alike",
+            path=source,
+        )
     planner = fields.get("planner_data")
     if not isinstance(planner, dict):
         raise InputError(
@@ -252,20 +266,25 @@ def _parse_metadata(root: Any, source: str) -> DcpMetadata:
     for index in storage:
         if index[0] not in items:
             raise InputError(f"stores {shown(index[0])}, which its state_dict_metadata does not list", path=source)
-    _check_chunk_lengths(items, storage, source)
-    return DcpMetadata(items, paths, storage)
+    for key in _compact(items, storage):
+        items[key] = replace(cast(DcpTensor, items[key]), compact=True)
+    return DcpMetadata(items, paths, storage), next(iter(property_fields), 5)
 
 
-def _check_chunk_lengths(items: Mapping[str, DcpItem], storage: Mapping[StorageIndex, DcpStorage], source: str) -> None:
-    """A chunk stored without a transform takes at least its elements' bytes: the sizes the metadata
-    claims are bounded by the shards' own (and a fresh fill sized by them by the input's size)."""
+def _compact(items: Mapping[str, DcpItem], storage: Mapping[StorageIndex, DcpStorage]) -> list[str]:
+    """The tensors with a chunk stored, without a transform, in fewer bytes than its elements take: what a tensor
+    subclass's own encoding saves (torchao's 8-bit state). Their sizes are not bounded by the shards' own, so
+    ``DcpTensor.compact`` marks them, and no fresh fill may be sized by them."""
+    found = []
     for key, item in items.items():
         if not isinstance(item, DcpTensor) or item.dtype not in DTYPES:
             continue
         for chunk in item.chunks:
             info = storage.get((key, chunk.offsets))
             if info is not None and not info.transforms and info.length < numel(chunk.sizes) * itemsize(item.dtype):
-                raise InputError(f"a chunk of {shown(key)} is stored in fewer bytes than it holds", path=source)
+                found.append(key)
+                break
+    return found
 
 
 def read_metadata(path: Path, rel: str = "", *, ours: bool = False) -> DcpMetadata:
@@ -279,11 +298,13 @@ def read_metadata(path: Path, rel: str = "", *, ours: bool = False) -> DcpMetada
         raise InputError(f"cannot read ({os_error_reason(exc)})", path=source) from exc
     unpickler = _unpickler(data, source)
     root = unpickler.load_safely("DCP metadata pickle", ours=ours)
-    meta = _parse_metadata(root, source)
-    return replace(meta, pickle=_extensible(data, unpickler, root))
+    meta, property_fields = _parse_metadata(root, source)
+    return replace(meta, pickle=_extensible(data, unpickler, root, property_fields))
 
 
-def _extensible(data: bytes, unpickler: AllowlistUnpickler, root: MetadataRecord) -> MetadataPickle | None:
+def _extensible(
+    data: bytes, unpickler: AllowlistUnpickler, root: MetadataRecord, property_fields: int
+) -> MetadataPickle | None:
     """The pickle and where its memo holds the three tables a repair extends; None when it does not hold
     them all (a pickler other than torch's wrote it)."""
     tables = [id(root.state[name]) for name in ("state_dict_metadata", "planner_data", "storage_data")]
@@ -295,7 +316,7 @@ def _extensible(data: bytes, unpickler: AllowlistUnpickler, root: MetadataRecord
     if len(found) < len(tables) or data[end - 1 : end] != pickle.STOP:
         return None
     described, planner, stored = (found[table] for table in tables)
-    return MetadataPickle(data, end, (described, planner, stored))
+    return MetadataPickle(data, end, (described, planner, stored), property_fields)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Any
 from optim_repair.formats.dcp.metadata import MetadataPickle
 from optim_repair.formats.dcp.metadata_reader import MemoObjects
 from optim_repair.formats.dcp.planning import NewEntry, Rekeyed
+from optim_repair.records.dtypes import contiguous_strides
 from optim_repair.records.repair_plan import FreshTensor
 
 _METADATA = "torch.distributed.checkpoint.metadata"
@@ -100,11 +101,13 @@ class _Ops:
         self.op(pickle.SETITEMS + pickle.BUILD)
 
 
-def _tensor_metadata(ops: _Ops, value: FreshTensor) -> None:
+def _tensor_metadata(ops: _Ops, value: FreshTensor, property_fields: int) -> None:
     ops.new(_METADATA, "TensorStorageMetadata")
 
     def properties() -> None:
-        # TensorProperties.__getstate__: (dtype, layout, requires_grad, memory-format code, pin_memory).
+        # TensorProperties.__getstate__: (dtype, layout, requires_grad, memory-format code, pin_memory), and
+        # from torch 2.15 on the tensor's strides: written as many as the original's have, so that the torch
+        # that wrote it reads them.
         ops.new(_METADATA, "TensorProperties")
         ops.op(pickle.MARK)
         ops.global_("torch", value.dtype)
@@ -113,7 +116,13 @@ def _tensor_metadata(ops: _Ops, value: FreshTensor) -> None:
         ops.op(pickle.TUPLE1 + pickle.REDUCE + pickle.NEWFALSE)
         ops.global_(_METADATA, "_MEM_FORMAT_ENCODING")
         ops.integer(_CONTIGUOUS)
-        ops.op(pickle.TUPLE1 + pickle.REDUCE + pickle.NEWFALSE + pickle.TUPLE + pickle.BUILD)
+        ops.op(pickle.TUPLE1 + pickle.REDUCE + pickle.NEWFALSE)
+        if property_fields == 6:
+            ops.op(pickle.MARK)
+            for stride in contiguous_strides(value.shape):
+                ops.integer(stride)
+            ops.op(pickle.TUPLE)
+        ops.op(pickle.TUPLE + pickle.BUILD)
 
     def chunks() -> None:
         ops.op(pickle.EMPTY_LIST)
@@ -183,7 +192,7 @@ def rebuilt_metadata(
     for entry in entries:
         batches.item()
         ops.text(entry.key)
-        _description(ops, entry)
+        _description(ops, entry, original.property_fields)
     batches.close()
     ops.text("planner_data")
     ops.op(pickle.EMPTY_DICT)
@@ -238,9 +247,9 @@ def rebuilt_metadata(
     return original.data[: original.end - 1] + pickle.MARK + bytes(ops.out) + pickle.POP_MARK + pickle.STOP
 
 
-def _description(ops: _Ops, entry: NewEntry) -> None:
+def _description(ops: _Ops, entry: NewEntry, property_fields: int) -> None:
     if isinstance(entry.value, FreshTensor):
-        _tensor_metadata(ops, entry.value)
+        _tensor_metadata(ops, entry.value, property_fields)
     else:
         ops.new(_METADATA, "BytesStorageMetadata")
 
@@ -281,7 +290,7 @@ def extended_metadata(original: MetadataPickle, entries: Sequence[NewEntry], pla
                 continue
             ops.text(entry.key)
             if section == 0:
-                _description(ops, entry)
+                _description(ops, entry, original.property_fields)
             else:
                 _path(ops, entry.path)
         batches.close()

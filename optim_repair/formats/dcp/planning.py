@@ -3,7 +3,8 @@
 As torch's DCP planner finishes a ``SavePlan`` before storage writes a byte, ``plan_dcp`` turns a repair
 plan's additions, renames and drops into the metadata keys of each optimizer's layout (nested or
 flattened, ``records.keys``), and refuses here what cannot be done: no optimizer at an address, an empty
-entry (DCP stores no empty mappings), a key that exists, a ``.metadata`` pickle no repair can extend.
+entry (DCP stores no empty mappings), a key that exists, a ``.metadata`` pickle no repair can extend, an
+addition to a checkpoint holding tensor-subclass state (``DcpTensor.compact``).
 The writer writes what it holds; the verifier proves the copy against it and the original.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 from optim_repair.errors import InputError, RepairRefused, shown
 from optim_repair.formats.dcp.layout import find_optimizers, longest_name
-from optim_repair.formats.dcp.metadata import DcpMetadata, KeyPath
+from optim_repair.formats.dcp.metadata import DcpMetadata, DcpTensor, KeyPath
 from optim_repair.records import keys
 from optim_repair.records.inventory import ParamKey
 from optim_repair.records.keys import dotted
@@ -122,6 +123,14 @@ def rekey(
 def plan_entries(meta: DcpMetadata, additions: Sequence[Addition], source: str) -> PlannedEntries:
     """The new metadata entries that hold ``additions``, in the layout of each optimizer they extend."""
     layouts = {optimizer.root: optimizer.layout for optimizer in find_optimizers(meta, source)}
+    compact = next((key for key, item in meta.items.items() if isinstance(item, DcpTensor) and item.compact), None)
+    if additions and compact is not None:
+        raise RepairRefused(
+            f"{compact} is stored in fewer bytes than its elements take: a tensor subclass in its own encoding "
+            "(torchao's quantized optimizer state); adding state to a checkpoint that holds one is not supported "
+            "(the subclass's fresh state cannot be written, and no stored bytes back its size)",
+            path=source,
+        )
     entries: list[NewEntry] = []
     taken = set(meta.items)
     for addition in additions:

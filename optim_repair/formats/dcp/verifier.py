@@ -25,6 +25,7 @@ from optim_repair.formats.dcp.storage import read_ranges, read_saved_object, unt
 from optim_repair.formats.inputs import open_beneath
 from optim_repair.formats.pickled import load_graph, tensor_meta
 from optim_repair.formats.ranges import FileSlice, same_range
+from optim_repair.records.dtypes import contiguous_strides
 from optim_repair.records.repair_plan import FreshTensor
 from optim_repair.records.verification import Verification
 
@@ -56,7 +57,9 @@ def _check_ranges(src: Path, dest: Path, original: DcpMetadata, copy: DcpMetadat
     return proven
 
 
-def _check_addition(dest: Path, copy: DcpMetadata, entry: NewEntry) -> None:
+def _check_addition(dest: Path, copy: DcpMetadata, entry: NewEntry, property_fields: int) -> None:
+    """The copy holds ``entry`` where its metadata says; a new tensor's ``TensorProperties`` have as many fields
+    as the original's (``property_fields``), its strides contiguous where torch 2.15's record them."""
     item = copy.items.get(entry.key)
     if copy.path_of(entry.key) != entry.path:
         raise VerificationError(f"{entry.key} has the key path {copy.path_of(entry.key)}", path=dest)
@@ -67,7 +70,8 @@ def _check_addition(dest: Path, copy: DcpMetadata, entry: NewEntry) -> None:
         raise VerificationError(f"{entry.key} is stored nowhere", path=dest)
     where = f"{display_path(str(dest), info.relative_path)}:{entry.key}"
     if isinstance(value, FreshTensor):
-        expected = DcpTensor(value.dtype, value.shape, (DcpChunk(index[1] or (), value.shape),))
+        strides = contiguous_strides(value.shape) if property_fields == 6 else None
+        expected = DcpTensor(value.dtype, value.shape, (DcpChunk(index[1] or (), value.shape),), strides)
         if item != expected or info.transforms:
             raise VerificationError(f"{entry.key} is not a {value.dtype} tensor of shape {value.shape}", path=dest)
         _check_fresh_tensor(dest / info.relative_path, info, value, where)
@@ -168,8 +172,9 @@ def _verify_entries(src: Path, dest: Path, planned: PlannedEntries) -> Verificat
         if copy.items[new] != item or copy.path_of(new) != path:
             raise VerificationError(f"the metadata of {key} changed", path=dest)
     compared = _check_ranges(src, dest, original, copy, rekeyed)
+    property_fields = original.pickle.property_fields if original.pickle else 5
     for entry in entries:
-        _check_addition(dest, copy, entry)
+        _check_addition(dest, copy, entry, property_fields)
     for key, names in rekeyed.params.items():
         _check_saved(dest, copy, key, names)
     for alias, (shared, path) in rekeyed.aliases.items():

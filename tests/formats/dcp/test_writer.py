@@ -21,9 +21,11 @@ from optim_repair.checkpoint.planning import finish_plan
 from optim_repair.checkpoint.writing import write_copy
 from optim_repair.errors import InputError, RepairRefused
 from optim_repair.formats.dcp import DcpBytes, DcpChunk, DcpTensor, read_dcp, read_metadata
+from optim_repair.records.dtypes import contiguous_strides
 from optim_repair.records.repair_plan import Addition, FreshTensor, RepairPlan
 from tests.factories import dcp as dk
 from tests.factories.dcp import by_name, files, only, repaired, verify_dcp, write_dcp
+from tests.factories.dcp_versions import HAS_STRIDES
 from tests.factories.support import read_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -97,7 +99,8 @@ def test_new_metadata_describes_old_and_new_entries(tmp_path: Path, flatten: boo
     for key, value in added.items():
         assert isinstance(value, FreshTensor)
         offsets = tuple(0 for _ in value.shape)
-        assert new.items[key] == DcpTensor(value.dtype, value.shape, (DcpChunk(offsets, value.shape),))
+        strides = contiguous_strides(value.shape) if HAS_STRIDES else None  # torch 2.15 records them
+        assert new.items[key] == DcpTensor(value.dtype, value.shape, (DcpChunk(offsets, value.shape),), strides)
         assert new.storage[(key, offsets)].relative_path == "__optim_repair_0.distcp"
         name, state_key = key.removeprefix("optim.state.").rsplit(".", 1)
         path = ("optim", f"state.{name}.{state_key}") if flatten else ("optim", "state", name, state_key)
@@ -135,8 +138,11 @@ def test_new_metadata_is_what_torch_would_write(tmp_path: Path) -> None:
             key = f"optim.state.{addition.param}.{state_key}"
             zeros = torch.Size([0] * len(value.shape))
             size = torch.Size(value.shape)
+            strides = {"strides": contiguous_strides(value.shape)} if HAS_STRIDES else {}
             assert metadata.state_dict_metadata[key] == TensorStorageMetadata(
-                TensorProperties(dtype=getattr(torch, value.dtype)), size, [ChunkStorageMetadata(zeros, size)]
+                TensorProperties(dtype=getattr(torch, value.dtype), **strides),
+                size,
+                [ChunkStorageMetadata(zeros, size)],
             )
             index = MetadataIndex(key, zeros, 0)
             info = metadata.storage_data[index]

@@ -1,0 +1,114 @@
+"""DCP checkpoints as other torch versions and libraries write them: torch 2.15's six-field ``TensorProperties``,
+and torchao's tensor-subclass state, stored in fewer bytes than the tensor it stands for.
+
+torch 2.15's ``.metadata`` is made by ``tests.factories.dcp_versions`` with the installed torch's classes and
+2.15's ``__getstate__`` (the real 2.15 writes it on a torch that has ``strides``); ``scripts/torch_versions.py``
+runs the same repair and resume under a real torch 2.15.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from optim_repair.errors import InputError
+from optim_repair.formats.dcp import DcpTensor, read_dcp, read_metadata
+from optim_repair.records.dtypes import contiguous_strides
+from tests.conftest import run_cli
+from tests.factories import dcp as dk
+from tests.factories import dcp_versions as dv
+from tests.factories.dcp import by_name, only
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def test_torch_215_metadata_is_read_with_its_strides(tmp_path: Path) -> None:
+    five = dk.unirl_dcp(tmp_path / "five").path
+    six = dv.as_torch_215(dk.unirl_dcp(tmp_path / "six").path)
+    assert {len(state) for state in dv.property_states(six).values()} == {6}
+    meta = read_metadata(six)
+    assert meta.pickle is not None and meta.pickle.property_fields == 6
+    tensors = {key: item for key, item in meta.items.items() if isinstance(item, DcpTensor)}
+    assert tensors and all(item.strides == contiguous_strides(item.size) for item in tensors.values())
+    assert by_name(only(read_dcp(six, ""))) == by_name(only(read_dcp(five, "")))
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
+def test_a_torch_215_checkpoint_is_fixed_with_six_fields_and_resumes_bit_identically(
+    tmp_path: Path, flatten: bool
+) -> None:
+    built = dk.unirl_dcp(tmp_path / "in", flatten=flatten)
+    dv.as_torch_215(built.path)
+    out = tmp_path / "fixed"
+    fixed = json.loads(run_cli(["fix", built.path, "--out", out, "--json"]).stdout)
+    assert sorted(a["param"] for a in fixed["added"]) == sorted(built.all_missing)
+    states = dv.property_states(out)
+    new = [key for key in states if any(f".{param}." in key for param in built.all_missing)]
+    assert new and {len(state) for state in states.values()} == {6}
+    meta = read_metadata(out)
+    for key in new:
+        item = meta.items[key]
+        assert isinstance(item, DcpTensor) and states[key][5] == contiguous_strides(item.size)
+    with dv.torch_215_properties():  # torch 2.15 reads the copy: stock dcp.load + set_optimizer_state_dict
+        resumed = dk.resume(out, "adamw", "optim", flatten)
+    reference = dk.uninterrupted("adamw")
+    assert all(torch.equal(resumed[name], reference[name]) for name in reference)
+
+
+def test_a_fix_of_a_five_field_checkpoint_writes_five(tmp_path: Path) -> None:
+    built = dk.unirl_dcp(tmp_path / "in")
+    if dv.HAS_STRIDES:
+        pytest.skip("this torch writes six fields")
+    run_cli(["fix", built.path, "--out", tmp_path / "fixed"])
+    assert {len(state) for state in dv.property_states(tmp_path / "fixed").values()} == {5}
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ("mixed", r"its tensor properties have 5 fields \('.+'\) and 6 \('.+'\)"),
+        ("wrong-length", r"model\.blocks\.0\.attn\.to_q\.weight of size \(4, 4\) has the strides \(1,\)"),
+        ("not-integers", r"the strides of model\.blocks\.0\.attn\.to_q\.weight is \['a', 'b'\]"),
+    ],
+)
+def test_malformed_strides_are_refused(tmp_path: Path, edit: str, message: str) -> None:
+    path = dv.as_torch_215(dk.unirl_dcp(tmp_path).path)
+    with dv.torch_215_properties(), (path / ".metadata").open("rb") as stream:
+        metadata = pickle.load(stream)
+    item = metadata.state_dict_metadata["model.blocks.0.attn.to_q.weight"]
+    if edit == "mixed":
+        if dv.HAS_STRIDES:
+            pytest.skip("this torch's TensorProperties always pickles six fields")
+        del item.properties.strides
+    else:
+        item.properties.strides = (1,) if edit == "wrong-length" else ["a", "b"]
+    with dv.torch_215_properties(), (path / ".metadata").open("wb") as stream:
+        pickle.dump(metadata, stream)
+    with pytest.raises(InputError, match=message):
+        read_metadata(path)
+
+
+def test_torchao_tensor_subclass_state_is_inspected_and_its_repair_refused(tmp_path: Path) -> None:
+    pytest.importorskip("torchao.optim", exc_type=ImportError)
+    built = dv.torchao_dcp(tmp_path / "in")
+    meta = read_metadata(built.path)
+    compact = {key for key, item in meta.items.items() if isinstance(item, DcpTensor) and item.compact}
+    assert compact == {"optim.state.body.weight.exp_avg", "optim.state.body.weight.exp_avg_sq"}
+    opt = only(read_dcp(built.path, ""))
+    assert dk.missing_params(opt) == ("head.weight", "head.bias")
+    body = opt.entry("body.weight")
+    assert body is not None and body.get("exp_avg") is not None
+    assert (body.get("exp_avg").dtype, body.get("exp_avg").shape) == ("float32", (128, 64))  # type: ignore[union-attr]
+    report = json.loads(run_cli(["inspect", built.path, "--json"], code=1).stdout)
+    assert report["optimizers"][0]["missing"] == ["head.weight", "head.bias"]
+    out = tmp_path / "fixed"
+    unidentified = run_cli(["fix", built.path, "--out", out], code=3)  # torchao's AdamW8bit is not torch's AdamW
+    assert "cannot identify the optimizer" in unidentified.stderr
+    refused = run_cli(["fix", built.path, "--out", out, "--fill", "fresh", "--optimizer", "adamw"], code=3)
+    assert "optim.state.body.weight.exp_avg is stored in fewer bytes than its elements take" in refused.stderr
+    assert "adding state to a checkpoint that holds one is not supported" in refused.stderr
+    assert not out.exists()
