@@ -11,7 +11,7 @@ import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, NamedTuple, cast
 
 from optim_repair.errors import InputError, UnsafeInputError, os_error_reason, shown
 from optim_repair.formats.dcp.metadata import (
@@ -319,6 +319,20 @@ def _extensible(
     return MetadataPickle(data, end, (described, planner, stored), property_fields)
 
 
+class StorageMemo(NamedTuple):
+    """One storage entry of a ``.metadata``: its key's fields, and where the memo holds its two objects."""
+
+    fqn: str
+    offsets: tuple[int, ...] | None
+    """The chunk's offsets, from its ``MetadataIndex``."""
+    chunk_index: Any
+    """The ``MetadataIndex``'s ``index`` field."""
+    index_memo: int
+    """The memo index of the ``MetadataIndex``."""
+    info_memo: int
+    """The memo index of the ``_StorageInfo``."""
+
+
 @dataclass(frozen=True)
 class MemoObjects:
     """Where the unpickler's memo holds a ``.metadata``'s objects: the ``Metadata`` itself, each entry's
@@ -328,8 +342,7 @@ class MemoObjects:
     root: int
     items: dict[str, int]
     paths: dict[str, int]
-    storage: list[tuple[str, tuple[int, ...] | None, Any, int, int]]
-    """(fqn, chunk offsets, ``index`` field, memo index of the ``MetadataIndex``, of the ``_StorageInfo``)."""
+    storage: list[StorageMemo]
 
 
 def memo_objects(pickled: MetadataPickle, source: str) -> MemoObjects:
@@ -349,7 +362,9 @@ def memo_objects(pickled: MetadataPickle, source: str) -> MemoObjects:
         state = key_record.state or {}
         offset = state.get("offset")
         offsets = None if offset is None else _int_tuple(offset, "a chunk offset", source)
-        storage.append((str(state.get("fqn")), offsets, state.get("index"), index_of(key_record), index_of(info)))
+        storage.append(
+            StorageMemo(str(state.get("fqn")), offsets, state.get("index"), index_of(key_record), index_of(info))
+        )
     return MemoObjects(
         index_of(root),
         {key: index_of(value) for key, value in fields["state_dict_metadata"].items()},

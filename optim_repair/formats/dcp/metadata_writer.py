@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import pickle
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from functools import partial
+from itertools import chain
+from typing import Any, NamedTuple
 
 from optim_repair.formats.dcp.metadata import MetadataPickle
 from optim_repair.formats.dcp.metadata_reader import MemoObjects
@@ -30,9 +32,21 @@ _CONTIGUOUS = 0
 """``_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT``: every fresh tensor is contiguous."""
 
 Field = Callable[[], None] | str | int | None
-Place = tuple[str, int, int]
-"""Where an entry's bytes are: its shard, offset and length."""
 """A dataclass field's value: text, an integer, None, or a function that emits it."""
+
+
+class Place(NamedTuple):
+    """Where an entry's bytes are: its shard, offset and length."""
+
+    shard: str
+    offset: int
+    length: int
+
+
+Emit = Callable[[], None]
+"""Writes the opcodes of one value."""
+Item = tuple[Emit, Emit]
+"""One item of a table: what writes its key, and what writes its value."""
 
 
 class _Ops:
@@ -162,6 +176,67 @@ class _Batches:
             self.ops.op(pickle.SETITEMS)
 
 
+def _items(ops: _Ops, items: Iterable[Item]) -> None:
+    """Set ``items`` in the dict on top of the stack, in batches of ``_BATCH`` as the pickler writes them."""
+    batches = _Batches(ops)
+    for key, value in items:
+        batches.item()
+        key()
+        value()
+    batches.close()
+
+
+def _new_items(
+    ops: _Ops, entries: Sequence[NewEntry], placed: Mapping[str, Place], property_fields: int
+) -> tuple[Iterator[Item], Iterator[Item], Iterator[Item]]:
+    """The new entries' items of the three tables: descriptions, key paths, and storage."""
+    return (
+        ((partial(ops.text, e.key), partial(_description, ops, e, property_fields)) for e in entries),
+        ((partial(ops.text, e.key), partial(_path, ops, e.path)) for e in entries),
+        ((partial(_storage_index, ops, e), partial(_info, ops, placed[e.key])) for e in entries),
+    )
+
+
+def _kept_descriptions(ops: _Ops, objects: MemoObjects, rekeyed: Rekeyed) -> Iterator[Item]:
+    """Every kept entry's description, a reference to the original's, under its new key; then the aliases'."""
+    for key, memo in objects.items.items():
+        new = rekeyed.new_key(key)
+        if new is not None:
+            yield partial(ops.text, new), partial(ops.get, memo)
+    for alias, (source, _) in rekeyed.aliases.items():
+        yield partial(ops.text, alias), partial(ops.get, objects.items[source])
+
+
+def _kept_paths(ops: _Ops, objects: MemoObjects, rekeyed: Rekeyed) -> Iterator[Item]:
+    """Every kept entry's key path: the original's, or a renamed entry's new one; then the aliases'."""
+    for key, memo in objects.paths.items():
+        new = rekeyed.new_key(key)
+        if new is not None:
+            value = partial(ops.get, memo) if new == key else partial(_path, ops, rekeyed.paths[new])
+            yield partial(ops.text, new), value
+    for alias, (_, path) in rekeyed.aliases.items():
+        yield partial(ops.text, alias), partial(_path, ops, path)
+
+
+def _kept_storage(ops: _Ops, objects: MemoObjects, rekeyed: Rekeyed, placed: Mapping[str, Place]) -> Iterator[Item]:
+    """Every kept entry's ``MetadataIndex`` and ``_StorageInfo``: the original's, a renamed entry's new index,
+    or a rewritten ``params`` list's new place; then the aliases', sharing their source's bytes."""
+    for stored in objects.storage:
+        new = rekeyed.new_key(stored.fqn)
+        if new is None:
+            continue
+        if stored.fqn in rekeyed.params:  # a params list written anew, into the new shard
+            yield partial(ops.get, stored.index_memo), partial(_info, ops, placed[stored.fqn])
+        elif new != stored.fqn:
+            yield partial(_index, ops, new, stored.offsets, stored.chunk_index), partial(ops.get, stored.info_memo)
+        else:
+            yield partial(ops.get, stored.index_memo), partial(ops.get, stored.info_memo)
+    by_key = {stored.fqn: stored for stored in objects.storage}
+    for alias, (source, _) in rekeyed.aliases.items():
+        stored = by_key[source]
+        yield partial(_index, ops, alias, stored.offsets, stored.chunk_index), partial(ops.get, stored.info_memo)
+
+
 def rebuilt_metadata(
     original: MetadataPickle,
     objects: MemoObjects,
@@ -176,73 +251,16 @@ def rebuilt_metadata(
     ops = _Ops()
     ops.get(objects.root)
     ops.op(pickle.EMPTY_DICT + pickle.MARK)
-    ops.text("state_dict_metadata")
-    ops.op(pickle.EMPTY_DICT)
-    batches = _Batches(ops)
-    for key, memo in objects.items.items():
-        new = rekeyed.new_key(key)
-        if new is not None:
-            batches.item()
-            ops.text(new)
-            ops.get(memo)
-    for alias, (source, _) in rekeyed.aliases.items():
-        batches.item()
-        ops.text(alias)
-        ops.get(objects.items[source])
-    for entry in entries:
-        batches.item()
-        ops.text(entry.key)
-        _description(ops, entry, original.property_fields)
-    batches.close()
-    ops.text("planner_data")
-    ops.op(pickle.EMPTY_DICT)
-    batches = _Batches(ops)
-    for key, memo in objects.paths.items():
-        new = rekeyed.new_key(key)
-        if new is not None:
-            batches.item()
-            ops.text(new)
-            if new == key:
-                ops.get(memo)
-            else:
-                _path(ops, rekeyed.paths[new])
-    for alias, (_, path) in rekeyed.aliases.items():
-        batches.item()
-        ops.text(alias)
-        _path(ops, path)
-    for entry in entries:
-        batches.item()
-        ops.text(entry.key)
-        _path(ops, entry.path)
-    batches.close()
-    ops.text("storage_data")
-    ops.op(pickle.EMPTY_DICT)
-    batches = _Batches(ops)
-    for fqn, offsets, chunk_index, key_memo, info_memo in objects.storage:
-        new = rekeyed.new_key(fqn)
-        if new is None:
-            continue
-        batches.item()
-        if fqn in rekeyed.params:  # a params list written anew, into the new shard
-            ops.get(key_memo)
-            _info(ops, placed[fqn])
-        elif new != fqn:
-            _index(ops, new, offsets, chunk_index)
-            ops.get(info_memo)
-        else:
-            ops.get(key_memo)
-            ops.get(info_memo)
-    by_key = {fqn: (offsets, chunk_index, info_memo) for fqn, offsets, chunk_index, _, info_memo in objects.storage}
-    for alias, (source, _) in rekeyed.aliases.items():
-        offsets, chunk_index, info_memo = by_key[source]
-        batches.item()
-        _index(ops, alias, offsets, chunk_index)
-        ops.get(info_memo)
-    for entry in entries:
-        batches.item()
-        _storage_index(ops, entry)
-        _info(ops, placed[entry.key])
-    batches.close()
+    descriptions, paths, storage = _new_items(ops, entries, placed, original.property_fields)
+    tables = (
+        ("state_dict_metadata", chain(_kept_descriptions(ops, objects, rekeyed), descriptions)),
+        ("planner_data", chain(_kept_paths(ops, objects, rekeyed), paths)),
+        ("storage_data", chain(_kept_storage(ops, objects, rekeyed, placed), storage)),
+    )
+    for name, items in tables:
+        ops.text(name)
+        ops.op(pickle.EMPTY_DICT)
+        _items(ops, items)
     ops.op(pickle.SETITEMS + pickle.BUILD)
     return original.data[: original.end - 1] + pickle.MARK + bytes(ops.out) + pickle.POP_MARK + pickle.STOP
 
@@ -269,29 +287,15 @@ def _index(ops: _Ops, fqn: str, offsets: Sequence[int] | None, chunk_index: Any)
 
 
 def _info(ops: _Ops, place: Place) -> None:
-    shard, offset, length = place
     ops.new("torch.distributed.checkpoint.filesystem", "_StorageInfo")
-    ops.fields([("relative_path", shard), ("offset", offset), ("length", length)])
+    ops.fields([("relative_path", place.shard), ("offset", place.offset), ("length", place.length)])
 
 
 def extended_metadata(original: MetadataPickle, entries: Sequence[NewEntry], placed: Mapping[str, Place]) -> bytes:
     """The original ``.metadata`` with ``entries`` added to its tables; ``placed`` holds each entry's shard,
     offset and length, by key."""
-    described, planner, stored = original.tables
     ops = _Ops()
-    for table, section in ((described, 0), (planner, 1), (stored, 2)):
+    for table, items in zip(original.tables, _new_items(ops, entries, placed, original.property_fields), strict=True):
         ops.get(table)
-        batches = _Batches(ops)
-        for entry in entries:
-            batches.item()
-            if section == 2:
-                _storage_index(ops, entry)
-                _info(ops, placed[entry.key])
-                continue
-            ops.text(entry.key)
-            if section == 0:
-                _description(ops, entry, original.property_fields)
-            else:
-                _path(ops, entry.path)
-        batches.close()
+        _items(ops, items)
     return original.data[: original.end - 1] + pickle.MARK + bytes(ops.out) + pickle.POP_MARK + pickle.STOP

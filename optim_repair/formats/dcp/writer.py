@@ -86,7 +86,7 @@ def _write_entries(src: Path, planned: PlannedEntries, dest: Path, source: str, 
             position = 0
             for key, value in values:
                 length = _write_value(descriptor, position, value)
-                placed[key] = (shard, position, length)
+                placed[key] = Place(shard, position, length)
                 position += length
             if sync:
                 os.fsync(descriptor)
