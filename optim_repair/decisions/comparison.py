@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from optim_repair.decisions.optimizers import PARAM_SHAPED_KEYS
 from optim_repair.records.inventory import OptimizerInventory, ParamKey, TensorMeta, WeightMap
 from optim_repair.records.keys import unwrapped
+from optim_repair.records.steps import step_prefix
 
 WRAPPERS = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 """What wrappers insert into parameter names: torch.compile, DDP/DataParallel, FSDP1, activation checkpointing."""
@@ -151,3 +152,18 @@ def model_of(optimizer: OptimizerInventory, weights: Sequence[WeightMap]) -> tup
         for weight_map in weights
         if params and _explaining_rename(params, {name for name, _ in weight_map.tensors}) is not None
     )
+
+
+def own_step(file: str, weights: Sequence[WeightMap]) -> tuple[WeightMap, ...]:
+    """The weight maps of the run step ``file`` (an optimizer's file) belongs to, when it lies in one
+    (``checkpoint-100/optimizer.pt`` takes ``checkpoint-100``'s weights, never ``checkpoint-200``'s); all of them
+    for a file in no step."""
+    prefix = step_prefix(file)
+    if prefix is None:
+        return tuple(weights)
+    inside = []
+    for weight_map in weights:
+        path = weight_map.source.split(":", 1)[0]  # a torch file's or DCP checkpoint's maps: PATH:where
+        if path == prefix or path.startswith(f"{prefix}/"):
+            inside.append(weight_map)
+    return tuple(inside)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from optim_repair.decisions.comparison import model_of
+from optim_repair.decisions.comparison import model_of, own_step
 from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis, diagnose_optimizer
 from optim_repair.decisions.identify import Identification, identify_optimizer
 from optim_repair.decisions.operations import apply_operations
@@ -185,7 +185,9 @@ def plan_repair(
         opt, joined = original, {}
         if operations:
             where = f"{original.optimizer.file or diagnosis.inventory.path}:{original.optimizer.location or '<root>'}"
-            model = tuple(model_weights) or model_of(original.optimizer, (*file.weights, *diagnosis.inventory.weights))
+            model = tuple(model_weights) or model_of(
+                original.optimizer, own_step(file.file, (*file.weights, *diagnosis.inventory.weights))
+            )
             applied = apply_operations(original.optimizer, operations, model, where)
             opt = diagnose_optimizer(applied.optimizer, model, original.loader)
             changes.extend(applied.changes)

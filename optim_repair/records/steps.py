@@ -1,0 +1,33 @@
+"""The names training libraries give the steps of a run directory, spelled in this one place.
+
+``checkpoint-N`` (transformers, accelerate), ``step-N`` (torchtitan), ``global_stepN`` (verl, DeepSpeed) and
+Lightning's ``epoch=E-step=S.ckpt`` name one step each; a run directory holds one per save.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import PurePosixPath
+
+_STEP = re.compile(r"^(?:checkpoint-(\d+)|step-(\d+)|global_step(\d+)|epoch=(\d+)-step=(\d+)\.ckpt)$")
+
+
+def step_number(name: str) -> tuple[int, int] | None:
+    """The step a file or directory name gives (with Lightning's epoch, to order equal steps), or None."""
+    found = _STEP.match(name)
+    if found is None:
+        return None
+    plain, titan, verl, epoch, step = found.groups()
+    if step is not None:
+        return int(step), int(epoch)
+    return int(plain or titan or verl), 0
+
+
+def step_prefix(rel: str) -> str | None:
+    """The part of a path inside the argument up to and including its step (``run/checkpoint-100``), or None
+    for a path inside no step."""
+    parts = PurePosixPath(rel).parts
+    for index in range(len(parts) - 1, -1, -1):
+        if step_number(parts[index]) is not None:
+            return "/".join(parts[: index + 1])
+    return None
