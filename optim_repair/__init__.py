@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         dry_run,
         fix,
         inspect,
+        latest_checkpoint,
         model_changes,
         plan,
         versions,
@@ -51,8 +52,8 @@ if TYPE_CHECKING:
 _HOMES = {
     **dict.fromkeys(
         (
-            "DryRun", "FixResult", "Versions", "compare", "dry_run", "fix", "inspect", "model_changes", "plan",
-            "versions",
+            "DryRun", "FixResult", "Versions", "compare", "dry_run", "fix", "inspect", "latest_checkpoint",
+            "model_changes", "plan", "versions",
         ),
         "optim_repair.api",
     ),
@@ -98,6 +99,7 @@ __all__ = [
     "dry_run",
     "fix",
     "inspect",
+    "latest_checkpoint",
     "model_changes",
     "plan",
     "set_optimizer_state_dict",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from optim_repair.checkpoint.discovery import Discovery, discover
+from optim_repair.checkpoint.discovery import Discovery, discover, latest_step
 from optim_repair.checkpoint.planning import FinishedPlan, finish_plan
 from optim_repair.checkpoint.reading import Parsed, read_model_weights, read_parsed
 from optim_repair.checkpoint.writing import free_space, space_needed, write_copy
@@ -55,6 +55,13 @@ def inspect(path: str | Path, *, strict: bool = False, model: str | Path | None 
     weights = read_model_weights(Path(model)) if model is not None else None
     inventory, _ = read_parsed(discover(Path(path)))
     return diagnose(inventory, strict=strict, model=weights)
+
+
+def latest_checkpoint(run: str | Path) -> Path:
+    """The newest complete step of the run directory ``run`` (``checkpoint-N``, ``step-N``, ``global_stepN``,
+    ``epoch=E-step=S.ckpt``), to inspect or fix: a step still being written (a DCP checkpoint without its
+    ``.metadata``, an empty directory) is passed over. Raises ``InputError`` when there is none."""
+    return latest_step(Path(run))
 
 
 def compare(checkpoint: str | Path, model: str | Path) -> Diagnosis:

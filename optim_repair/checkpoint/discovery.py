@@ -22,6 +22,7 @@ from optim_repair.formats.dcp import METADATA_FILE, SHARD_SUFFIX, is_dcp_directo
 from optim_repair.formats.inputs import kind_of
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX
 from optim_repair.formats.torchfile import TORCH_SUFFIXES
+from optim_repair.records.steps import step_number
 
 Role = Literal["torch", "safetensors", "dcp", "file", "directory", "special"]
 """``torch``: may hold optimizers; ``safetensors``: model weights; ``dcp``: a DCP checkpoint directory;
@@ -148,3 +149,41 @@ def discover(path: Path) -> Discovery:
     if not stat.S_ISDIR(mode):
         raise InputError(f"is {kind_of(mode)}, not a file or directory", path=path)
     return Discovery(path, target, True, tuple(_walk(target)))
+
+
+def _complete(step: Path) -> bool:
+    """Whether a step of a run was written to the end: a non-empty file, or a directory holding some file in
+    which no DCP checkpoint lacks its ``.metadata`` (torch's writer commits it last)."""
+    if not step.is_dir():
+        return step.is_file() and step.stat().st_size > 0
+    files = False
+
+    def fail(exc: OSError) -> None:
+        raise exc
+
+    for _, _, names in os.walk(step, onerror=fail):
+        files = files or bool(names)
+        if any(name.endswith(SHARD_SUFFIX) for name in names) and METADATA_FILE not in names:
+            return False
+    return files
+
+
+def latest_step(run: Path) -> Path:
+    """The newest complete step of the run directory ``run`` (``checkpoint-N``, ``step-N``, ``global_stepN``,
+    ``epoch=E-step=S.ckpt``); a step still being written (a DCP checkpoint without ``.metadata``, an empty
+    one) is passed over. Raises ``InputError`` when there is none."""
+    try:
+        steps = sorted(
+            (number, entry.name)
+            for entry in os.scandir(run)
+            if (number := step_number(entry.name)) is not None and _complete(run / entry.name)
+        )
+    except FileNotFoundError as exc:
+        raise InputError(f"no such file or directory{_did_you_mean(run)}", path=run) from exc
+    except OSError as exc:
+        raise InputError(f"cannot read ({os_error_reason(exc)})", path=getattr(exc, "filename", None) or run) from exc
+    if not steps:
+        raise InputError(
+            "holds no complete checkpoint step (checkpoint-N, step-N, global_stepN or epoch=E-step=S.ckpt)", path=run
+        )
+    return run / steps[-1][1]

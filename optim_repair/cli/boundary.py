@@ -116,6 +116,14 @@ Checkpoint = Annotated[
 JsonFlag = Annotated[
     bool, typer.Option("--json", help="Print one JSON document (schema_version 2) instead, errors included.")
 ]
+LatestFlag = Annotated[
+    bool,
+    typer.Option(
+        "--latest",
+        help="CKPT is a run directory: take its newest complete step (checkpoint-N, step-N, global_stepN, "
+        "epoch=E-step=S.ckpt; a DCP step without .metadata is still being written and is passed over).",
+    ),
+]
 QuietFlag = Annotated[bool, typer.Option("--quiet", "-q", help="Show results only: no progress, no messages.")]
 ColorOption = Annotated[
     str,

@@ -16,6 +16,7 @@ from optim_repair.cli.boundary import (
     Command,
     Group,
     JsonFlag,
+    LatestFlag,
     QuietFlag,
     choice,
     exit_codes,
@@ -54,6 +55,15 @@ def _main(
     """Find and repair missing optimizer state in PyTorch checkpoints, without touching the original."""
 
 
+def _step(checkpoint: Path, latest: bool, screen: render.Screen) -> Path:
+    """The checkpoint a command works on: ``checkpoint``, or with ``--latest`` its run's newest complete step."""
+    if not latest:
+        return checkpoint
+    step = api.latest_checkpoint(checkpoint)
+    render.message_printer(screen)(f"newest complete step: {step}")
+    return step
+
+
 _VERDICT_EXIT = {"healthy": ExitCode.OK, "repairable": ExitCode.REPAIRABLE, "malformed": ExitCode.MALFORMED}
 
 
@@ -84,6 +94,7 @@ def inspect(
             help="Count every absent entry as repairable, also those optimizer.load_state_dict resumes exactly.",
         ),
     ] = False,
+    latest: LatestFlag = False,
     json: JsonFlag = False,
     quiet: QuietFlag = False,
     color: ColorOption = "auto",
@@ -92,7 +103,7 @@ def inspect(
     screen = make_screen(color, quiet)
 
     def command() -> int:
-        diagnosis = api.inspect(checkpoint, strict=strict, model=model)
+        diagnosis = api.inspect(_step(checkpoint, latest, screen), strict=strict, model=model)
         if json:
             render.print_json(render.inspect_document(diagnosis))
         else:
@@ -185,6 +196,7 @@ def fix(
             "optimizer would have: {}, or with --fill fresh its exact fresh state.",
         ),
     ] = False,
+    latest: LatestFlag = False,
     dry_run: Annotated[
         bool,
         typer.Option("--dry-run", help="Show what would be added and written, and the free space; write nothing."),
@@ -198,6 +210,7 @@ def fix(
     filled = FILLS[fill] if fill is not None else None
 
     def command() -> int:
+        step = _step(checkpoint, latest, screen)
         changes = api.model_changes(
             rename=[rename_pair(text) for text in rename or ()],
             drop=drop or (),
@@ -207,7 +220,7 @@ def fix(
         )
         if dry_run:
             planned = api.dry_run(
-                checkpoint,
+                step,
                 out,
                 fill=filled,
                 optimizer=optimizer,
@@ -223,7 +236,7 @@ def fix(
             return ExitCode.OK
         with render.progress_bar(screen, show=not json) as progress:
             result = api.fix(
-                checkpoint,
+                step,
                 out,
                 fill=filled,
                 optimizer=optimizer,

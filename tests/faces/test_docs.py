@@ -151,27 +151,39 @@ def _resume_script() -> str:
 
 @pytest.mark.parametrize("factory", ["hf_trainer", "unirl_torch"])
 def test_the_readme_resume_script(tmp_path: Path, factory: str) -> None:
-    """HF Trainer (index keys, absent entries): resumes from the checkpoint itself, copying nothing.
-    UniRL (names): resumes from a verified repaired copy with exact fresh state."""
+    """Run directories (``--latest``): HF Trainer (index keys, absent entries) resumes from its newest step itself,
+    copying nothing; UniRL (names) from a verified repaired copy with exact fresh state, written beside the run
+    directory, where the next run does not take it for a step. An older step and a step still being written
+    (a DCP directory without its ``.metadata``) are passed over."""
     import os
     import subprocess
     import sys
 
     import optim_repair
 
-    built = factories.FACTORIES[factory](tmp_path / "run")
+    run = tmp_path / "run"
+    factories.FACTORIES[factory](run / "older")
+    older = next((run / "older").iterdir())
+    built = factories.FACTORIES[factory](run)
+    number = int(built.path.name.rsplit("-", 1)[1])
+    older.rename(run / f"checkpoint-{number - 1}")
+    (run / "older").rmdir()
+    unfinished = run / f"checkpoint-{number + 1}" / "optimizer"
+    unfinished.mkdir(parents=True)
+    (unfinished / "__0_0.distcp").write_bytes(b"still being written")
     script = tmp_path / "resume.sh"
     script.write_text(_resume_script())
     (tmp_path / "train.py").write_text("import sys\nprint('resuming from', sys.argv[2])\n")
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    before = sorted(p.name for p in built.path.parent.iterdir())
-    done = subprocess.run(["sh", str(script), f"{built.path}/"], cwd=tmp_path, capture_output=True, text=True,
+    before = sorted(p.name for p in run.iterdir())
+    done = subprocess.run(["sh", str(script), f"{run}/"], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "PATH": path}, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    fixed = Path(f"{built.path}-fixed")
+    assert sorted(p.name for p in run.iterdir()) == before, "nothing was written inside the run directory"
+    fixed = tmp_path / "run.fixed" / built.path.name
     if factory == "hf_trainer":
         assert done.stdout == f"resuming from {built.path}\n"
-        assert sorted(p.name for p in built.path.parent.iterdir()) == before, "nothing was copied"
+        assert not fixed.parent.exists(), "nothing was copied"
     else:
         assert done.stdout == f"resuming from {fixed}\n"
         assert optim_repair.inspect(fixed).verdict == "healthy"
