@@ -1,0 +1,82 @@
+"""The pickle opcodes as ``pickle_limits`` reads them, built from ``pickletools``' descriptions of them.
+
+``TABLE[byte]`` is ``None`` for a byte that is no opcode (refused), else the opcode's kind (what it
+does to the scan's stack: one of the kinds below, assigned by the opcode's name), how its argument
+is encoded (from its ``ArgumentDescriptor``), how many items it takes (its ``stack_before``) and
+which of those it hashes.
+"""
+
+from __future__ import annotations
+
+import pickletools
+from collections.abc import Sequence
+
+(
+    SCALAR, EMPTY, EMPTY_TUPLE, TUPLE_N, MARK, PUT, MEMOIZE, GET, STOP,  # handled in the scan's loop
+    APPEND, REDUCE, PERSID, BUILD, POP, DUP, NOTHING, FRAME,  # by a method each
+    TUPLE, FROM_MARK, EXTEND, POP_MARK,  # by a method each, given the items above the topmost mark
+) = range(21)  # fmt: skip
+KIND_NAMES = {
+    SCALAR: "NONE NEWTRUE NEWFALSE INT BININT BININT1 BININT2 LONG LONG1 LONG4 FLOAT BINFLOAT UNICODE "
+    "SHORT_BINUNICODE BINUNICODE BINUNICODE8 STRING BINSTRING SHORT_BINSTRING BINBYTES SHORT_BINBYTES "
+    "BINBYTES8 BYTEARRAY8 NEXT_BUFFER GLOBAL EXT1 EXT2 EXT4 PERSID",
+    EMPTY: "EMPTY_LIST EMPTY_DICT EMPTY_SET",
+    EMPTY_TUPLE: "EMPTY_TUPLE",
+    TUPLE_N: "TUPLE1 TUPLE2 TUPLE3",
+    MARK: "MARK",
+    PUT: "PUT BINPUT LONG_BINPUT",
+    MEMOIZE: "MEMOIZE",
+    GET: "GET BINGET LONG_BINGET",
+    STOP: "STOP",
+    APPEND: "APPEND SETITEM",
+    REDUCE: "REDUCE NEWOBJ NEWOBJ_EX",
+    PERSID: "BINPERSID STACK_GLOBAL",
+    BUILD: "BUILD",
+    POP: "POP",
+    DUP: "DUP",
+    NOTHING: "PROTO READONLY_BUFFER",
+    FRAME: "FRAME",
+    TUPLE: "TUPLE",
+    FROM_MARK: "LIST DICT FROZENSET OBJ INST",
+    EXTEND: "APPENDS SETITEMS ADDITEMS",
+    POP_MARK: "POP_MARK",
+}
+"""The opcodes of each kind (what it does to the scan's stack), by their names in ``pickletools``."""
+_KINDS = {name: kind for kind, names in KIND_NAMES.items() for name in names.split()}
+KEYS, EVERY = 2, 1
+HASHES = {"DICT": KEYS, "SETITEMS": KEYS, "SETITEM": KEYS, "FROZENSET": EVERY, "ADDITEMS": EVERY}
+"""The opcodes that hash what they take: every other item (the keys: ``KEYS``), or every one (``EVERY``)."""
+LINE, TWO_LINES = -1, -2
+SIZED = 100
+SHORT_SIZED = SIZED + 1
+LONG_SIZED = SIZED + 4
+"""An argument of ``SIZED + w``: a ``w``-byte little-endian length, then that many bytes."""
+_LENGTH_WIDTHS = {
+    pickletools.TAKEN_FROM_ARGUMENT1: 1,
+    pickletools.TAKEN_FROM_ARGUMENT4: 4,  # signed, read unsigned: a negative length is past the data's end
+    pickletools.TAKEN_FROM_ARGUMENT4U: 4,
+    pickletools.TAKEN_FROM_ARGUMENT8U: 8,
+}
+
+
+def encoding(arg: pickletools.ArgumentDescriptor | None) -> int:
+    """How the scan reads an argument: none (0), ``n`` bytes, a line or two, or a length and its bytes."""
+    if arg is None:
+        return 0
+    if arg is pickletools.stringnl_noescape_pair:  # GLOBAL and INST: a module and a name
+        return TWO_LINES
+    if arg.n == pickletools.UP_TO_NEWLINE:
+        return LINE
+    return SIZED + _LENGTH_WIDTHS[arg.n] if arg.n < 0 else arg.n
+
+
+def entry(op: pickletools.OpcodeInfo) -> tuple[int, int, int, int]:
+    """An opcode's kind, its argument's encoding, how many items it takes, and which of them it hashes."""
+    return _KINDS[op.name], encoding(op.arg), len(op.stack_before), HASHES.get(op.name, 0)
+
+
+_KNOWN = {ord(op.code): op for op in pickletools.opcodes if op.name in _KINDS}
+TABLE: Sequence[tuple[int, int, int, int] | None] = [
+    entry(_KNOWN[code]) if code in _KNOWN else None for code in range(256)
+]
+"""Each opcode's entry (see ``entry``), by its byte; ``None`` for a byte that is no opcode ``KIND_NAMES`` names."""
