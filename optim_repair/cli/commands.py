@@ -287,6 +287,9 @@ def run() -> None:
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     try:
         app(prog_name="optim-repair")
+    except KeyboardInterrupt:  # Ctrl-C while typer still builds the command, before it handles interrupts
+        fail("interrupted; nothing was written", ExitCode.INTERRUPTED, "interrupted", None, False, render.Screen())
+        raise SystemExit(ExitCode.INTERRUPTED) from None
     except SystemExit as exc:
         # Ctrl-C while typer still parses the command line: it exits 130 silently (Exit from KeyboardInterrupt).
         if isinstance(exc.__context__, typer.Exit) and isinstance(exc.__context__.__cause__, KeyboardInterrupt):
