@@ -14,6 +14,7 @@ import errno
 import fcntl
 import os
 import shutil
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -77,6 +78,29 @@ def temporary_sibling(out: Path, *, directory: bool) -> Iterator[Path]:
     to any new file (``tempfile.mkstemp`` would give 0o600).
     """
     parent = Path(os.path.abspath(out)).parent  # beside a link named out, not beside its target
+    tmp: Path | None = None
+    lock: int | None = None
+    try:
+        # The signals that end a run are held while the temporary is created and recorded: a handler that
+        # raised between the two would leave it behind (seen under load: SIGTERM during the lock).
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, _ENDING_SIGNALS)
+        try:
+            tmp, lock = _created(parent, out, directory=directory)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        yield tmp
+    finally:
+        if lock is not None:
+            os.close(lock)
+        if tmp is not None:
+            remove(tmp)
+
+
+_ENDING_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+def _created(parent: Path, out: Path, *, directory: bool) -> tuple[Path, int | None]:
+    """A new temporary file or directory beside ``out``, under a name no other run uses, and its lock."""
     for _ in range(100):
         tmp = parent / f"{_prefix(out)}{os.urandom(4).hex()}"
         try:
@@ -84,20 +108,16 @@ def temporary_sibling(out: Path, *, directory: bool) -> Iterator[Path]:
                 tmp.mkdir(0o777)
             else:
                 os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-            lock = _locked(tmp)
         except FileExistsError:
             continue
         except OSError as exc:
             raise OutputError(f"cannot write ({os_error_reason(exc)})", path=parent) from exc
-        break
-    else:
-        raise OutputError("cannot find an unused temporary name", path=parent)
-    try:
-        yield tmp
-    finally:
-        if lock is not None:
-            os.close(lock)
-        remove(tmp)
+        try:
+            return tmp, _locked(tmp)
+        except BaseException:
+            remove(tmp)
+            raise
+    raise OutputError("cannot find an unused temporary name", path=parent)
 
 
 def _rename_no_replace(tmp: Path, out: Path) -> None:
