@@ -112,6 +112,7 @@ def _save(rank: int, root: Path) -> None:
         torch.save(get_optimizer_state_dict(model, opt), root / "sharded" / f"optimizer_rank_{rank}.pt")
         _train(model, opt, rank, POST_STEPS, use_all=True)
         torch.save(_local(model), root / f"verl-uninterrupted-{rank}.pt")
+        dist.barrier()  # no rank tears gloo down while the other still uses it (an abort on a loaded machine)
     finally:
         dist.destroy_process_group()
 
@@ -169,6 +170,7 @@ def _resume(rank: int, store: Path, fsdp1: list[tuple[Path, Path]], verl: list[P
             _train(model, opt, rank, POST_STEPS, use_all=True)
             found[str(directory)] = _local(model)
         torch.save(found, results / f"resumed-{rank}.pt")
+        dist.barrier()  # no rank tears gloo down while the other still uses it (an abort on a loaded machine)
     finally:
         dist.destroy_process_group()
 
