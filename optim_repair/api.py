@@ -42,7 +42,9 @@ def versions() -> Versions:
     return Versions(__version__, torch_version)
 
 
-def inspect(path: str | Path, *, strict: bool = False, model: str | Path | None = None) -> Diagnosis:
+def inspect(
+    path: str | Path, *, strict: bool = False, model: str | Path | None = None, dereference: bool = False
+) -> Diagnosis:
     """Read ``path`` (a torch file, a checkpoint directory or a DCP directory) and diagnose it.
 
     The verdict answers "will a resume through the loader this layout implies work, and continue
@@ -50,10 +52,12 @@ def inspect(path: str | Path, *, strict: bool = False, model: str | Path | None 
     ``healthy``, unless ``strict``. Each optimizer is compared with ``model`` (a safetensors file or
     directory of shards, a torch file, a DCP directory), or with the weights beside it when there are
     some (``OptimizerDiagnosis.model``). Reads no tensor bytes (only ``step`` values); never unpickles
-    unsafely. Raises ``optim_repair.errors.InputError`` when there is nothing to inspect.
+    unsafely. A symbolic link under ``path`` is read through when it reaches a regular file outside the
+    checkpoint, and a linked directory is not walked; ``dereference`` follows every link (``cp -L``).
+    Raises ``optim_repair.errors.InputError`` when there is nothing to inspect.
     """
     weights = read_model_weights(Path(model)) if model is not None else None
-    inventory, _ = read_parsed(discover(Path(path)))
+    inventory, _ = read_parsed(discover(Path(path), dereference=dereference))
     return diagnose(inventory, strict=strict, model=weights)
 
 
@@ -77,6 +81,7 @@ def plan(
     model: str | Path | None = None,
     reset_phantom_step: bool = False,
     operations: Operations = NO_OPERATIONS,
+    dereference: bool = False,
 ) -> RepairPlan:
     """What ``fix`` would add, and with what, without writing anything (a dry run).
 
@@ -85,7 +90,7 @@ def plan(
     for everything ``fix`` would refuse.
     """
     request = _request(fill, optimizer, model, reset_phantom_step, operations)
-    return _finished(_read(checkpoint), request).plan
+    return _finished(_read(checkpoint, dereference), request).plan
 
 
 def _request(
@@ -103,11 +108,17 @@ class _Read:
     parsed: Parsed
 
 
-def _read(checkpoint: str | Path | Diagnosis) -> _Read:
-    """The checkpoint's diagnosis (the one given, or read once) and what discovery found and reading parsed."""
+def _read(checkpoint: str | Path | Diagnosis, dereference: bool) -> _Read:
+    """The checkpoint's diagnosis (the one given, or read once) and what discovery found and reading parsed;
+    ``dereference``: every link followed. A diagnosis is found again as its inspect found it."""
     if isinstance(checkpoint, Diagnosis):
-        return _Read(checkpoint, discover(Path(checkpoint.inventory.path)), Parsed())
-    found = discover(Path(checkpoint))
+        inventory = checkpoint.inventory
+        if dereference and not inventory.dereference:
+            raise UsageError(
+                "{argument} is decided when the checkpoint is read: pass it to inspect", argument="dereference"
+            )
+        return _Read(checkpoint, discover(Path(inventory.path), dereference=inventory.dereference), Parsed())
+    found = discover(Path(checkpoint), dereference=dereference)
     inventory, parsed = read_parsed(found)
     return _Read(diagnose(inventory), found, parsed)
 
@@ -174,11 +185,12 @@ def dry_run(
     optimizer: str | None = None,
     model: str | Path | None = None,
     link: bool = False,
+    dereference: bool = False,
     reset_phantom_step: bool = False,
     operations: Operations = NO_OPERATIONS,
 ) -> DryRun:
     """What ``fix`` with the same arguments would add and write, and the room there is for it; writes nothing."""
-    read = _read(checkpoint)
+    read = _read(checkpoint, dereference)
     finished = _finished(read, _request(fill, optimizer, model, reset_phantom_step, operations))
     target = output_path(read.found.root, out)
     needed = space_needed(read.found, finished, link=link)
@@ -212,6 +224,7 @@ def fix(
     model: str | Path | None = None,
     force: bool = False,
     link: bool = False,
+    dereference: bool = False,
     sync: bool = True,
     reset_phantom_step: bool = False,
     operations: Operations = NO_OPERATIONS,
@@ -224,7 +237,9 @@ def fix(
     ``fill`` is ``"empty"`` (add ``{}``; the default for torch files) or ``"fresh"`` (the exact state
     the optimizer creates on a first step; the default for DCP). Raises an ``OptimRepairError``
     subclass, leaving nothing at ``out``, when the input is malformed or the copy cannot be made.
-    ``link`` hard-links the files the repair does not change instead of copying them; ``sync=False``
+    ``link`` hard-links the files the repair does not change instead of copying them. A symbolic link
+    stays a link, but one to a file the repair changes, which the copy holds as a regular file;
+    ``dereference`` copies what every link reaches instead (``cp -L``). ``sync=False``
     skips syncing the copy to the disk (a scratch copy: a crash may lose it, never the input).
     ``progress`` hears of the bytes written and verified (``optim_repair.progress.Step``); ``notice``
     gets lines of text for the user. For a file, an ``out`` ending in a slash is a directory to write
@@ -234,7 +249,7 @@ def fix(
     drop and add parameters first, when the model changed. Refused up front when the file system holding
     ``out`` has too little room for the copy.
     """
-    read = _read(checkpoint)
+    read = _read(checkpoint, dereference)
     finished = _finished(read, _request(fill, optimizer, model, reset_phantom_step, operations))
     target = output_path(read.found.root, out)
     copy = CopyRequest(force=force, link=link, sync=sync)

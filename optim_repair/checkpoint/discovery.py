@@ -3,7 +3,14 @@
 Reading, writing and verifying all follow this list, so a format, a suffix or a link policy is
 decided here once: torch files are found by suffix, safetensors files give parameter shapes, a
 directory holding ``.metadata`` is a DCP checkpoint whose files are its members (read through its
-metadata, never as torch files), and a symbolic link is never followed: it is copied as a link.
+metadata, never as torch files).
+
+Symbolic links (the Hugging Face cache's ``snapshots/<rev>/`` links into ``blobs/``, DVC, a ``latest``
+link) are copied as links, as ``cp -R`` does. A link to a regular file outside the checkpoint is read
+through, and is written as a regular file when the repair changes it; one to a file inside is the same
+file as that entry and is not read twice; a linked directory is not walked. With ``dereference`` (``cp
+-L``) every link is followed: its file or directory is read and copied as if it were there, a link to
+anything else (a FIFO, a device, nothing) is ``special``, and a link to a directory holding it is refused.
 """
 
 from __future__ import annotations
@@ -38,11 +45,21 @@ class Entry:
     """Its path relative to the argument, with ``/``; ``""`` is the argument itself."""
     role: Role
     link: bool = False
-    """Whether it is a symbolic link: copied as a link unless it is rewritten with additions."""
+    """Whether it is a symbolic link kept as a link: copied as one unless the repair rewrites its file."""
     dcp: str | None = None
     """For a member of a DCP checkpoint: that checkpoint's ``rel``."""
     kind: str = ""
-    """For a ``special`` entry: what it is (``a FIFO``)."""
+    """For a ``special`` entry: what it is (``a FIFO``); for a link: what it points to when that is no regular
+    file or directory (``a link to nothing``)."""
+    outside: bool = False
+    """For a link: whether it points outside the checkpoint (an absolute link, or a relative one leaving it),
+    so that a copy elsewhere may not reach what it reaches. A link pointing inside is not read itself."""
+
+    @property
+    def read_through(self) -> bool:
+        """Whether reading opens it: not for a link that reaches no regular file, or one that reaches a file of
+        the checkpoint, which is read where it is."""
+        return not self.link or (not self.kind and self.outside)
 
     def member_name(self) -> str:
         """A DCP member's path relative to its checkpoint directory."""
@@ -61,6 +78,8 @@ class Discovery:
     entries: tuple[Entry, ...]
     neighbours: tuple[Path, ...] = ()
     """For a file argument: the safetensors files beside it (HF's ``model.safetensors``), for shapes."""
+    dereference: bool = False
+    """Whether every link under the argument was followed (``cp -L``) instead of kept."""
 
     def path(self, entry: Entry) -> Path:
         return self.target / entry.rel if entry.rel else self.target
@@ -71,6 +90,14 @@ class Discovery:
     def members(self, dcp: str) -> tuple[Entry, ...]:
         """Every file and directory of the DCP checkpoint ``dcp``, in walk order."""
         return tuple(entry for entry in self.entries if entry.dcp == dcp)
+
+    def links_outside(self) -> tuple[str, ...]:
+        """The links kept as links that point outside the checkpoint."""
+        return tuple(entry.rel for entry in self.entries if entry.link and entry.outside)
+
+    def linked_directories(self) -> tuple[str, ...]:
+        """The links to directories, which are kept and not walked unless ``dereference``."""
+        return tuple(entry.rel for entry in self.entries if entry.link and entry.role == "directory")
 
 
 def relative(path: Path, root: Path) -> str:
@@ -84,9 +111,46 @@ def _file_role(name: str) -> Role:
     return "torch" if suffix in TORCH_SUFFIXES else "file"
 
 
-def _walk(root: Path) -> Iterator[Entry]:
+def _link_target(path: Path) -> tuple[int | None, str]:
+    """What the link ``path`` reaches: its mode (None when it reaches nothing) and that, in words, when it is
+    no regular file or directory."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None, "a link to nothing"
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return mode, ""
+    return mode, f"a link to {kind_of(mode)}"
+
+
+def _points_outside(path: Path, real_root: Path) -> bool:
+    """Whether the link ``path`` is absolute or reaches something outside the checkpoint ``real_root``."""
+    if os.path.isabs(os.readlink(path)):
+        return True
+    real = Path(os.path.realpath(path))
+    return real != real_root and real_root not in real.parents
+
+
+def _linked_entry(path: Path, rel: str, role: Role, dcp: str | None, real_root: Path) -> Entry:
+    """A link kept as a link: a file ``role`` when it reaches a regular file, ``directory`` for a directory."""
+    mode, kind = _link_target(path)
+    outside = _points_outside(path, real_root)
+    if mode is not None and stat.S_ISDIR(mode):
+        return Entry(rel, "directory", True, dcp, "", outside)
+    return Entry(rel, role, True, dcp, kind, outside)
+
+
+def _followed_directory(path: Path, directory: Path) -> None:
+    """Refuse to follow the linked directory ``path`` (found in ``directory``) into a loop."""
+    real, here = Path(os.path.realpath(path)), Path(os.path.realpath(directory))
+    if real == here or real in here.parents:
+        raise InputError("is a link to a directory that holds it; --dereference cannot copy a loop", path=path)
+
+
+def _walk(root: Path, *, dereference: bool) -> Iterator[Entry]:
     inside: dict[str, str] = {}  # a directory inside a DCP checkpoint -> that checkpoint's rel
-    for current, subdirectories, files in os.walk(root):  # never into a linked directory
+    real_root = Path(os.path.realpath(root))
+    for current, subdirectories, files in os.walk(root, followlinks=dereference):
         directory = Path(current)
         rel = relative(directory, root)
         subdirectories.sort()
@@ -97,16 +161,30 @@ def _walk(root: Path) -> Iterator[Entry]:
         for name in sorted(files):
             path = directory / name
             mode = os.lstat(path).st_mode
-            if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
-                yield Entry(relative(path, root), "special", False, dcp, kind_of(mode))
-                continue
             role: Role = "file" if dcp is not None else _file_role(name)
-            yield Entry(relative(path, root), role, stat.S_ISLNK(mode), dcp)
+            if stat.S_ISLNK(mode) and dereference:
+                target, kind = _link_target(path)
+                if kind:
+                    yield Entry(relative(path, root), "special", False, dcp, kind)
+                    continue
+                mode = target or mode
+            if stat.S_ISLNK(mode):
+                yield _linked_entry(path, relative(path, root), role, dcp, real_root)
+            elif stat.S_ISREG(mode):
+                yield Entry(relative(path, root), role, False, dcp)
+            else:
+                yield Entry(relative(path, root), "special", False, dcp, kind_of(mode))
         for name in subdirectories:
             path = directory / name
             if dcp is not None:
                 inside[relative(path, root)] = dcp
-            yield Entry(relative(path, root), "directory", path.is_symlink(), dcp)
+            if not path.is_symlink():
+                yield Entry(relative(path, root), "directory", False, dcp)
+            elif dereference:
+                _followed_directory(path, directory)
+                yield Entry(relative(path, root), "directory", False, dcp)
+            else:
+                yield _linked_entry(path, relative(path, root), "directory", dcp, real_root)
 
 
 def model_only(path: Path) -> str:
@@ -130,8 +208,9 @@ def _did_you_mean(path: Path) -> str:
     return f"; did you mean {path.parent / close[0]}?" if close else ""
 
 
-def discover(path: Path) -> Discovery:
-    """The role of everything under ``path``: a torch file, a checkpoint directory or a DCP directory."""
+def discover(path: Path, *, dereference: bool = False) -> Discovery:
+    """The role of everything under ``path``: a torch file, a checkpoint directory or a DCP directory; with
+    ``dereference``, every link under it followed (``cp -L``)."""
     try:
         target = Path(os.path.realpath(path)) if path.is_symlink() else path
         mode = os.stat(target).st_mode
@@ -145,10 +224,10 @@ def discover(path: Path) -> Discovery:
         if path.suffix == SAFETENSORS_SUFFIX:
             raise InputError(model_only(target), path=path)
         neighbours = tuple(sorted(target.parent.glob(f"*{SAFETENSORS_SUFFIX}")))
-        return Discovery(path, target, False, (Entry("", "torch"),), neighbours)
+        return Discovery(path, target, False, (Entry("", "torch"),), neighbours, dereference)
     if not stat.S_ISDIR(mode):
         raise InputError(f"is {kind_of(mode)}, not a file or directory", path=path)
-    return Discovery(path, target, True, tuple(_walk(target)))
+    return Discovery(path, target, True, tuple(_walk(target, dereference=dereference)), (), dereference)
 
 
 def _complete(step: Path) -> bool:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from optim_repair.checkpoint.discovery import Discovery, discover, model_only
+from optim_repair.checkpoint.discovery import Discovery, Entry, discover, model_only
 from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError
 from optim_repair.formats.dcp import DcpMetadata, read_dcp
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX, read_weights
@@ -89,15 +89,15 @@ def _read_directory(
     skipped: list[Skipped] = []
     weights: list[WeightMap] = []
     for entry in found.entries:
-        if entry.role == "safetensors":
+        if entry.role in ("torch", "safetensors") and not entry.read_through:
+            skipped.append(Skipped(entry.rel, _unread_link(found, entry)))
+        elif entry.role == "safetensors":
             try:
                 weights.append(read_weights(found.path(entry), entry.rel))
             except InputError as exc:
                 skipped.append(Skipped(entry.rel, exc.reason))
         elif entry.role == "special":
             skipped.append(Skipped(entry.rel, f"is {entry.kind}, not a regular file"))
-        elif entry.link and entry.role in ("torch", "safetensors"):
-            skipped.append(Skipped(entry.rel, "is a symbolic link; optim-repair reads no file through a link"))
         elif entry.role == "torch":
             try:
                 inventory = read_inventory(found.path(entry), entry.rel, entry.rel, keep=torch_files)
@@ -115,10 +115,25 @@ def _read_directory(
                 skipped.append(Skipped(entry.rel, "holds no optimizer state"))
     zero = any(skip.kind == "deepspeed-zero" for skip in skipped)
     if not any(file.optimizers for file in files) and not zero:
-        raise InputError(f"no optimizer state found in any file ({len(skipped)} file(s) skipped)", path=str(root))
+        linked = found.linked_directories()
+        unwalked = f"; {len(linked)} linked director(ies) not followed: --dereference follows them" if linked else ""
+        raise InputError(
+            f"no optimizer state found in any file ({len(skipped)} file(s) skipped{unwalked})", path=str(root)
+        )
     dcp_only = files and all(file.format == "dcp" for file in files) and any(found.with_role("dcp"))
     fmt: Literal["torch", "dcp"] = "dcp" if dcp_only else "torch"
-    return CheckpointInventory(str(root), fmt, True, tuple(files), tuple(skipped), tuple(weights))
+    return CheckpointInventory(
+        str(root), fmt, True, tuple(files), tuple(skipped), tuple(weights), found.links_outside(), found.dereference
+    )
+
+
+def _unread_link(found: Discovery, entry: Entry) -> str:
+    """Why a link to a torch or safetensors file is not read: it reaches no regular file, or the file it
+    reaches inside the checkpoint, which is read there."""
+    if entry.kind:
+        return f"is {entry.kind}, not a regular file"
+    target = os.path.relpath(os.path.realpath(found.path(entry)), os.path.realpath(found.target))
+    return f"is a link to {Path(target).as_posix()}, read there"
 
 
 def read_model_weights(path: Path) -> tuple[WeightMap, ...]:
@@ -145,6 +160,8 @@ def _model_directory(found: Discovery) -> tuple[WeightMap, ...]:
     weights: list[WeightMap] = []
     for entry in found.entries:
         source = str(found.root / entry.rel)
+        if not entry.read_through:
+            continue
         if entry.role == "dcp":
             weights.extend(read_dcp(found.path(entry), source).weights)
         elif entry.role == "safetensors":

@@ -15,7 +15,7 @@ from optim_repair.checkpoint.discovery import Discovery, Entry
 from optim_repair.checkpoint.planning import FinishedPlan
 from optim_repair.checkpoint.staging import move_into_place, remove_stale, temporary_sibling
 from optim_repair.errors import InputError, OutputError, Remedy, VerificationError, os_error_reason
-from optim_repair.formats.copied import verify_copied_file
+from optim_repair.formats.copied import verify_copied_file, verify_copied_link
 from optim_repair.formats.inputs import open_regular, size_of
 from optim_repair.formats.ranges import kernel_copy
 from optim_repair.progress import QUIET, Meter, Notice, Reporter
@@ -46,7 +46,7 @@ def _copy(
     can), or hard-link it with ``link``; verify the copy unless its checkpoint's verification covers it."""
     if link:
         try:
-            os.link(source, target)
+            os.link(source, target, follow_symlinks=True)  # a followed link's file, not the link
         except OSError as exc:
             raise OutputError(
                 f"cannot hard-link {source} ({os_error_reason(exc)}); "
@@ -81,17 +81,30 @@ def _sync_directories(root: Path) -> None:
             os.close(descriptor)
 
 
+def _kept_link(entry: Entry, finished: FinishedPlan) -> bool:
+    """Whether ``entry`` is copied as a link: every link discovery kept, but one to a file the repair rewrites
+    (a torch file it changes, a DCP ``.metadata`` it extends), which the copy holds as a regular file."""
+    if not entry.link:
+        return False
+    if entry.dcp is not None:
+        return not finished.files[entry.dcp].replaces(entry.member_name())
+    planned = finished.files.get(entry.rel) if entry.role == "torch" else None
+    return planned is None or not planned.changes_anything
+
+
 def _write_directory(
     found: Discovery, tmp: Path, finished: FinishedPlan, *, link: bool, sync: bool, meter: Meter, notice: Notice
 ) -> Verification:
     """Write every entry discovery listed into ``tmp``: the planned files by their adapters, the rest copied
     as they are (or hard-linked); then verify each planned file from disk."""
     total = NOTHING
+    kept: list[str] = []
     for entry in found.entries:
         source, target = found.path(entry), tmp / entry.rel if entry.rel else tmp
         planned = finished.files.get(entry.rel) if entry.role in ("torch", "dcp") else None
-        if entry.link:
+        if _kept_link(entry, finished):
             os.symlink(os.readlink(source), target)  # a link (even a dangling one) stays a link, as cp -R does
+            kept.append(entry.rel)
         elif entry.role == "directory":
             target.mkdir()
         elif planned is not None:
@@ -106,8 +119,11 @@ def _write_directory(
             total += _copy(source, target, entry.rel, link=link, sync=sync, meter=meter)
     if sync:
         _sync_directories(tmp)
+    for rel in kept:
+        verify_copied_link(found.target / rel, tmp / rel, rel)
     for rel, planned in finished.files.items():
-        total += planned.verify(found.target / rel if rel else found.target, tmp / rel if rel else tmp, meter)
+        if rel not in kept:
+            total += planned.verify(found.target / rel if rel else found.target, tmp / rel if rel else tmp, meter)
     return total
 
 
@@ -124,9 +140,11 @@ def _written_bytes(found: Discovery, finished: FinishedPlan, *, link: bool) -> i
         return entry.rel in finished.files
 
     return sum(
-        os.lstat(found.path(entry)).st_size
+        os.stat(found.path(entry)).st_size
         for entry in found.entries
-        if entry.role not in ("directory", "special", "dcp") and not entry.link and (not link or rewritten(entry))
+        if entry.role not in ("directory", "special", "dcp")
+        and not _kept_link(entry, finished)
+        and (not link or rewritten(entry))
     )
 
 

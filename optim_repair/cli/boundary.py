@@ -124,6 +124,15 @@ LatestFlag = Annotated[
         "epoch=E-step=S.ckpt; a DCP step without .metadata is still being written and is passed over).",
     ),
 ]
+DereferenceFlag = Annotated[
+    bool,
+    typer.Option(
+        "--dereference",
+        "-L",
+        help="Follow every symbolic link under CKPT, as cp -L does: read and copy what it reaches. By default a "
+        "link is kept as a link (one to a file outside CKPT is read through; the copy holds a repaired file).",
+    ),
+]
 QuietFlag = Annotated[bool, typer.Option("--quiet", "-q", help="Show results only: no progress, no messages.")]
 ColorOption = Annotated[
     str,

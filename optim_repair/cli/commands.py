@@ -14,6 +14,7 @@ from optim_repair.cli.boundary import (
     Checkpoint,
     ColorOption,
     Command,
+    DereferenceFlag,
     Group,
     JsonFlag,
     LatestFlag,
@@ -95,6 +96,7 @@ def inspect(
         ),
     ] = False,
     latest: LatestFlag = False,
+    dereference: DereferenceFlag = False,
     json: JsonFlag = False,
     quiet: QuietFlag = False,
     color: ColorOption = "auto",
@@ -103,7 +105,7 @@ def inspect(
     screen = make_screen(color, quiet)
 
     def command() -> int:
-        diagnosis = api.inspect(_step(checkpoint, latest, screen), strict=strict, model=model)
+        diagnosis = api.inspect(_step(checkpoint, latest, screen), strict=strict, model=model, dereference=dereference)
         if json:
             render.print_json(render.inspect_document(diagnosis))
         else:
@@ -197,6 +199,7 @@ def fix(
         ),
     ] = False,
     latest: LatestFlag = False,
+    dereference: DereferenceFlag = False,
     dry_run: Annotated[
         bool,
         typer.Option("--dry-run", help="Show what would be added and written, and the free space; write nothing."),
@@ -226,6 +229,7 @@ def fix(
                 optimizer=optimizer,
                 model=model,
                 link=link,
+                dereference=dereference,
                 reset_phantom_step=reset_phantom_step,
                 operations=changes,
             )
@@ -243,6 +247,7 @@ def fix(
                 model=model,
                 force=force,
                 link=link,
+                dereference=dereference,
                 sync=not no_sync,
                 reset_phantom_step=reset_phantom_step,
                 operations=changes,

@@ -333,4 +333,14 @@ def diagnose(
                 "info",
             )
         )
+    if inventory.links_outside:
+        links = inventory.links_outside
+        notices.append(
+            Notice(
+                "links-outside",
+                f"{len(links)} symbolic link(s) point outside the checkpoint and are kept as links in a copy, where "
+                f"a relative one may reach nothing: {shown_params(links)}; fix --dereference copies what they reach",
+                "info",
+            )
+        )
     return Diagnosis(inventory, tuple(optimizers), tuple(notices), strict)

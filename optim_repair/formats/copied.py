@@ -1,4 +1,4 @@
-"""The proof for files copied as they are: every byte compared from disk."""
+"""The proof for files copied as they are: every byte compared from disk, and links kept as links."""
 
 from __future__ import annotations
 
@@ -27,3 +27,9 @@ def verify_copied_file(original: Path, copy: Path, source: str) -> Verification:
     if not same_file(original, copy):
         raise VerificationError("the copy differs from the original", path=source)
     return Verification(0, os.lstat(original).st_size)
+
+
+def verify_copied_link(original: Path, copy: Path, source: str) -> None:
+    """Prove a link kept as a link says what the original says (where it points, not what it reaches)."""
+    if not copy.is_symlink() or os.readlink(copy) != os.readlink(original):
+        raise VerificationError(f"is not the link {original} is", path=source)

@@ -1,15 +1,13 @@
-"""Opening input files: regular files only, never through a symbolic link, never blocking.
+"""Opening input files: regular files only, never blocking.
 
-A FIFO named ``optimizer.pt`` would block ``open()`` forever, a link to ``/dev/zero`` would feed a
-reader without end, and a link to a file outside the checkpoint would be read as part of it. Every
-reader opens its input here: ``O_NOFOLLOW | O_NONBLOCK``, then ``fstat`` must say a regular file.
-(The user's argument may itself be a link: ``discovery`` resolves it once, so that what is opened
-here never is one.)
+A FIFO named ``optimizer.pt`` would block ``open()`` forever, and a link to ``/dev/zero`` would feed a
+reader without end. Every reader opens its input here: ``stat`` must say a regular file, then it is
+opened ``O_NONBLOCK`` and ``fstat`` of what was opened must say so too, so that a link is read through
+only when it reaches one, whatever it was a moment before.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 from pathlib import Path, PurePosixPath
@@ -33,13 +31,14 @@ def kind_of(mode: int) -> str:
 
 
 def open_regular(path: Path, source: str) -> BinaryIO:
-    """Open ``path`` for reading, refusing anything but a regular file reached without a link."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    """Open ``path`` for reading, refusing anything but a regular file: a device is never opened (opening one
+    can act), and what was opened is checked again, in case it changed in between."""
     try:
-        descriptor = os.open(path, flags)
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise InputError(f"is {kind_of(mode)}, not a regular file", path=source)
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise InputError("is a symbolic link; optim-repair reads no file through a link", path=source) from exc
         raise InputError(f"cannot read ({os_error_reason(exc)})", path=source) from exc
     mode = os.fstat(descriptor).st_mode
     if not stat.S_ISREG(mode):
@@ -55,7 +54,7 @@ def size_of(stream: BinaryIO) -> int:
 
 def open_beneath(directory: Path, relative: str, source: str) -> BinaryIO:
     """Open ``directory / relative`` (a path a file names, such as a DCP shard) without leaving
-    ``directory`` or passing through a link on the way."""
+    ``directory`` through a link on the way; the file itself may be a link to a regular file (DVC)."""
     parts = PurePosixPath(relative).parts
     current = directory
     for part in parts[:-1]:

@@ -197,6 +197,10 @@ class CheckpointInventory:
     skipped: tuple[Skipped, ...] = ()
     weights: tuple[WeightMap, ...] = field(default=())
     """Model weights beside the optimizer files (``model.safetensors``), for parameter shapes."""
+    links_outside: tuple[str, ...] = ()
+    """The symbolic links, kept as links in a copy, that point outside the checkpoint."""
+    dereference: bool = False
+    """Whether every link under the argument was followed (``--dereference``) instead of kept."""
 
     @property
     def optimizers(self) -> tuple[OptimizerInventory, ...]:

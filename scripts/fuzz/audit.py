@@ -60,11 +60,13 @@ class Auditor:
         self.static_roots = tuple(static_roots)
         self.package_dir = package_dir
         self.input_dir = ""
+        self.dereference = False
         self.case_roots: tuple[str, ...] = ()
         self.events: list[dict[str, str]] = []
         self._seen: set[tuple[str, ...]] = set()
 
-    def arm(self, input_dir: str, output_dir: str) -> None:
+    def arm(self, input_dir: str, output_dir: str, *, dereference: bool = False) -> None:
+        self.dereference = dereference
         self.input_dir = os.path.realpath(input_dir)
         self.case_roots = (self.input_dir, os.path.realpath(output_dir))
         self.events, self._seen = [], set()
@@ -122,11 +124,21 @@ class Auditor:
             if access == "write" and under(real, self.input_dir):
                 self._record("input-write", event, real)
             return
+        reachable = os.path.isfile(real) or (self.dereference and os.path.isdir(real))
+        if access == "read" and follow and reachable and self._named_inside(text):
+            return  # a link in the checkpoint to a regular file (or with -L through a directory), read through
         if access == "read" and any(under(real, root) for root in self.static_roots):
             return
         if real == "/dev/null":
             return
         self._record(f"outside-{access}", event, real)
+
+    def _named_inside(self, text: str) -> bool:
+        """Whether ``text`` names a path in the case's directories, reached through a link to a file there, or
+        with ``dereference`` through linked directories too."""
+        directory = os.path.dirname(os.path.abspath(text))
+        directory = directory if self.dereference else os.path.realpath(directory)
+        return any(under(directory, root) for root in self.case_roots)
 
     def _record(self, kind: str, event: str, detail: str) -> None:
         where = ""

@@ -186,6 +186,8 @@ class Case:
     fix: bool
     fill: str | None
     link: bool
+    dereference: bool
+    """Whether links are followed (``--dereference``), in ``inspect`` and ``fix``."""
 
 
 def make_case(corpus: Sequence[Seed], outside: Outside, seed: int, index: int, fix_every: int) -> Case:
@@ -213,4 +215,5 @@ def make_case(corpus: Sequence[Seed], outside: Outside, seed: int, index: int, f
         ctx.notes.append("(havoc)")
     fix = fix_every > 0 and index % fix_every == 0
     fill = rng.choice((None, "empty", "fresh"))
-    return Case(index, chosen, ctx.tree, label, ctx.notes, fix, fill, rng.random() < 0.3)
+    link = rng.random() < 0.3
+    return Case(index, chosen, ctx.tree, label, ctx.notes, fix, fill, link, rng.random() < 0.2)

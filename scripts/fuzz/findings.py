@@ -185,7 +185,10 @@ def save_reproducer(out: Path, finding: Finding, case: Case, raw: Raw, seed: int
     path = directory / "input" / case.seed.arg
     call = f"optim_repair.inspect({str(path)!r})"
     if case.fix:
-        call += f"; optim_repair.fix({str(path)!r}, OUT, fill={case.fill!r}, link={case.link})"
+        call += (
+            f"; optim_repair.fix({str(path)!r}, OUT, fill={case.fill!r}, link={case.link}, "
+            f"dereference={case.dereference})"
+        )
     document = {
         "seed": seed,
         "case": case.index,
@@ -193,7 +196,7 @@ def save_reproducer(out: Path, finding: Finding, case: Case, raw: Raw, seed: int
         "kind": case.seed.kind,
         "mutator": case.mutator,
         "notes": case.notes,
-        "fix": {"fill": case.fill, "link": case.link} if case.fix else None,
+        "fix": {"fill": case.fill, "link": case.link, "dereference": case.dereference} if case.fix else None,
         "finding": dataclasses.asdict(finding),
         "signature": finding.signature,
         "death": raw.death,

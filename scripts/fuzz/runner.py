@@ -85,6 +85,7 @@ def run(
                     "fix": case.fix,
                     "fill": case.fill,
                     "link": case.link,
+                    "dereference": case.dereference,
                 }
                 limit = timeout if deaths[case.mutator] < hang_budget else min(timeout, SLOW_TIMEOUT_S)
                 raw = supervisor.run(request, limit)

@@ -184,16 +184,19 @@ def run_request(request: Mapping[str, Any], auditor: Auditor, package_dir: str) 
         pass
     fds = _open_fds()
     path, out = request["path"], request["out"]
-    auditor.arm(request["in_dir"], request["out_dir"])
-    diagnosis, inspected = _guarded(lambda: optim_repair.inspect(path))
+    dereference = request["dereference"]
+    auditor.arm(request["in_dir"], request["out_dir"], dereference=dereference)
+    diagnosis, inspected = _guarded(lambda: optim_repair.inspect(path, dereference=dereference))
     rendered: BaseException | None = None
     if inspected is None:
         rendered = _guarded(lambda: json.dumps(inspect_document(diagnosis)))[1]
     fixed = reinspected = None
     if request["fix"]:
-        _, fixed = _guarded(lambda: optim_repair.fix(path, out, fill=request["fill"], link=request["link"]))
+        _, fixed = _guarded(
+            lambda: optim_repair.fix(path, out, fill=request["fill"], link=request["link"], dereference=dereference)
+        )
         if fixed is None:
-            _, reinspected = _guarded(lambda: optim_repair.inspect(out))
+            _, reinspected = _guarded(lambda: optim_repair.inspect(out, dereference=dereference))
     auditor.armed = False
     events = auditor.events
     response: dict[str, Any] = {

@@ -98,21 +98,28 @@ def test_a_fifo_is_never_opened(tmp_path: Path) -> None:
     assert "__0_0.distcp: is a FIFO, not a regular file" in refused("inspect", dcp, timeout=20)
 
 
-def test_no_file_is_read_through_a_link(tmp_path: Path) -> None:
-    """One link policy: a link is copied as a link and never followed, except the argument itself."""
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    dcp = dk.unirl_dcp(tmp_path / "d").path
-    (dcp / "__0_0.distcp").rename(outside / "shard.distcp")
-    (dcp / "__0_0.distcp").symlink_to(outside / "shard.distcp")
-    assert "__0_0.distcp: is a symbolic link; optim-repair reads no file through a link" in refused("inspect", dcp)
+def test_a_link_is_read_through_only_to_a_regular_file(tmp_path: Path) -> None:
+    """A link to a FIFO or a device is never opened, in a directory, as a DCP shard, or followed with -L."""
     built = trainers.hf_trainer(tmp_path / "hf")
-    (built.path / "optimizer.pt").rename(outside / "optimizer.pt")
-    (built.path / "optimizer.pt").symlink_to(outside / "optimizer.pt")
-    assert "no optimizer state found in any file" in refused("inspect", built.path)
-    link = tmp_path / "link.pt"
-    link.symlink_to(outside / "optimizer.pt")
-    assert run_cli(["inspect", link], code=None).exit_code == 0, "the argument itself may be a link"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (built.path / "extra.pt").symlink_to(fifo)
+    (built.path / "zeros.safetensors").symlink_to("/dev/zero")
+    document = json.loads(run_cli(["inspect", built.path, "--json"], code=None).stdout)
+    assert {"file": "extra.pt", "kind": "other", "reason": "is a link to a FIFO, not a regular file"} in document[
+        "skipped"
+    ]
+    assert {
+        "file": "zeros.safetensors",
+        "kind": "other",
+        "reason": "is a link to a character device, not a regular file",
+    } in document["skipped"]
+    line = refused("fix", built.path, "--out", tmp_path / "o", "--dereference", timeout=20)
+    assert "extra.pt: is a link to a FIFO; optim-repair copies only" in line
+    dcp = dk.unirl_dcp(tmp_path / "d").path
+    (dcp / "__0_0.distcp").unlink()
+    (dcp / "__0_0.distcp").symlink_to(fifo)
+    assert "__0_0.distcp: is a FIFO, not a regular file" in refused("inspect", dcp, timeout=20)
 
 
 def test_a_link_loop_is_a_short_error(tmp_path: Path) -> None:

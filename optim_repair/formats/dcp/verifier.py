@@ -121,37 +121,34 @@ def verify_planned_dcp(src: Path, dest: Path, planned: PlannedEntries) -> Verifi
     return verification
 
 
-def _members(root: Path) -> list[str]:
-    """Every file, link and directory under ``root`` (links not followed), by path relative to it."""
-
-    def fail(exc: OSError) -> None:
-        raise exc
-
-    found = []
-    for current, directories, files in os.walk(root, onerror=fail):
-        for name in (*directories, *files):
-            found.append(os.path.relpath(os.path.join(current, name), root))
-    return found
-
-
-def _verify_members(src: Path, dest: Path, original: DcpMetadata) -> None:
-    """Every file of the checkpoint is in the copy: links as the same links, shards as long, the rest byte-identical.
+def _verify_members(src: Path, dest: Path, original: DcpMetadata, rel: str = "") -> None:
+    """Every file of the checkpoint is in the copy: links as the same links (or, followed, as what they reach),
+    shards as long, the rest byte-identical.
 
     The bytes of every stored entry are compared through the metadata; ``.metadata`` itself is compared there.
+    A directory is descended into only where the copy holds a directory, so the walk ends with the copy.
     """
     shards = {info.relative_path for info in original.storage.values()}
-    for name in _members(src):
-        source, target = src / name, dest / name
-        if source.is_symlink():
+    try:
+        names = sorted(os.listdir(src / rel if rel else src))
+    except OSError as exc:
+        raise VerificationError(f"the original cannot be listed ({exc.strerror})", path=str(src / rel)) from exc
+    for name in names:
+        member = f"{rel}/{name}" if rel else name
+        source, target = src / member, dest / member
+        if source.is_symlink() and (target.is_symlink() or not source.exists()):
             if not target.is_symlink() or os.readlink(target) != os.readlink(source):
                 raise VerificationError(f"is not the link {source} is", path=target)
         elif source.is_dir():
             if not target.is_dir() or target.is_symlink():
                 raise VerificationError("is not a directory", path=target)
-        elif name in shards:
+            _verify_members(src, dest, original, member)
+        elif target.is_symlink():
+            raise VerificationError(f"is a link where {source} is a file", path=target)
+        elif member in shards:
             if not target.is_file() or target.stat().st_size != source.stat().st_size:
                 raise VerificationError("the shard's size differs from the original's", path=target)
-        elif name != METADATA_FILE and not same_file(source, target):
+        elif member != METADATA_FILE and not same_file(source, target):
             raise VerificationError(f"differs from {source}", path=target)
 
 
