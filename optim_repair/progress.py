@@ -6,7 +6,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-Stage = Literal["write", "verify"]
+Stage = Literal["write", "sync", "verify"]
+"""``write``: bytes written into the copy; ``sync``: bytes of it made durable (with sync on); ``verify``: bytes
+read back and compared."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class Meter:
     def __init__(self, progress: Progress, total: int) -> None:
         self._progress = progress
         self._total = total
-        self._done: dict[Stage, int] = {"write": 0, "verify": 0}
+        self._done: dict[Stage, int] = {"write": 0, "sync": 0, "verify": 0}
 
     def advance(self, stage: Stage, nbytes: int) -> None:
         self._done[stage] = min(self._done[stage] + nbytes, self._total)
@@ -53,6 +55,9 @@ class Meter:
 
     def writing(self, nbytes: int) -> None:
         self.advance("write", nbytes)
+
+    def syncing(self, nbytes: int) -> None:
+        self.advance("sync", nbytes)
 
     def verifying(self, nbytes: int) -> None:
         self.advance("verify", nbytes)

@@ -41,8 +41,8 @@ class PlannedFile(Protocol):
     def added_bytes(self) -> int:
         """About how many bytes the planned additions add to the copy."""
 
-    def write(self, src: Path, dest: Path, *, sync: bool, meter: Meter) -> None:
-        """Write it into ``dest`` (a new file, or the DCP checkpoint's directory)."""
+    def write(self, src: Path, dest: Path, *, meter: Meter) -> None:
+        """Write it into ``dest`` (a new file, or the DCP checkpoint's directory); ``writing`` syncs it."""
 
     def verify(self, src: Path, dest: Path, meter: Meter) -> Verification:
         """Prove the copy at ``dest`` from disk against the original at ``src`` and the plan alone."""
@@ -72,13 +72,12 @@ class PlannedTorchFile:
     def added_bytes(self) -> int:
         return _added_bytes(self.additions)
 
-    def write(self, src: Path, dest: Path, *, sync: bool, meter: Meter) -> None:
+    def write(self, src: Path, dest: Path, *, meter: Meter) -> None:
         # The writer and the verifier report the storages they move and compare; the rest of the file
         # (its pickle, headers and framing) is reported when each is done, so that stages end at the total.
         tally = _Tally(meter.writing)
         write_torch_file(
-            src, self.source, self.additions, dest, changes=self.changes, sync=sync, parsed=self.original,
-            on_bytes=tally,
+            src, self.source, self.additions, dest, changes=self.changes, parsed=self.original, on_bytes=tally,
         )  # fmt: skip
         tally.top_up(src.stat().st_size)
 
@@ -107,9 +106,9 @@ class PlannedDcp:
     def added_bytes(self) -> int:
         return sum(entry.value.nbytes for entry in self.planned.entries if isinstance(entry.value, FreshTensor))
 
-    def write(self, src: Path, dest: Path, *, sync: bool, meter: Meter) -> None:
+    def write(self, src: Path, dest: Path, *, meter: Meter) -> None:
         dest.mkdir(exist_ok=True)
-        write_planned_dcp(src, self.planned, dest, sync=sync)
+        write_planned_dcp(src, self.planned, dest)
         if self.planned.rewrites_metadata:  # written in place of the original's, which the progress counts
             meter.writing((src / METADATA_FILE).stat().st_size)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from optim_repair.checkpoint.discovery import Discovery, Entry
@@ -39,9 +40,7 @@ def check_output(source: Path, out: Path, *, force: bool) -> None:
         raise OutputError("no such directory for {argument}", path=out.parent, argument="out")
 
 
-def _copy(
-    source: Path, target: Path, rel: str, *, link: bool, sync: bool, meter: Meter, verify: bool = True
-) -> Verification:
+def _copy(source: Path, target: Path, rel: str, *, link: bool, meter: Meter, verify: bool = True) -> Verification:
     """Copy a file the repair does not change, the kernel moving the bytes (a reflink where the file system
     can), or hard-link it with ``link``; verify the copy unless its checkpoint's verification covers it."""
     if link:
@@ -59,8 +58,6 @@ def _copy(
         try:
             size = size_of(original)
             kernel_copy(original.fileno(), descriptor, 0, size, 0)
-            if sync:
-                os.fsync(descriptor)
         finally:
             os.close(descriptor)
     meter.writing(size)
@@ -71,14 +68,32 @@ def _copy(
     return verification
 
 
-def _sync_directories(root: Path) -> None:
-    """fsync every directory of a written tree, so that its entries survive a crash as its files do."""
-    for directory, _, _ in os.walk(root):
-        descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+def _sync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _sync_copy(tmp: Path, meter: Meter) -> None:
+    """fsync every file the copy wrote (not a hard link to the original's, not a link), then every directory,
+    so that its entries survive a crash as its files do: one stage after writing, reported as ``sync``."""
+    if not tmp.is_dir():
+        _sync(tmp)
+        meter.syncing(os.lstat(tmp).st_size)
+        return
+    directories = []
+    for directory, _, names in os.walk(tmp):
+        directories.append(directory)
+        for name in names:
+            path = os.path.join(directory, name)
+            status = os.lstat(path)
+            if stat.S_ISREG(status.st_mode) and status.st_nlink == 1:
+                _sync(Path(path))
+                meter.syncing(status.st_size)
+    for directory in directories:
+        _sync(Path(directory))
 
 
 def _kept_link(entry: Entry, finished: FinishedPlan) -> bool:
@@ -110,15 +125,15 @@ def _write_directory(
         elif planned is not None:
             if planned.changes_anything:
                 notice(f"writing {entry.rel or 'DCP checkpoint'}")
-            planned.write(source, target, sync=sync, meter=meter)
+            planned.write(source, target, meter=meter)
         elif entry.dcp is not None and finished.files[entry.dcp].replaces(entry.member_name()):
             continue  # its adapter wrote it
         elif entry.dcp is not None:  # verified with its checkpoint, through the new metadata
-            total += _copy(source, target, entry.rel, link=link, sync=sync, meter=meter, verify=False)
+            total += _copy(source, target, entry.rel, link=link, meter=meter, verify=False)
         else:
-            total += _copy(source, target, entry.rel, link=link, sync=sync, meter=meter)
+            total += _copy(source, target, entry.rel, link=link, meter=meter)
     if sync:
-        _sync_directories(tmp)
+        _sync_copy(tmp, meter)
     for rel in kept:
         verify_copied_link(found.target / rel, tmp / rel, rel)
     for rel, planned in finished.files.items():
@@ -200,7 +215,9 @@ def write_copy(
             else:
                 notice(f"writing {out}")
                 planned = finished.files[""]
-                planned.write(source, tmp, sync=sync, meter=meter)
+                planned.write(source, tmp, meter=meter)
+                if sync:
+                    _sync_copy(tmp, meter)
                 verification = planned.verify(source, tmp, meter)
             move_into_place(tmp, out, force=force, sync=sync)
         except OSError as exc:

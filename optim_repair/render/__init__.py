@@ -1,4 +1,6 @@
-"""Everything the user sees: rich reports (``reports``) and one JSON document for scripts (``documents``).
+"""Everything the user sees: rich reports, a progress bar, and one JSON document for scripts.
+
+``reports`` and ``progress_bar`` draw with rich; ``documents`` builds the JSON.
 
 Results go to stdout; messages, progress and errors to stderr.
 """
@@ -21,6 +23,7 @@ from optim_repair.render.documents import (
     inspect_document,
     print_json,
 )
+from optim_repair.render.progress_bar import progress_bar
 from optim_repair.render.reports import (
     Color,
     Screen,
@@ -30,7 +33,6 @@ from optim_repair.render.reports import (
     print_error,
     print_fix,
     print_inspect,
-    progress_bar,
 )
 
 __all__ = [

@@ -1,21 +1,19 @@
-"""The reports people read: rich tables on stdout, messages, progress and errors on stderr.
+"""The reports people read: rich tables on stdout, messages and errors on stderr.
 
-The only module that imports rich.
+With ``progress_bar``, the only modules that import rich.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any, Literal, TextIO, cast
 
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, TaskID, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-from rich.progress import Progress as RichProgress
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -24,7 +22,6 @@ from optim_repair.decisions.comparison import ModelComparison
 from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis
 from optim_repair.decisions.notices import Notice, fsdp1_after_fill
 from optim_repair.demo import DemoReport
-from optim_repair.progress import Progress, Step, ignore
 from optim_repair.records.inventory import ParamKey
 from optim_repair.records.repair_plan import RepairPlan
 
@@ -62,13 +59,15 @@ class Screen:
 
     def _console(self, stream: TextIO, width: int | None = None) -> Console:
         file = cast("IO[str]", _Escaping(stream))
+        # A terminal gets lines wrapped between words; a pipe gets each line whole, for grep.
+        soft = not stream.isatty()
         if self.color == "auto":
-            return Console(file=file, highlight=False, soft_wrap=True, width=width)
+            return Console(file=file, highlight=False, soft_wrap=soft, width=width)
         if self.color == "never":
-            return Console(file=file, highlight=False, soft_wrap=True, width=width, no_color=True)
+            return Console(file=file, highlight=False, soft_wrap=soft, width=width, no_color=True)
         # always: colour even into a pipe and on a dumb terminal, which rich would otherwise leave plain
         return Console(
-            file=file, highlight=False, soft_wrap=True, width=width, force_terminal=True, no_color=False,
+            file=file, highlight=False, soft_wrap=soft, width=width, force_terminal=True, no_color=False,
             color_system="standard",
         )  # fmt: skip
 
@@ -85,6 +84,55 @@ def _table(console: Console, **options: Any) -> Table:
     """A table drawn in ASCII where the terminal cannot draw boxes (TERM=dumb, a non-UTF-8 encoding)."""
     plain = os.environ.get("TERM") == "dumb" or not console.encoding.lower().startswith("utf")
     return Table(box=box.ASCII if plain else box.HEAVY_HEAD, pad_edge=False, **options)
+
+
+def _column_widths(console: Console, table: Table, rows: list[list[str]]) -> list[int] | None:
+    """Widths for the columns of ``table`` that keep every word of every cell whole (rich, squeezing a table,
+    cuts the widest column first, mid-word), or None when the console is too narrow for that."""
+    wide = console.options.update(width=1 << 20)
+    shortest, longest = [], []
+    for column, cells in zip(table.columns, zip(*rows, strict=True), strict=True):
+        measured = [Measurement.get(console, wide, Text(cell)) for cell in (str(column.header), *cells)]
+        shortest.append(max(m.minimum for m in measured))
+        longest.append(max(m.maximum for m in measured))
+    columns = len(shortest)
+    room = console.width - (2 * columns - 2) - (columns + 1)  # the padding inside, and the rules
+    if sum(shortest) > room:
+        return None
+    if sum(longest) <= room:
+        return longest
+    widths, spare = list(shortest), room - sum(shortest)
+    wanting = sorted(range(columns), key=lambda i: longest[i] - shortest[i])
+    for place, i in enumerate(wanting):  # the room left, shared: a column that wants little gets all it wants
+        given = min(longest[i] - shortest[i], spare // (columns - place))
+        widths[i] += given
+        spare -= given
+    return widths
+
+
+def _print_table(console: Console, table: Table, rows: list[list[str]]) -> None:
+    """``table`` where its words fit whole; else each row as one line of ``header=value`` pairs, wrapped
+    between words."""
+    widths = _column_widths(console, table, rows) if rows else None
+    if not rows or widths is not None:
+        for column, width in zip(table.columns, widths or (), strict=False):
+            column.width = width
+        console.print(table)
+        return
+    headers = [str(column.header) for column in table.columns]
+    for row in rows:
+        pairs = " ".join(f"{header}={value}" for header, value in zip(headers[1:], row[1:], strict=True))
+        _print_line(console, Text(f"{row[0]}: {pairs}"), indent=0)
+
+
+def _print_line(console: Console, text: Text, indent: int = 2) -> None:
+    """One line of the report, indented; on a terminal wrapped between words, its later lines under its first."""
+    if console.soft_wrap:
+        console.print(Text(" " * indent) + text)
+        return
+    for line in text.wrap(console, max(console.width - indent, 20)):
+        line.rstrip()
+        console.print(Text(" " * indent) + line)
 
 
 def _shown_names(params: tuple[ParamKey, ...]) -> str:
@@ -105,73 +153,66 @@ def _notice_code(notice: Notice) -> tuple[str, str]:
     return notice.code, _NOTICE_STYLE[notice.severity]
 
 
-def _optimizer_table(console: Console, diagnosis: Diagnosis) -> Table:
+def _print_optimizer_table(console: Console, diagnosis: Diagnosis) -> None:
     table = _table(console)
     for column in ("optimizer", "keys", "groups", "params", "states", "missing", "empty", "malformed"):
-        table.add_column(
-            column, justify="right" if column in ("groups", "params", "states") else "left", overflow="fold"
-        )
+        table.add_column(column, justify="right" if column in ("groups", "params", "states") else "left")
+    rows = []
     for opt in diagnosis.optimizers:
-        table.add_row(
-            Text(_optimizer_label(opt)),
-            opt.key_style,
-            str(opt.groups),
-            str(opt.params),
-            str(opt.states),
-            Text(str(len(opt.missing)), style="yellow" if opt.missing else ""),
-            str(len(opt.empty)),
-            Text(str(len(opt.malformed)), style="red" if opt.malformed else ""),
-        )
-    return table
+        row = [
+            _optimizer_label(opt), opt.key_style, str(opt.groups), str(opt.params), str(opt.states),
+            str(len(opt.missing)), str(len(opt.empty)), str(len(opt.malformed)),
+        ]  # fmt: skip
+        rows.append(row)
+        styles = {5: "yellow" if opt.missing else "", 7: "red" if opt.malformed else ""}
+        table.add_row(*(Text(value, style=styles.get(i, "")) for i, value in enumerate(row)))
+    _print_table(console, table, rows)
 
 
 def _print_details(console: Console, diagnosis: Diagnosis) -> None:
     for opt in diagnosis.optimizers:
         where = _optimizer_label(opt)
         if opt.missing:
-            console.print(Text.assemble("  ", ("missing", "yellow"), f" in {where}: {_shown_names(opt.missing)}"))
+            _print_line(console, Text.assemble(("missing", "yellow"), f" in {where}: {_shown_names(opt.missing)}"))
         for finding in opt.malformed:
             detail = f" in {where}: {finding.param!r}: {finding.detail}"
-            console.print(Text.assemble("  ", (finding.code, "red"), detail))
+            _print_line(console, Text.assemble((finding.code, "red"), detail))
         for notice in opt.notices:
-            console.print(Text.assemble("  ", _notice_code(notice), f" in {where}: {notice.detail}"))
+            _print_line(console, Text.assemble(_notice_code(notice), f" in {where}: {notice.detail}"))
         if opt.model is not None:
             _print_model(console, where, opt.model)
     for notice in diagnosis.notices:
-        console.print(Text.assemble("  ", _notice_code(notice), f": {notice.detail}"))
+        _print_line(console, Text.assemble(_notice_code(notice), f": {notice.detail}"))
     for skipped in diagnosis.inventory.skipped:
-        console.print(Text(f"  skipped {skipped.file}: {skipped.reason}", style="dim"))
+        _print_line(console, Text(f"skipped {skipped.file}: {skipped.reason}", style="dim"))
 
 
 def _print_model(console: Console, where: str, found: ModelComparison) -> None:
     counts = f"{found.optimizer_params} parameters in the optimizer, {found.model_params} in the model"
     if found.by_index:
         verdict = "fits" if found.matches else "does not fit"
-        console.print(Text(f"  model for {where}: {counts}: {verdict} (index keys: compared by counts only)"))
+        _print_line(console, Text(f"model for {where}: {counts}: {verdict} (index keys: compared by counts only)"))
         return
-    console.print(Text(f"  model for {where}: {counts} ({', '.join(found.sources)})"))
+    _print_line(console, Text(f"model for {where}: {counts} ({', '.join(found.sources)})"))
     if found.not_in_model:
-        console.print(Text.assemble("  ", ("not-in-model", "yellow"), f": {_shown_names(found.not_in_model)}"))
+        _print_line(console, Text.assemble(("not-in-model", "yellow"), f": {_shown_names(found.not_in_model)}"))
     if found.rename is not None:
-        console.print(Text(f"  every such name maps onto the model's with: fix --rename '{found.rename}'"))
+        _print_line(console, Text(f"every such name maps onto the model's with: fix --rename '{found.rename}'"))
     for mismatch in found.shape_mismatches:
         shapes = f"{list(mismatch.state_shape)} but the model's parameter has {list(mismatch.model_shape)}"
         detail = f": {mismatch.param} {mismatch.key} is {shapes}"
-        console.print(Text.assemble("  ", ("shape-mismatch-model", "red"), detail))
+        _print_line(console, Text.assemble(("shape-mismatch-model", "red"), detail))
     if found.not_in_optimizer:
-        names = _shown_names(found.not_in_optimizer)
-        console.print(Text.assemble("  ", ("not-in-optimizer", "cyan"), f" (frozen on purpose, or forgotten): {names}"))
+        names = f" (frozen on purpose, or forgotten): {_shown_names(found.not_in_optimizer)}"
+        _print_line(console, Text.assemble(("not-in-optimizer", "cyan"), names))
 
 
 def print_inspect(diagnosis: Diagnosis, screen: Screen) -> None:
     console = screen.stdout()
     verdict = diagnosis.verdict
-    console.print(
-        Text.assemble(
-            (diagnosis.inventory.path, "bold"), f" ({diagnosis.inventory.format}): ", (verdict, _VERDICT_STYLE[verdict])
-        )
-    )
-    console.print(_optimizer_table(console, diagnosis))
+    path, fmt = diagnosis.inventory.path, diagnosis.inventory.format
+    _print_line(console, Text.assemble((path, "bold"), f" ({fmt}): ", (verdict, _VERDICT_STYLE[verdict])), indent=0)
+    _print_optimizer_table(console, diagnosis)
     _print_details(console, diagnosis)
 
 
@@ -186,11 +227,12 @@ def _human_bytes(count: int) -> str:
     return f"{size:.1f} GiB"
 
 
-def _additions_table(console: Console, diagnosis: Diagnosis, plan: RepairPlan) -> Table:
+def _print_additions(console: Console, diagnosis: Diagnosis, plan: RepairPlan) -> None:
     table = _table(console)
-    table.add_column("optimizer", overflow="fold")
+    table.add_column("optimizer")
     table.add_column("added", justify="right")
-    table.add_column("entries", overflow="fold")
+    table.add_column("entries")
+    rows = []
     kinds = {(file, location): kind for file, location, kind in plan.optimizers}
     for opt in diagnosis.optimizers:
         inv = opt.optimizer
@@ -206,8 +248,9 @@ def _additions_table(console: Console, diagnosis: Diagnosis, plan: RepairPlan) -
                 parts.append(f"{verb}{what} for {_shown_names(tuple(a.param for a in group))}")
         replaced = sum(a.replaces for a in mine)
         count = f"{len(mine)} ({replaced} replaced)" if replaced else str(len(mine))
-        table.add_row(Text(label), count, Text("; ".join(parts) or "—"))
-    return table
+        rows.append([label, count, "; ".join(parts) or "—"])
+        table.add_row(*(Text(value) for value in rows[-1]))
+    _print_table(console, table, rows)
 
 
 def _changes(plan: RepairPlan) -> str:
@@ -231,7 +274,7 @@ def _print_fill_notes(console: Console, diagnosis: Diagnosis, plan: RepairPlan) 
         inv = opt.optimizer
         empty = [a for a in plan.additions if (a.file, a.address) == (inv.file, inv.address) and not a.state]
         if empty and opt.loader == "set_optimizer_state_dict":
-            console.print(Text(f"{_optimizer_label(opt)}: {fsdp1_after_fill(len(empty))}"))
+            _print_line(console, Text(f"{_optimizer_label(opt)}: {fsdp1_after_fill(len(empty))}"), indent=0)
 
 
 def _print_changes(console: Console, plan: RepairPlan) -> None:
@@ -240,55 +283,54 @@ def _print_changes(console: Console, plan: RepairPlan) -> None:
     joined = [a.param for a in plan.additions if a.group is not None]
     if renamed:
         shown = _shown_names(tuple(f"{c.old} → {c.new}" for c in renamed))
-        console.print(Text(f"renamed {len(renamed)} parameters: {shown}"))
+        _print_line(console, Text(f"renamed {len(renamed)} parameters: {shown}"), indent=0)
     if dropped:
-        console.print(Text(f"dropped {len(dropped)} parameters: {_shown_names(tuple(dropped))}"))
+        _print_line(console, Text(f"dropped {len(dropped)} parameters: {_shown_names(tuple(dropped))}"), indent=0)
     if joined:
-        console.print(Text(f"added {len(joined)} model parameters to their param group: {_shown_names(tuple(joined))}"))
+        added = f"added {len(joined)} model parameters to their param group: {_shown_names(tuple(joined))}"
+        _print_line(console, Text(added), indent=0)
 
 
 def print_fix(result: FixResult, screen: Screen) -> None:
     console = screen.stdout()
-    console.print(
-        Text.assemble(
-            (result.diagnosis.inventory.path, "bold"), " → ", (str(result.out), "bold"), f" (fill: {result.plan.fill})"
-        )
+    title = Text.assemble(
+        (result.diagnosis.inventory.path, "bold"), " → ", (str(result.out), "bold"), f" (fill: {result.plan.fill})"
     )
+    _print_line(console, title, indent=0)
     _print_changes(console, result.plan)
-    console.print(_additions_table(console, result.diagnosis, result.plan))
+    _print_additions(console, result.diagnosis, result.plan)
     _print_fill_notes(console, result.diagnosis, result.plan)
     v = result.verification
-    console.print(
-        f"[bold green]verified[/]: {v.tensors} existing tensors and {_human_bytes(v.bytes)} "
-        f"read back through the file system, bit-identical; the only changes are the {_changes(result.plan)}"
+    verified = Text.assemble(
+        ("verified", "bold green"),
+        f": {v.tensors} existing tensors and {_human_bytes(v.bytes)} read back through the file system, "
+        f"bit-identical; the only changes are the {_changes(result.plan)}",
     )
+    _print_line(console, verified, indent=0)
     if v.linked:
-        console.print(Text(f"hard-linked to the original's, not copied: {_shown_names(v.linked)}"))
+        _print_line(console, Text(f"hard-linked to the original's, not copied: {_shown_names(v.linked)}"), indent=0)
 
 
 def print_dry_run(planned: DryRun, screen: Screen) -> None:
     console = screen.stdout()
-    console.print(
-        Text.assemble(
-            ("dry run", "bold yellow"), ": ", (planned.diagnosis.inventory.path, "bold"), " → ",
-            (str(planned.out), "bold"), f" (fill: {planned.plan.fill}); nothing was written",
-        )
+    title = Text.assemble(
+        ("dry run", "bold yellow"), ": ", (planned.diagnosis.inventory.path, "bold"), " → ",
+        (str(planned.out), "bold"), f" (fill: {planned.plan.fill}); nothing was written",
     )  # fmt: skip
+    _print_line(console, title, indent=0)
     _print_changes(console, planned.plan)
-    console.print(_additions_table(console, planned.diagnosis, planned.plan))
+    _print_additions(console, planned.diagnosis, planned.plan)
     _print_fill_notes(console, planned.diagnosis, planned.plan)
-    room = "enough room" if planned.bytes_to_write <= planned.free_bytes else "[bold red]not enough room[/]"
-    console.print(
-        f"would write about {_human_bytes(planned.bytes_to_write)}; {_human_bytes(planned.free_bytes)} free there: "
-        f"{room}"
-    )
+    room = ("enough room", "") if planned.bytes_to_write <= planned.free_bytes else ("not enough room", "bold red")
+    sizes = f"would write about {_human_bytes(planned.bytes_to_write)}; {_human_bytes(planned.free_bytes)} free there: "
+    _print_line(console, Text.assemble(sizes, room), indent=0)
 
 
 def print_demo(report: DemoReport, screen: Screen, *, kept: bool) -> None:
     console = screen.stdout()
     console.rule("1. A real run saved a checkpoint; torch refuses to resume from it")
-    console.print(Text(str(report.checkpoint / "checkpoint.pt")))
-    console.print(Text.assemble("stock set_optimizer_state_dict: ", (report.stock_error, "red")))
+    _print_line(console, Text(str(report.checkpoint / "checkpoint.pt")), indent=0)
+    _print_line(console, Text.assemble("stock set_optimizer_state_dict: ", (report.stock_error, "red")), indent=0)
     console.rule("2. optim-repair inspect")
     print_inspect(report.diagnosis, screen)
     console.rule("3. optim-repair fix, both fills")
@@ -297,58 +339,25 @@ def print_demo(report: DemoReport, screen: Screen, *, kept: bool) -> None:
     console.rule("4. Resume from each copy and train on with every head in use")
     table = _table(console)
     for column in ("fill", "loader", "loads", "continues bit-identically", "max |Δ| vs uninterrupted run"):
-        table.add_column(column, overflow="fold")
+        table.add_column(column)
+    rows = []
     for outcome in report.outcomes:
-        same = "[green]yes[/]" if outcome.identical else "[red]no[/]: phantom step=1 from torch's loader"
-        loads = "yes" if outcome.loaded else "no"
-        table.add_row(outcome.fill, outcome.loader, loads, same, f"{outcome.max_difference:.3g}")
-    console.print(table)
-    console.print(
+        same = "yes" if outcome.identical else "no: phantom step=1 from torch's loader"
+        rows.append([outcome.fill, outcome.loader, "yes" if outcome.loaded else "no", same])
+        rows[-1].append(f"{outcome.max_difference:.3g}")
+        table.add_row(*rows[-1][:3], Text(same, style="green" if outcome.identical else "red"), rows[-1][4])
+    _print_table(console, table, rows)
+    closing = (
         "{} entries resume exactly through optim_repair.set_optimizer_state_dict (a drop-in for torch's); "
         "--fill fresh resumes exactly through torch's own loader, with no code change."
     )
+    _print_line(console, Text(closing), indent=0)
     if kept:
-        console.print(Text(f"files kept in {report.checkpoint.parent}"))
-
-
-SHOW_PROGRESS_FROM = 256 << 20
-"""Copies smaller than this are over too soon for a progress bar to help."""
-
-
-@contextlib.contextmanager
-def progress_bar(screen: Screen, *, show: bool) -> Iterator[Progress]:
-    """A progress callback drawing a bar on stderr for writing and verifying (bytes, rate, time left),
-    when ``show``, not quiet, stderr is a terminal and the copy is long enough to matter; else one that
-    draws nothing."""
-    if not (show and not screen.quiet and sys.stderr.isatty()):
-        yield ignore
-        return
-    bars: list[RichProgress] = []
-    tasks: dict[str, TaskID] = {}
-
-    def draw(step: Step) -> None:
-        if not bars:
-            if step.total < SHOW_PROGRESS_FROM:
-                return
-            bar = RichProgress(
-                TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-                TransferSpeedColumn(), TimeRemainingColumn(), console=screen.stderr(), transient=True,
-            )  # fmt: skip
-            bar.start()
-            bars.append(bar)
-            for stage in ("write", "verify"):
-                tasks[stage] = bar.add_task(f"{stage:<6}", total=step.total)
-        bars[0].update(tasks[step.stage], completed=step.done)
-
-    try:
-        yield draw
-    finally:
-        for bar in bars:
-            bar.stop()
+        _print_line(console, Text(f"files kept in {report.checkpoint.parent}"), indent=0)
 
 
 def print_error(message: str, screen: Screen) -> None:
-    screen.stderr().print(Text(f"optim-repair: error: {message}", style="bold red"))
+    _print_line(screen.stderr(), Text(f"optim-repair: error: {message}", style="bold red"), indent=0)
 
 
 def message_printer(screen: Screen) -> Callable[[str], None]:
@@ -356,6 +365,6 @@ def message_printer(screen: Screen) -> Callable[[str], None]:
 
     def show(message: str) -> None:
         if not screen.quiet:
-            screen.stderr().print(Text(message, style="dim"))
+            _print_line(screen.stderr(), Text(message, style="dim"), indent=0)
 
     return show

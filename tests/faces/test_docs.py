@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
 import typing
 from pathlib import Path
 
 import pytest
+import torch
 import typer.main
 
 from optim_repair import render
@@ -14,6 +16,7 @@ from optim_repair.cli import app
 from optim_repair.errors import ExitCode
 from tests import factories
 from tests.conftest import run_cli
+from tests.factories import trainers
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -188,3 +191,26 @@ def test_the_readme_resume_script(tmp_path: Path, factory: str) -> None:
         assert done.stdout == f"resuming from {fixed}\n"
         assert optim_repair.inspect(fixed).verdict == "healthy"
         assert optim_repair.plan(fixed).additions == ()
+
+
+def _shape(value: object) -> object:
+    """The keys of every mapping in ``value``, nested, with a list's first item standing for all of it."""
+    if isinstance(value, dict):
+        return {key: _shape(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_shape(value[0])] if value else []
+    return None
+
+
+def test_the_readme_json_example_is_a_real_document(tmp_path: Path) -> None:
+    """The README's example has every field, and only the fields, that inspect --json writes for its checkpoint."""
+    built = trainers.unirl_torch(tmp_path / "ckpt")
+    torch.save({"f": eval}, built.path / "extra.pt")
+    example = json.loads(re.search(r"```json\n(.*?)```", README, re.S).group(1))  # type: ignore[union-attr]
+    document = json.loads(run_cli(["inspect", tmp_path / "ckpt", "--json"], code=1).stdout)
+    assert _shape(example) == _shape(document)
+    for key in ("verdict", "format", "strict"):
+        assert example[key] == document[key], key
+    shown, real = example["optimizers"][0], document["optimizers"][0]
+    assert [n["code"] for n in shown["notices"]] == [n["code"] for n in real["notices"]]
+    assert {k: v for k, v in shown.items() if k != "notices"} == {k: v for k, v in real.items() if k != "notices"}

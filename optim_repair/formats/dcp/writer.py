@@ -57,20 +57,20 @@ def _write_value(target: int, base: int, value: AddedValue) -> int:
     return _write_archive(target, base, value, None)
 
 
-def write_planned_dcp(src: Path, planned: PlannedEntries, dest: Path, *, sync: bool = True) -> None:
+def write_planned_dcp(src: Path, planned: PlannedEntries, dest: Path) -> None:
     """Write into the directory ``dest`` the shard and ``.metadata`` that ``planned`` holds for ``src``.
 
     Writes nothing when there is nothing to change; every original file but ``.metadata`` is the caller's
     to copy: renames and drops rewrite no shard. The new ``.metadata`` is the original pickle, as the safe
     reader checked it, extended by the new entries, or (with changes) with its tables rebuilt from
     references to its own objects (``metadata_writer``); rewritten ``params`` lists and new entries go to
-    one new shard. With ``sync``, what it writes is synced to the disk.
+    one new shard. Syncing what it writes to the disk is the caller's.
     """
     if planned.rewrites_metadata:
-        _write_entries(src, planned, dest, display_path(str(src), METADATA_FILE), sync=sync)
+        _write_entries(src, planned, dest, display_path(str(src), METADATA_FILE))
 
 
-def _write_entries(src: Path, planned: PlannedEntries, dest: Path, source: str, *, sync: bool) -> None:
+def _write_entries(src: Path, planned: PlannedEntries, dest: Path, source: str) -> None:
     """Write the new shard, and the original metadata extended by the new entries."""
     extensible = planned.original.pickle
     if extensible is None:  # plan_dcp refused it
@@ -88,8 +88,6 @@ def _write_entries(src: Path, planned: PlannedEntries, dest: Path, source: str, 
                 length = _write_value(descriptor, position, value)
                 placed[key] = Place(shard, position, length)
                 position += length
-            if sync:
-                os.fsync(descriptor)
         finally:
             os.close(descriptor)
         if rekeyed.rebuilds_tables:
@@ -100,8 +98,6 @@ def _write_entries(src: Path, planned: PlannedEntries, dest: Path, source: str, 
         descriptor = os.open(dest / METADATA_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
             write_all(descriptor, data, 0)
-            if sync:
-                os.fsync(descriptor)
         finally:
             os.close(descriptor)
     except OSError as exc:

@@ -85,12 +85,11 @@ def write_torch_file(
     dest: Path,
     *,
     changes: Sequence[ParamChange] = (),
-    sync: bool = True,
     parsed: TorchFile | None = None,
     on_bytes: Callable[[int], None] = lambda nbytes: None,
 ) -> None:
     """Write ``src`` with ``changes`` (renames, drops), then ``additions`` applied to ``dest`` (created if need
-    be): every other byte of meaning unchanged, synced to the disk unless ``sync`` is false.
+    be): every other byte of meaning unchanged. Syncing it to the disk is the caller's.
 
     ``parsed`` is ``src`` as reading parsed it; it is left as it was. The plan is checked first
     (``planning.plan_torch_file``), so that a refusal comes before any byte is written.
@@ -113,8 +112,6 @@ def write_torch_file(
             write_legacy(torch_file, data, created, target, on_bytes)
         else:
             write_zip(torch_file, data, created, target, on_bytes, dropped=dropped)
-        if sync:
-            os.fsync(target)
     except ZIP_ERRORS as exc:
         raise InputError(f"damaged zip archive ({exc})", path=source) from exc
     finally:
