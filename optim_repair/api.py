@@ -57,7 +57,9 @@ def inspect(
     Raises ``optim_repair.errors.InputError`` when there is nothing to inspect.
     """
     weights = read_model_weights(Path(model)) if model is not None else None
-    inventory, _ = read_parsed(discover(Path(path), dereference=dereference))
+    found = discover(Path(path), dereference=dereference)
+    inventory, _ = read_parsed(found)
+    found.check_unchanged()  # a verdict about one version of the checkpoint, not a mix of two
     return diagnose(inventory, strict=strict, model=weights)
 
 

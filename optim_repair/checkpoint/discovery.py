@@ -80,6 +80,8 @@ class Discovery:
     """For a file argument: the safetensors files beside it (HF's ``model.safetensors``), for shapes."""
     dereference: bool = False
     """Whether every link under the argument was followed (``cp -L``) instead of kept."""
+    signatures: tuple[Signature, ...] = ()
+    """What each entry was when it was found (``signature``), in the order of ``entries``."""
 
     def path(self, entry: Entry) -> Path:
         return self.target / entry.rel if entry.rel else self.target
@@ -91,6 +93,13 @@ class Discovery:
         """Every file and directory of the DCP checkpoint ``dcp``, in walk order."""
         return tuple(entry for entry in self.entries if entry.dcp == dcp)
 
+    def check_unchanged(self) -> None:
+        """Raise ``InputError`` naming the first entry that is not what it was when it was found: written to,
+        replaced, grown or gone (a run still saving the checkpoint), so that no copy pairs two versions of it."""
+        for entry, before in zip(self.entries, self.signatures, strict=True):
+            if signature(self.path(entry)) != before:
+                raise InputError("changed while being read (is a run still saving it?)", path=self.root / entry.rel)
+
     def links_outside(self) -> tuple[str, ...]:
         """The links kept as links that point outside the checkpoint."""
         return tuple(entry.rel for entry in self.entries if entry.link and entry.outside)
@@ -98,6 +107,23 @@ class Discovery:
     def linked_directories(self) -> tuple[str, ...]:
         """The links to directories, which are kept and not walked unless ``dereference``."""
         return tuple(entry.rel for entry in self.entries if entry.link and entry.role == "directory")
+
+
+Signature = tuple[tuple[int, int, int, int] | None, tuple[int, int, int, int] | None]
+"""(device, inode, size, modification time in ns) of an entry itself and of what it reaches (a link's target)."""
+
+
+def _status(path: Path, *, follow: bool) -> tuple[int, int, int, int] | None:
+    try:
+        found = os.stat(path, follow_symlinks=follow)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns
+
+
+def signature(path: Path) -> Signature:
+    """What ``path`` is now, to tell later whether it changed: the same inode, size and modification time."""
+    return _status(path, follow=False), _status(path, follow=True)
 
 
 def relative(path: Path, root: Path) -> str:
@@ -147,33 +173,44 @@ def _followed_directory(path: Path, directory: Path) -> None:
         raise InputError("is a link to a directory that holds it; --dereference cannot copy a loop", path=path)
 
 
+MAX_DEPTH = 64
+"""How deep a checkpoint's directories may nest: real ones are a few levels deep; deeper is refused, one line."""
+
+
+def _listing(directory: Path) -> tuple[list[str], list[str]]:
+    """The names of the files (and links to anything but a directory) and of the directories in ``directory``,
+    each sorted; an entry that cannot be listed or looked at is an error, never skipped."""
+    files: list[str] = []
+    directories: list[str] = []
+    try:
+        with os.scandir(directory) as found:
+            for item in found:
+                (directories if item.is_dir() else files).append(item.name)
+    except FileNotFoundError as exc:
+        raise InputError("vanished while being read", path=_short(directory)) from exc
+    except OSError as exc:
+        raise InputError(f"cannot read ({os_error_reason(exc)})", path=_short(directory)) from exc
+    return sorted(files), sorted(directories)
+
+
 def _walk(root: Path, *, dereference: bool) -> Iterator[Entry]:
+    """Every entry under ``root``, top-down, each directory's files before its subdirectories, depth first."""
     inside: dict[str, str] = {}  # a directory inside a DCP checkpoint -> that checkpoint's rel
     real_root = Path(os.path.realpath(root))
-    for current, subdirectories, files in os.walk(root, followlinks=dereference):
-        directory = Path(current)
+    pending = [root]
+    while pending:
+        directory = pending.pop()
         rel = relative(directory, root)
-        subdirectories.sort()
+        if rel.count("/") >= MAX_DEPTH:
+            raise InputError(f"nests directories more than {MAX_DEPTH} deep", path=_short(root / rel))
+        files, subdirectories = _listing(directory)
         dcp = inside.get(rel)
         if dcp is None and METADATA_FILE in files and is_dcp_directory(directory):
             yield Entry(rel, "dcp")
             dcp = rel
-        for name in sorted(files):
-            path = directory / name
-            mode = os.lstat(path).st_mode
-            role: Role = "file" if dcp is not None else _file_role(name)
-            if stat.S_ISLNK(mode) and dereference:
-                target, kind = _link_target(path)
-                if kind:
-                    yield Entry(relative(path, root), "special", False, dcp, kind)
-                    continue
-                mode = target or mode
-            if stat.S_ISLNK(mode):
-                yield _linked_entry(path, relative(path, root), role, dcp, real_root)
-            elif stat.S_ISREG(mode):
-                yield Entry(relative(path, root), role, False, dcp)
-            else:
-                yield Entry(relative(path, root), "special", False, dcp, kind_of(mode))
+        for name in files:
+            yield _file_entry(directory / name, relative(directory / name, root), dcp, real_root, dereference)
+        walked = []
         for name in subdirectories:
             path = directory / name
             if dcp is not None:
@@ -185,6 +222,35 @@ def _walk(root: Path, *, dereference: bool) -> Iterator[Entry]:
                 yield Entry(relative(path, root), "directory", False, dcp)
             else:
                 yield _linked_entry(path, relative(path, root), "directory", dcp, real_root)
+                continue
+            walked.append(path)
+        pending.extend(reversed(walked))
+
+
+def _file_entry(path: Path, rel: str, dcp: str | None, real_root: Path, dereference: bool) -> Entry:
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError as exc:
+        raise InputError("vanished while being read", path=_short(path)) from exc
+    except OSError as exc:
+        raise InputError(f"cannot read ({os_error_reason(exc)})", path=_short(path)) from exc
+    role: Role = "file" if dcp is not None else _file_role(path.name)
+    if stat.S_ISLNK(mode) and dereference:
+        target, kind = _link_target(path)
+        if kind:
+            return Entry(rel, "special", False, dcp, kind)
+        mode = target or mode
+    if stat.S_ISLNK(mode):
+        return _linked_entry(path, rel, role, dcp, real_root)
+    if stat.S_ISREG(mode):
+        return Entry(rel, role, False, dcp)
+    return Entry(rel, "special", False, dcp, kind_of(mode))
+
+
+def _short(path: Path, limit: int = 160) -> str:
+    """``path`` for a message: a path of thousands of characters shown by its two ends."""
+    text = str(path)
+    return text if len(text) <= limit else f"{text[: limit // 2]}…{text[-limit // 2 :]}"
 
 
 def model_only(path: Path) -> str:
@@ -224,10 +290,15 @@ def discover(path: Path, *, dereference: bool = False) -> Discovery:
         if path.suffix == SAFETENSORS_SUFFIX:
             raise InputError(model_only(target), path=path)
         neighbours = tuple(sorted(target.parent.glob(f"*{SAFETENSORS_SUFFIX}")))
-        return Discovery(path, target, False, (Entry("", "torch"),), neighbours, dereference)
+        return Discovery(path, target, False, (Entry("", "torch"),), neighbours, dereference, (signature(target),))
     if not stat.S_ISDIR(mode):
         raise InputError(f"is {kind_of(mode)}, not a file or directory", path=path)
-    return Discovery(path, target, True, tuple(_walk(target, dereference=dereference)), (), dereference)
+    try:
+        entries = tuple(_walk(target, dereference=dereference))
+    except OSError as exc:  # a name past PATH_MAX, an entry that turned unreadable mid-walk
+        raise InputError(f"cannot read ({os_error_reason(exc)})", path=_short(Path(exc.filename or path))) from exc
+    signatures = tuple(signature(target / entry.rel if entry.rel else target) for entry in entries)
+    return Discovery(path, target, True, entries, (), dereference, signatures)
 
 
 def _complete(step: Path) -> bool:

@@ -15,11 +15,13 @@ import fcntl
 import os
 import shutil
 import signal
+import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from optim_repair.errors import OutputError, Remedy, os_error_reason
+from optim_repair.formats.inputs import kind_of
 
 STALE_AFTER_SECONDS = 10
 """A temporary nobody holds is left alone this long after its last change (its run may be starting)."""
@@ -42,7 +44,7 @@ def _prefix(out: Path) -> str:
 
 def _locked(path: Path) -> int | None:
     """A descriptor holding an exclusive lock on ``path``, or None when another process holds one."""
-    descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -56,7 +58,10 @@ def remove_stale(out: Path, notice: Callable[[str], None]) -> None:
     parent = Path(os.path.abspath(out)).parent
     for path in sorted(parent.glob(f"{_prefix(out)}*")):
         try:
-            if path.is_symlink() or time.time() - path.lstat().st_mtime < STALE_AFTER_SECONDS:
+            status = path.lstat()
+            if not (stat.S_ISREG(status.st_mode) or stat.S_ISDIR(status.st_mode)):
+                continue  # only what a run creates: a FIFO planted under the name would block the open
+            if time.time() - status.st_mtime < STALE_AFTER_SECONDS:
                 continue
             descriptor = _locked(path)
         except OSError:
@@ -152,6 +157,19 @@ def move_into_place(tmp: Path, out: Path, *, force: bool, sync: bool = True) -> 
             os.close(descriptor)
 
 
+def refuse_to_replace(out: Path) -> None:
+    """Raise ``OutputError`` unless what is at ``out`` is what ``--force`` may replace: a regular file, a
+    directory or a link (never a device, a FIFO or a socket: ``--out /dev/null --force`` as root)."""
+    try:
+        mode = os.lstat(out).st_mode
+    except FileNotFoundError:
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+        raise OutputError(
+            f"is {kind_of(mode)}; --force replaces only a regular file, a directory or a link", path=str(out)
+        )
+
+
 def _rename(tmp: Path, out: Path, *, force: bool) -> None:
     if not force:
         try:
@@ -160,6 +178,7 @@ def _rename(tmp: Path, out: Path, *, force: bool) -> None:
             remedy = Remedy("force", note=" to replace it")
             raise OutputError("appeared while the copy was written", path=out, remedy=remedy) from None
         return
+    refuse_to_replace(out)
     if not (out.exists() or out.is_symlink()):
         os.replace(tmp, out)
         return

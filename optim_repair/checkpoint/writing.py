@@ -14,7 +14,7 @@ from pathlib import Path
 
 from optim_repair.checkpoint.discovery import Discovery, Entry
 from optim_repair.checkpoint.planning import FinishedPlan
-from optim_repair.checkpoint.staging import move_into_place, remove_stale, temporary_sibling
+from optim_repair.checkpoint.staging import move_into_place, refuse_to_replace, remove_stale, temporary_sibling
 from optim_repair.errors import InputError, OutputError, Remedy, VerificationError, os_error_reason
 from optim_repair.formats.copied import verify_copied_file, verify_copied_link
 from optim_repair.formats.inputs import open_regular, size_of
@@ -34,6 +34,7 @@ def check_output(source: Path, out: Path, *, force: bool) -> None:
     if out.exists() or out.is_symlink():
         if not force:
             raise OutputError("already exists", path=str(out), remedy=Remedy("force", note=" to replace it"))
+        refuse_to_replace(out)
         if out.is_dir() != source.is_dir():
             raise OutputError(f"exists and is not a {'directory' if source.is_dir() else 'file'}", path=str(out))
     if not Path(os.path.abspath(out)).parent.is_dir():  # beside a link named out, wherever it points
@@ -219,10 +220,17 @@ def write_copy(
                 if sync:
                     _sync_copy(tmp, meter)
                 verification = planned.verify(source, tmp, meter)
+            found.check_unchanged()  # what was copied and proven is what was read
             move_into_place(tmp, out, force=force, sync=sync)
         except OSError as exc:
             reason = f"cannot write ({os_error_reason(exc)}); nothing was left behind"
             raise OutputError(reason, path=out) from exc
+        except InputError as exc:
+            raise InputError(f"{exc.reason}; nothing was written", path=exc.path) from exc
         except VerificationError as exc:
+            try:
+                found.check_unchanged()  # a difference from an original that changed meanwhile is the input's
+            except InputError as changed:
+                raise InputError(f"{changed.reason}; nothing was written", path=changed.path) from exc
             raise VerificationError(f"{exc.reason}; the copy was removed", path=exc.path) from exc
     return verification

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ from tests.factories.support import (
     make_writable,
     snapshot,
     storage_ranges,
+    unprivileged,
     untouched,
 )
 
@@ -187,20 +186,6 @@ def test_read_only_input_in_process(read_only_tree: Built, tmp_path: Path) -> No
     out = tmp_path / "out"
     fix(built.path, out)
     assert_fixed_copy(built, out)
-
-
-def unprivileged(probe: Path) -> list[str]:
-    """A command prefix under which file modes bind (as root: drop the capabilities that bypass them)."""
-    if os.geteuid() != 0:
-        return []
-    setpriv = shutil.which("setpriv")
-    assert setpriv is not None, "as root, setpriv (util-linux) is needed to make file modes bind"
-    prefix = [setpriv, "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--"]
-    check = subprocess.run(
-        [*prefix, sys.executable, "-c", f"open({str(probe)!r}, 'ab')"], capture_output=True, text=True
-    )
-    assert check.returncode != 0 and "PermissionError" in check.stderr, f"{probe} is still writable"
-    return prefix
 
 
 def test_read_only_input_really_unwritable(read_only_tree: Built, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import os
 import shutil
 import stat
 import struct
+import subprocess
 import sys
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
@@ -249,3 +250,17 @@ def group_of(group: dict[str, Any]) -> ParamGroup:
 def read_checkpoint(path: Path) -> CheckpointInventory:
     """The inventory of every optimizer under ``path``, as ``inspect`` reads it."""
     return read_parsed(discover(path))[0]
+
+
+def unprivileged(probe: Path) -> list[str]:
+    """A command prefix under which file modes bind (as root: drop the capabilities that bypass them)."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    assert setpriv is not None, "as root, setpriv (util-linux) is needed to make file modes bind"
+    prefix = [setpriv, "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--"]
+    check = subprocess.run(
+        [*prefix, sys.executable, "-c", f"open({str(probe)!r}, 'ab')"], capture_output=True, text=True
+    )
+    assert check.returncode != 0 and "PermissionError" in check.stderr, f"{probe} is still writable"
+    return prefix
