@@ -272,10 +272,15 @@ class _GraphPickler(pickle._Pickler):
         this.memoize(obj)
 
 
-def dump_graph(root: Any, protocol: int) -> bytes:
+TORCH_PROTOCOL = 2
+"""The pickle protocol ``torch.save`` writes, and the only one torch's weights-only loader reads in full: protocol
+4's ``FRAME``, say, it refuses ("Unsupported operand 149"), whatever protocol an original declares."""
+
+
+def dump_graph(root: Any) -> bytes:
     """Pickle a graph made by ``load_graph`` (possibly edited) back into bytes torch can load."""
     buffer = io.BytesIO()
-    _GraphPickler(buffer, protocol=protocol).dump(root)
+    _GraphPickler(buffer, protocol=TORCH_PROTOCOL).dump(root)
     return buffer.getvalue()
 
 

@@ -116,7 +116,7 @@ def test_repickled_graph_loads_in_torch_as_the_original(tmp_path: Path) -> None:
     }
     data = saved_pickle(obj, tmp_path)
     graph = load_graph(data, "obj.pt")
-    again = dump_graph(graph.root, graph.protocol)
+    again = dump_graph(graph.root)
     storages = {"0": base, "1": obj["d"], "2": obj["p"].detach()}
     first, second = torch_pickle_load(data, storages), torch_pickle_load(again, storages)
     assert list(first) == list(second)
@@ -136,7 +136,7 @@ def test_repickled_graph_loads_in_torch_as_the_original(tmp_path: Path) -> None:
     assert second["a"].untyped_storage().data_ptr() == second["b"].untyped_storage().data_ptr()
     # and it is itself a safe, stable graph: a second round trip gives the same bytes
     regraph = load_graph(again, "again")
-    assert dump_graph(regraph.root, regraph.protocol) == again
+    assert dump_graph(regraph.root) == again
 
 
 def test_shared_objects_stay_shared_through_the_round_trip(tmp_path: Path) -> None:
@@ -144,7 +144,7 @@ def test_shared_objects_stay_shared_through_the_round_trip(tmp_path: Path) -> No
     data = pickle.dumps({"x": shared, "y": shared}, protocol=2)
     graph = load_graph(data, "p")
     assert graph.root["x"] is graph.root["y"]
-    again = pickle.loads(dump_graph(graph.root, graph.protocol))
+    again = pickle.loads(dump_graph(graph.root))
     assert again["x"] is again["y"]
 
 
@@ -230,7 +230,7 @@ def test_new_tensor_is_what_torch_would_pickle(tmp_path: Path) -> None:
     meta = tensor_meta(tensor)
     assert meta is not None
     assert (meta.dtype, meta.shape, meta.stride, meta.storage, meta.nbytes) == ("bfloat16", (2, 3), (3, 1), "7", 12)
-    data = dump_graph({"t": tensor}, 2)
+    data = dump_graph({"t": tensor})
     loaded = torch_pickle_load(data, {"7": torch.full((6,), 2.0, dtype=torch.bfloat16)})
     assert loaded["t"].dtype == torch.bfloat16 and loaded["t"].shape == (2, 3) and loaded["t"].stride() == (3, 1)
     with pytest.raises(RepairRefused, match="cannot create a storage of dtype uint16"):

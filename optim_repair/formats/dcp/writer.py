@@ -38,7 +38,7 @@ def _write_archive(target: int, base: int, root: object, storage: FreshTensor | 
     plain value). A storage is streamed in chunks, so that a fresh moment of any size takes bounded
     memory. Returns the bytes written."""
     writer = ZipWriter(target, base)
-    writer.add_bytes("archive/data.pkl", dump_graph(root, 2), _EPOCH, 0)
+    writer.add_bytes("archive/data.pkl", dump_graph(root), _EPOCH, 0)
     for name, content in ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")):
         writer.add_bytes(f"archive/{name}", content, _EPOCH, 0)
     if storage is not None:

@@ -97,7 +97,7 @@ def write_torch_file(
     torch_file = parsed or open_torch_file(src, source)
     plan_torch_file(torch_file, source, additions, changes)
     root, created = edited_root(torch_file, additions, changes)
-    data = dump_graph(root, torch_file.graph.protocol)
+    data = dump_graph(root)
     replacing = any(addition.replaces for addition in additions) or any(c.new is None for c in changes)
     # the storages only a replaced or dropped entry held are not copied: the new pickle names them no more
     named = set(load_graph(data, source, ours=True).storages) if replacing else set(torch_file.graph.storages)

@@ -26,6 +26,7 @@ from tests.factories.support import (
     assert_nothing_written,
     load,
     overwrite,
+    rewrite_pickle,
     storage_ranges,
     tensor_storage_key,
 )
@@ -392,3 +393,16 @@ def test_every_pickle_protocol_and_plain_value_survives_a_write(tmp_path: Path, 
     original, copy = torch.load(src, weights_only=False), torch.load(out, weights_only=False)
     assert_copy_faithful(original, copy, {("opt", "state"): {2, 3}})
     assert type(copy["param"]) is torch.nn.Parameter and type(copy["od"]) is collections.OrderedDict
+
+
+def test_the_copy_is_pickled_with_the_protocol_torch_reads(tmp_path: Path) -> None:
+    """An original whose data.pkl declares protocol 5 (but holds protocol-2 opcodes) loads with weights_only; the
+    copy once was pickled with protocol 5, whose FRAME torch's weights-only loader refuses (found by the fuzzer)."""
+    built = trainers.unirl_torch(tmp_path / "in")
+    path = built.path / "checkpoint.pt"
+    rewrite_pickle(path, lambda data: b"\x80\x05" + data[2:] if data.startswith(b"\x80\x02") else data)
+    torch.load(path, weights_only=True)
+    out = tmp_path / "out.pt"
+    optim_repair.fix(path, out)
+    copy = torch.load(out, weights_only=True)
+    assert copy["optimizer_state_dict"]["state"]["head_unused.weight"] == {}

@@ -52,7 +52,7 @@ def edit_graph(path: Path, edit: Callable[[Any], None]) -> None:
     def apply(data: bytes) -> bytes:
         graph = load_graph(data, path.name)
         edit(graph.root)
-        return dump_graph(graph.root, graph.protocol)
+        return dump_graph(graph.root)
 
     rewrite_pickle(path, apply)
 
