@@ -6,6 +6,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fuzz.corpus import MutationContext, Outside
 from fuzz.dcp import dcp_bytes_entry, dcp_metadata_edit, dcp_metadata_pickle
@@ -188,6 +189,21 @@ class Case:
     link: bool
     dereference: bool
     """Whether links are followed (``--dereference``), in ``inspect`` and ``fix``."""
+    operations: dict[str, Any]
+    """The model changes ``fix`` is asked for (``optim_repair.model_changes`` keywords), often none."""
+
+
+OPERATIONS: tuple[dict[str, Any], ...] = (
+    {"rename": [(r"^(.*)$", r"renamed.\1")]},
+    {"rename": [(r"\.weight$", ".w")]},
+    {"drop": [r"head"]},
+    {"drop": [r"."]},
+    {"drop_not_in_model": True},
+    {"add_from_model": True},
+    {"add_from_model": True, "to_group": 0},
+    {"rename": [(r"^(.*)$", r"x.\1")], "drop": [r"bias"]},
+)
+"""What ``fix`` with model operations is tried with: renames, drops and additions, alone and together."""
 
 
 def make_case(corpus: Sequence[Seed], outside: Outside, seed: int, index: int, fix_every: int) -> Case:
@@ -216,4 +232,6 @@ def make_case(corpus: Sequence[Seed], outside: Outside, seed: int, index: int, f
     fix = fix_every > 0 and index % fix_every == 0
     fill = rng.choice((None, "empty", "fresh"))
     link = rng.random() < 0.3
-    return Case(index, chosen, ctx.tree, label, ctx.notes, fix, fill, link, rng.random() < 0.2)
+    dereference = rng.random() < 0.2
+    operations = rng.choice(OPERATIONS) if rng.random() < 0.3 else {}
+    return Case(index, chosen, ctx.tree, label, ctx.notes, fix, fill, link, dereference, operations)

@@ -92,6 +92,8 @@ def classify(case: Case, raw: Raw, changed: list[str], out_left: list[str], rss_
             path = event["path"]
             shown = "<work>" + path[len(workdir) :] if under(path, workdir) else path
             found.append(Finding(event["kind"], event["event"], path, f"{event['where']} [{shown}]"))
+        for kind, detail in response.get("torch", ()):
+            found.append(Finding(kind, "fix", detail))
         if response["leaked_fds"]:
             found.append(Finding("fd-leak", "inspect/fix", ", ".join(response["leaked_fds"])))
         if response["hwm_mib"] > rss_mib:
@@ -187,7 +189,7 @@ def save_reproducer(out: Path, finding: Finding, case: Case, raw: Raw, seed: int
     if case.fix:
         call += (
             f"; optim_repair.fix({str(path)!r}, OUT, fill={case.fill!r}, link={case.link}, "
-            f"dereference={case.dereference})"
+            f"dereference={case.dereference}, operations=optim_repair.model_changes(**{case.operations!r}))"
         )
     document = {
         "seed": seed,
@@ -196,7 +198,9 @@ def save_reproducer(out: Path, finding: Finding, case: Case, raw: Raw, seed: int
         "kind": case.seed.kind,
         "mutator": case.mutator,
         "notes": case.notes,
-        "fix": {"fill": case.fill, "link": case.link, "dereference": case.dereference} if case.fix else None,
+        "fix": {"fill": case.fill, "link": case.link, "dereference": case.dereference, "operations": case.operations}
+        if case.fix
+        else None,
         "finding": dataclasses.asdict(finding),
         "signature": finding.signature,
         "death": raw.death,

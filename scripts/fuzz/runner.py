@@ -86,6 +86,7 @@ def run(
                     "fill": case.fill,
                     "link": case.link,
                     "dereference": case.dereference,
+                    "operations": case.operations,
                 }
                 limit = timeout if deaths[case.mutator] < hang_budget else min(timeout, SLOW_TIMEOUT_S)
                 raw = supervisor.run(request, limit)

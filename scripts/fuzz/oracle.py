@@ -1,0 +1,101 @@
+"""A second opinion on every successful ``fix``: torch's own loaders read the original and the copy.
+
+For each file the repair read, ``torch.load(weights_only=True)`` (a DCP checkpoint: DCP's own reader, with
+no template) must accept the original (else optim-repair repaired what torch refuses) and the copy, and,
+when no model operation renamed or dropped anything, every value of the original must be in the copy, bit
+for bit (the copy may only add entries). Returns the problems found, each a (kind, detail) pair.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+Problem = tuple[str, str]
+
+
+def _refusals() -> tuple[type[BaseException], ...]:
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    return Exception, CheckpointException
+
+
+def _load(path: Path) -> Any:
+    import torch
+
+    if path.is_dir():
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+        state: dict[str, Any] = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _load_state_dict(state, FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        return state
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _bits(tensor: Any) -> tuple[Any, ...]:
+    """A tensor as what a resume sees: dtype, shape, stride and every byte (NaN payloads and -0.0 kept)."""
+    import torch
+
+    flat = tensor.detach().contiguous().reshape(-1)
+    data = bytes(flat.view(torch.uint8).numpy()) if flat.numel() else b""
+    return str(tensor.dtype), tuple(tensor.shape), tuple(tensor.stride()), data
+
+
+def _differences(original: Any, copy: Any, where: str) -> Iterator[str]:
+    """Where ``copy`` lacks or changes a value of ``original`` (a dict of the copy may hold more keys)."""
+    import torch
+
+    if isinstance(original, torch.Tensor):
+        if not isinstance(copy, torch.Tensor):
+            yield f"{where}: a tensor became {type(copy).__name__}"
+        elif _bits(original) != _bits(copy):
+            yield f"{where}: the tensor changed"
+    elif isinstance(original, dict):
+        if not isinstance(copy, dict):
+            yield f"{where}: a dict became {type(copy).__name__}"
+            return
+        for key, value in original.items():
+            if key not in copy:
+                yield f"{where}: {key!r} is gone"
+            else:
+                yield from _differences(value, copy[key], f"{where}.{key}")
+    elif isinstance(original, (list, tuple)):
+        if type(original) is not type(copy) or len(original) != len(copy):
+            yield f"{where}: a {type(original).__name__} of {len(original)} changed"
+            return
+        for index, (a, b) in enumerate(zip(original, copy, strict=True)):
+            yield from _differences(a, b, f"{where}[{index}]")
+    elif type(original) is not type(copy) or (original != copy and original == original):  # NaN equals NaN
+        yield f"{where}: {original!r} became {copy!r}"
+
+
+def check(original: Path, copy: Path, files: list[str], *, compare: bool) -> list[Problem]:
+    """The problems torch's loaders find with a fix of ``original`` into ``copy`` (``files``: the files, or DCP
+    directories, relative to them that the repair read; ``""`` for the argument itself)."""
+    problems: list[Problem] = []
+    refusals = _refusals()
+    for rel in files:
+        source, target = (original / rel, copy / rel) if rel else (original, copy)
+        try:
+            before = _load(source)
+        except refusals as exc:
+            problems.append(("torch-refuses-original", f"{rel or source.name}: {type(exc).__name__}: {exc}"[:500]))
+            continue
+        try:
+            after = _load(target)
+        except refusals as exc:
+            problems.append(("torch-refuses-copy", f"{rel or target.name}: {type(exc).__name__}: {exc}"[:500]))
+            continue
+        if compare:
+            changed = list(_differences(before, after, rel or "<root>"))
+            if changed:
+                problems.append(("torch-copy-differs", "; ".join(changed[:3])[:500]))
+    return problems
