@@ -6,14 +6,17 @@ mutated input from ``(seed, case index)`` alone: byte flips, truncation, splicin
 (extreme lengths and memo indices, deep nesting, memo "billion laughs"), zip header and member edits,
 DCP ``.metadata`` edits, and links, FIFOs and loops in place of files. A long-lived worker, forked
 from a forkserver that has torch and optim_repair loaded, runs ``optim_repair.inspect`` on each case
-(and every ``--fix-every``'th case ``optim_repair.fix``) under resource limits and an audit hook that
-records every file touched outside the case's input and output directories:
+(and every ``--fix-every``'th case ``optim_repair.fix``, three in ten of them with model operations,
+some with ``dereference``) under resource limits and an audit hook that records every file touched
+outside the case's input and output directories; after every successful fix, torch's own loaders read
+the original and the copy (``fuzz.oracle``):
 
     python scripts/fuzz --cases 20000 --seed 0 --out /tmp/fuzz-findings
 
 A case ends ``ok``, ``error-<exit code>`` (an ``OptimRepairError`` with a one-line message), or in
 findings: any other exception, a multi-line message, a signal, a hang, a memory blowup, a file outside
-the input read or written, the input changed, output left behind by a failed fix. Each finding is
+the input read or written, the input changed, output left behind by a failed fix, a fix of what torch
+refuses, a copy torch refuses, a copy whose values torch reads differently. Each finding is
 saved under ``--out`` (the mutated input and a ``case.json``); ``--only INDEX`` replays one case,
 ``--corpus DIR`` keeps the seeds so that cases replay bit for bit in a later run. Exit status 0 without
 findings, 1 with. ``run()`` is the same, importable, for a fast slice in a test.
