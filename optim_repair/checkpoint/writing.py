@@ -15,7 +15,7 @@ from pathlib import Path
 from optim_repair.checkpoint.discovery import Discovery, Entry
 from optim_repair.checkpoint.planning import FinishedPlan
 from optim_repair.checkpoint.staging import move_into_place, remove_stale, temporary_sibling
-from optim_repair.errors import InputError, OutputError, Remedy, VerificationError, os_error_reason
+from optim_repair.errors import InputError, OutputError, Remedy, VerificationError, os_error_reason, shown_name
 from optim_repair.formats.copied import verify_copied_file, verify_copied_link
 from optim_repair.formats.inputs import open_regular, size_of
 from optim_repair.formats.ranges import kernel_copy
@@ -124,7 +124,7 @@ def _write_directory(
             target.mkdir()
         elif planned is not None:
             if planned.changes_anything:
-                notice(f"writing {entry.rel or 'DCP checkpoint'}")
+                notice(f"writing {shown_name(entry.rel) if entry.rel else 'DCP checkpoint'}")
             planned.write(source, target, meter=meter)
         elif entry.dcp is not None and finished.files[entry.dcp].replaces(entry.member_name()):
             continue  # its adapter wrote it
@@ -213,7 +213,7 @@ def write_copy(
             if found.is_directory:
                 verification = _write_directory(found, tmp, finished, link=link, sync=sync, meter=meter, notice=notice)
             else:
-                notice(f"writing {out}")
+                notice(f"writing {shown_name(str(out))}")
                 planned = finished.files[""]
                 planned.write(source, tmp, meter=meter)
                 if sync:
