@@ -83,6 +83,16 @@ def shown(value: object) -> str:
     return text if text.isprintable() else text.encode("ascii", "backslashreplace").decode("ascii")
 
 
+def shown_name(name: str) -> str:
+    r"""A name from the input (a file, a parameter, a key), for a message: as it is, or its ``repr`` where it
+    holds a character a terminal would act on or hide (a control, a bidi override, a newline) or a backslash.
+
+    A name shown with a backslash is therefore always a ``repr``: in ``'a\\x1b'`` the name holds a backslash,
+    in ``'a\x1b'`` an escape character.
+    """
+    return name if name.isprintable() and "\\" not in name else repr(name)
+
+
 def os_error_reason(exc: OSError) -> str:
     """What an OSError says, in the one wording every message uses (a full disk is said as such)."""
     if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
@@ -122,7 +132,7 @@ class OptimRepairError(Exception):
     def describe(self, argument: str, remedy: str) -> str:
         """The one-line message, with the argument's name and the remedy already worded."""
         text = self.reason.replace("{argument}", argument) if self.argument else self.reason
-        text = f"{self.path}: {text}" if self.path else text
+        text = f"{shown_name(self.path)}: {text}" if self.path else text
         text = f"{text}; {remedy}" if remedy else text
         return " ".join(text.splitlines())
 

@@ -7,6 +7,7 @@ temporary copy; the input is only ever opened for reading.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -15,7 +16,7 @@ from pathlib import Path
 from optim_repair.checkpoint.discovery import Discovery, Entry
 from optim_repair.checkpoint.planning import FinishedPlan
 from optim_repair.checkpoint.staging import move_into_place, refuse_to_replace, remove_stale, temporary_sibling
-from optim_repair.errors import InputError, OutputError, Remedy, VerificationError, os_error_reason
+from optim_repair.errors import InputError, OutputError, Remedy, VerificationError, os_error_reason, shown_name
 from optim_repair.formats.copied import verify_copied_file, verify_copied_link
 from optim_repair.formats.inputs import open_regular, size_of
 from optim_repair.formats.ranges import kernel_copy
@@ -49,16 +50,17 @@ def _copy(source: Path, target: Path, rel: str, *, link: bool, meter: Meter, ver
             os.link(source, target, follow_symlinks=True)  # a followed link's file, not the link
         except OSError as exc:
             raise OutputError(
-                f"cannot hard-link {source} ({os_error_reason(exc)}); "
-                "write the copy on the same file system, or copy instead of linking",
-                path=target,
+                f"cannot hard-link it into the copy ({os_error_reason(exc)}); "
+                "write {argument} on the file system of the original, or copy instead of linking",
+                path=source,
+                argument="out",
             ) from exc
         return Verification(0, 0, linked=(rel,))
     with open_regular(source, rel or str(source)) as original:
         descriptor = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
             size = size_of(original)
-            kernel_copy(original.fileno(), descriptor, 0, size, 0)
+            kernel_copy(original.fileno(), descriptor, 0, size, 0, name=str(source))
         finally:
             os.close(descriptor)
     meter.writing(size)
@@ -67,6 +69,20 @@ def _copy(source: Path, target: Path, rel: str, *, link: bool, meter: Meter, ver
     verification = verify_copied_file(source, target, rel or str(source))
     meter.verifying(size)
     return verification
+
+
+def _link_target(link: Path) -> str:
+    """Where the link ``link``, which discovery found, points; refused when it is no longer a link."""
+    try:
+        return os.readlink(link)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise InputError(
+                "changed while being copied: it was a symbolic link and is no longer one; run again once nothing "
+                "writes to the checkpoint",
+                path=link,
+            ) from exc
+        raise InputError(f"cannot read the link ({os_error_reason(exc)})", path=link) from exc
 
 
 def _sync(path: Path) -> None:
@@ -119,13 +135,13 @@ def _write_directory(
         source, target = found.path(entry), tmp / entry.rel if entry.rel else tmp
         planned = finished.files.get(entry.rel) if entry.role in ("torch", "dcp") else None
         if _kept_link(entry, finished):
-            os.symlink(os.readlink(source), target)  # a link (even a dangling one) stays a link, as cp -R does
+            os.symlink(_link_target(source), target)  # a link (even a dangling one) stays a link, as cp -R does
             kept.append(entry.rel)
         elif entry.role == "directory":
             target.mkdir()
         elif planned is not None:
             if planned.changes_anything:
-                notice(f"writing {entry.rel or 'DCP checkpoint'}")
+                notice(f"writing {shown_name(entry.rel) if entry.rel else 'DCP checkpoint'}")
             planned.write(source, target, meter=meter)
         elif entry.dcp is not None and finished.files[entry.dcp].replaces(entry.member_name()):
             continue  # its adapter wrote it
@@ -214,7 +230,7 @@ def write_copy(
             if found.is_directory:
                 verification = _write_directory(found, tmp, finished, link=link, sync=sync, meter=meter, notice=notice)
             else:
-                notice(f"writing {out}")
+                notice(f"writing {shown_name(str(out))}")
                 planned = finished.files[""]
                 planned.write(source, tmp, meter=meter)
                 if sync:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from optim_repair.decisions.identify import guess_optimizer
+from optim_repair.errors import shown_name
 from optim_repair.records.inventory import OptimizerInventory, ParamKey
 
 Loader = Literal["load_state_dict", "set_optimizer_state_dict", "dcp.load"]
@@ -47,7 +48,7 @@ def _phantom_kind(optimizer: OptimizerInventory) -> str | None:
 
 
 def shown_params(params: tuple[ParamKey, ...], limit: int = 8) -> str:
-    names = ", ".join(str(param) for param in params[:limit])
+    names = ", ".join(shown_name(param) if isinstance(param, str) else str(param) for param in params[:limit])
     return f"{names}, and {len(params) - limit} more" if len(params) > limit else names
 
 

@@ -7,10 +7,14 @@ fills like any other.
 
 from __future__ import annotations
 
+import importlib
+import math
 import re
+import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from optim_repair.decisions.optimizers import PARAM_SHAPED_KEYS
 from optim_repair.errors import Remedy, RepairRefused, UsageError, shown
@@ -29,17 +33,76 @@ class Applied:
     joined: dict[ParamKey, int]
 
 
-def _pattern(text: str, option: str) -> re.Pattern[str]:
+_parser: Any = importlib.import_module("re._parser" if sys.version_info >= (3, 11) else "sre_parse")
+"""The parser of Python's ``re`` (``sre_parse`` before 3.11), for the shape of a user's pattern."""
+
+MAX_WAYS = 10**10
+"""The most ways a user's pattern may give the matcher to try on all the names it is matched against (a few
+seconds at worst). ``re`` backtracks without a bound (``(a+)+$`` tries about 2**n ways on a name of n characters
+that ends otherwise), so a pattern is refused when its bound exceeds this; a common pattern's bound on a name is
+the name's length or its square."""
+_CAP = 1 << 100
+"""Where a bound stops growing: far beyond ``MAX_WAYS``, and an ``int`` of a few words."""
+
+
+def _product(*factors: int) -> int:
+    return min(math.prod(factors), _CAP)
+
+
+def _ways(items: Any, n: int) -> int:
+    """An upper bound on the ways the backtracking matcher can try ``items`` (a parsed pattern) against n
+    characters: each repeat multiplies by the counts it can try (n + 1 at most) and, where its body can itself
+    match in several ways, by those ways for every repetition; an alternation adds its branches' ways."""
+    total = 1
+    for op, arg in items:
+        kind = str(op)
+        if kind in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+            low, high, body = arg
+            most, inner = max(min(high, n), low), _ways(body, n)
+            power = _CAP if inner > 1 and most * math.log2(inner) >= _CAP.bit_length() else inner**most
+            total = _product(total, most - low + 1, power)
+        elif kind == "BRANCH":
+            total = _product(total, sum(_ways(branch, n) for branch in arg[1]))
+        elif kind in ("SUBPATTERN", "ASSERT", "ASSERT_NOT"):
+            total = _product(total, _ways(arg[-1], n))
+        elif kind == "ATOMIC_GROUP":
+            total = _product(total, _ways(arg, n))
+        elif kind == "GROUPREF_EXISTS":
+            total = _product(total, _ways(arg[1], n) + (_ways(arg[2], n) if arg[2] else 1))
+    return total
+
+
+def _search_ways(parsed: Any, n: int) -> int:
+    """An upper bound on the ways a search (or a ``sub``) with the ``parsed`` pattern tries on n characters: its
+    ways from each place it can start, or from the start alone when it is anchored there."""
+    items = list(parsed)
+    first = str(items[0][1]) if items and str(items[0][0]) == "AT" else ""
+    anchored = first == "AT_BEGINNING_STRING" or (first == "AT_BEGINNING" and not parsed.state.flags & re.MULTILINE)
+    ways = _ways(items, n)
+    return ways + n if anchored else _product(n + 1, ways)
+
+
+def _pattern(text: str, option: str, names: Iterable[str]) -> re.Pattern[str]:
+    """``text`` compiled, refused when matching it against ``names`` could take unbounded work."""
     try:
-        return re.compile(text)
+        pattern = re.compile(text)
     except re.error as exc:
         raise UsageError(f"{{argument}} {shown(text)} is not a regular expression ({exc})", argument=option) from exc
+    lengths, parsed = Counter(map(len, names)), _parser.parse(text)
+    if sum(count * _search_ways(parsed, n) for n, count in lengths.items()) > MAX_WAYS:
+        raise UsageError(
+            f"{{argument}} {shown(text)} could make the matcher try more than {MAX_WAYS:,} ways on the "
+            f"{lengths.total()} parameter names, of up to {max(lengths)} characters (a repeat inside a repeat, or "
+            "many repeats in a row): rewrite it without them",
+            argument=option,
+        )
+    return pattern
 
 
 def _renamed(names: Sequence[str], renames: Sequence[tuple[str, str]], where: str) -> dict[str, str]:
     current = {name: name for name in names}
     for old, new in renames:
-        pattern = _pattern(old, "rename")
+        pattern = _pattern(old, "rename", current.values())
         if not any(pattern.search(name) for name in current.values()):
             raise RepairRefused(f"{where}: the rename {shown(f'{old}={new}')} matches no parameter name")
         try:
@@ -75,7 +138,7 @@ def apply_operations(
     renamed = _renamed(names, operations.renames, where)
     dropped: set[str] = set()
     for text in operations.drops:
-        pattern = _pattern(text, "drop")
+        pattern = _pattern(text, "drop", renamed.values())
         matched = {name for name, now in renamed.items() if pattern.search(now)}
         if not matched:
             raise RepairRefused(f"{where}: the drop pattern {shown(text)} matches no parameter name")

@@ -25,8 +25,12 @@ def same_range(a: BinaryIO, a_offset: int, b: BinaryIO, b_offset: int, length: i
     return True
 
 
-def kernel_copy(source: int, target: int, offset: int, length: int, target_offset: int) -> None:
-    """Copy ``length`` bytes of the descriptor ``source`` from ``offset`` to ``target`` at ``target_offset``.
+_ENDED = "ended while being copied: something truncated it meanwhile; run again once nothing writes to it"
+
+
+def kernel_copy(source: int, target: int, offset: int, length: int, target_offset: int, *, name: str) -> None:
+    """Copy ``length`` bytes of the descriptor ``source`` (the file ``name``, for messages) from ``offset`` to
+    ``target`` at ``target_offset``.
 
     ``copy_file_range`` first: the kernel moves the bytes (a reflink on btrfs and XFS, a server-side
     copy on NFS 4.2), never through Python; ``pread``/``pwrite`` in chunks where it is not available.
@@ -40,14 +44,14 @@ def kernel_copy(source: int, target: int, offset: int, length: int, target_offse
                 raise
             moved = -1
         if moved == 0:
-            raise InputError("ended while being copied", path=f"descriptor {source}")
+            raise InputError(_ENDED, path=name)
         if moved < 0:
             break
         done += moved
     while done < length:
         chunk = os.pread(source, min(CHUNK, length - done), offset + done)
         if not chunk:
-            raise InputError("ended while being copied", path=f"descriptor {source}")
+            raise InputError(_ENDED, path=name)
         write_all(target, chunk, target_offset + done)
         done += len(chunk)
 

@@ -14,6 +14,7 @@ from typing import IO, Any, Literal, TextIO, cast
 from rich import box
 from rich.console import Console
 from rich.measure import Measurement
+from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
@@ -22,15 +23,36 @@ from optim_repair.decisions.comparison import ModelComparison
 from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis
 from optim_repair.decisions.notices import Notice, fsdp1_after_fill
 from optim_repair.demo import DemoReport
+from optim_repair.errors import shown_name
 from optim_repair.records.inventory import ParamKey
 from optim_repair.records.repair_plan import RepairPlan
 
 _SHOWN = 8
 
 
+def escaped(text: str) -> str:
+    r"""``text`` with every character a terminal would act on or hide written as Python's ``repr`` writes it:
+    controls (ESC as ``\x1b``, a newline as ``\n``, the C1 CSI as ``\x9b``), bidi overrides and other format
+    characters (``\u202e``), line separators and lone surrogates. Accents, CJK and the like stay as they are."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+class Shown(Text):
+    """A rich ``Text`` that escapes every string it is given (``escaped``): the reports build their text from
+    names in the input, which must not retitle or clear the terminal, nor forge a line of the report."""
+
+    def __init__(self, text: str = "", style: str | Style = "", **options: Any) -> None:
+        super().__init__(escaped(text), style, **options)
+
+    def append(self, text: Text | str, style: str | Style | None = None) -> Text:
+        return super().append(escaped(text) if isinstance(text, str) else text, style)
+
+
 class _Escaping:
-    """A text stream that writes what its encoding cannot hold (a lone surrogate in a parameter name,
-    an undecodable file name) as backslash escapes instead of failing."""
+    """A text stream that writes what its encoding cannot hold (an accent or CJK on an ASCII terminal) as
+    backslash escapes instead of failing."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
@@ -92,7 +114,7 @@ def _column_widths(console: Console, table: Table, rows: list[list[str]]) -> lis
     wide = console.options.update(width=1 << 20)
     shortest, longest = [], []
     for column, cells in zip(table.columns, zip(*rows, strict=True), strict=True):
-        measured = [Measurement.get(console, wide, Text(cell)) for cell in (str(column.header), *cells)]
+        measured = [Measurement.get(console, wide, Shown(cell)) for cell in (str(column.header), *cells)]
         shortest.append(max(m.minimum for m in measured))
         longest.append(max(m.maximum for m in measured))
     columns = len(shortest)
@@ -122,27 +144,36 @@ def _print_table(console: Console, table: Table, rows: list[list[str]]) -> None:
     headers = [str(column.header) for column in table.columns]
     for row in rows:
         pairs = " ".join(f"{header}={value}" for header, value in zip(headers[1:], row[1:], strict=True))
-        _print_line(console, Text(f"{row[0]}: {pairs}"), indent=0)
+        _print_line(console, Shown(f"{row[0]}: {pairs}"), indent=0)
 
 
 def _print_line(console: Console, text: Text, indent: int = 2) -> None:
     """One line of the report, indented; on a terminal wrapped between words, its later lines under its first."""
     if console.soft_wrap:
-        console.print(Text(" " * indent) + text)
+        console.print(Shown(" " * indent) + text)
         return
     for line in text.wrap(console, max(console.width - indent, 20)):
         line.rstrip()
-        console.print(Text(" " * indent) + line)
+        console.print(Shown(" " * indent) + line)
+
+
+def _name(key: ParamKey) -> str:
+    """A name from the input as the reports show it (``shown_name``); an index as it is."""
+    return shown_name(key) if isinstance(key, str) else str(key)
+
+
+def _listed(shown: list[str], count: int) -> str:
+    """The first names of ``count``, already shown, and how many more there are."""
+    return ", ".join(shown) + (f", … (+{count - _SHOWN} more)" if count > _SHOWN else "")
 
 
 def _shown_names(params: tuple[ParamKey, ...]) -> str:
-    shown = ", ".join(str(p) for p in params[:_SHOWN])
-    return shown + (f", … (+{len(params) - _SHOWN} more)" if len(params) > _SHOWN else "")
+    return _listed([_name(p) for p in params[:_SHOWN]], len(params))
 
 
 def _optimizer_label(opt: OptimizerDiagnosis) -> str:
-    location = opt.location or "<root>"
-    return f"{opt.file}:{location}" if opt.file else location
+    location = _name(opt.location) if opt.location else "<root>"
+    return f"{_name(opt.file)}:{location}" if opt.file else location
 
 
 _VERDICT_STYLE = {"healthy": "bold green", "repairable": "bold yellow", "malformed": "bold red"}
@@ -165,7 +196,7 @@ def _print_optimizer_table(console: Console, diagnosis: Diagnosis) -> None:
         ]  # fmt: skip
         rows.append(row)
         styles = {5: "yellow" if opt.missing else "", 7: "red" if opt.malformed else ""}
-        table.add_row(*(Text(value, style=styles.get(i, "")) for i, value in enumerate(row)))
+        table.add_row(*(Shown(value, style=styles.get(i, "")) for i, value in enumerate(row)))
     _print_table(console, table, rows)
 
 
@@ -173,45 +204,45 @@ def _print_details(console: Console, diagnosis: Diagnosis) -> None:
     for opt in diagnosis.optimizers:
         where = _optimizer_label(opt)
         if opt.missing:
-            _print_line(console, Text.assemble(("missing", "yellow"), f" in {where}: {_shown_names(opt.missing)}"))
+            _print_line(console, Shown.assemble(("missing", "yellow"), f" in {where}: {_shown_names(opt.missing)}"))
         for finding in opt.malformed:
             detail = f" in {where}: {finding.param!r}: {finding.detail}"
-            _print_line(console, Text.assemble((finding.code, "red"), detail))
+            _print_line(console, Shown.assemble((finding.code, "red"), detail))
         for notice in opt.notices:
-            _print_line(console, Text.assemble(_notice_code(notice), f" in {where}: {notice.detail}"))
+            _print_line(console, Shown.assemble(_notice_code(notice), f" in {where}: {notice.detail}"))
         if opt.model is not None:
             _print_model(console, where, opt.model)
     for notice in diagnosis.notices:
-        _print_line(console, Text.assemble(_notice_code(notice), f": {notice.detail}"))
+        _print_line(console, Shown.assemble(_notice_code(notice), f": {notice.detail}"))
     for skipped in diagnosis.inventory.skipped:
-        _print_line(console, Text(f"skipped {skipped.file}: {skipped.reason}", style="dim"))
+        _print_line(console, Shown(f"skipped {_name(skipped.file)}: {skipped.reason}", style="dim"))
 
 
 def _print_model(console: Console, where: str, found: ModelComparison) -> None:
     counts = f"{found.optimizer_params} parameters in the optimizer, {found.model_params} in the model"
     if found.by_index:
         verdict = "fits" if found.matches else "does not fit"
-        _print_line(console, Text(f"model for {where}: {counts}: {verdict} (index keys: compared by counts only)"))
+        _print_line(console, Shown(f"model for {where}: {counts}: {verdict} (index keys: compared by counts only)"))
         return
-    _print_line(console, Text(f"model for {where}: {counts} ({', '.join(found.sources)})"))
+    _print_line(console, Shown(f"model for {where}: {counts} ({', '.join(_name(source) for source in found.sources)})"))
     if found.not_in_model:
-        _print_line(console, Text.assemble(("not-in-model", "yellow"), f": {_shown_names(found.not_in_model)}"))
+        _print_line(console, Shown.assemble(("not-in-model", "yellow"), f": {_shown_names(found.not_in_model)}"))
     if found.rename is not None:
-        _print_line(console, Text(f"every such name maps onto the model's with: fix --rename '{found.rename}'"))
+        _print_line(console, Shown(f"every such name maps onto the model's with: fix --rename '{found.rename}'"))
     for mismatch in found.shape_mismatches:
         shapes = f"{list(mismatch.state_shape)} but the model's parameter has {list(mismatch.model_shape)}"
-        detail = f": {mismatch.param} {mismatch.key} is {shapes}"
-        _print_line(console, Text.assemble(("shape-mismatch-model", "red"), detail))
+        detail = f": {_name(mismatch.param)} {_name(mismatch.key)} is {shapes}"
+        _print_line(console, Shown.assemble(("shape-mismatch-model", "red"), detail))
     if found.not_in_optimizer:
         names = f" (frozen on purpose, or forgotten): {_shown_names(found.not_in_optimizer)}"
-        _print_line(console, Text.assemble(("not-in-optimizer", "cyan"), names))
+        _print_line(console, Shown.assemble(("not-in-optimizer", "cyan"), names))
 
 
 def print_inspect(diagnosis: Diagnosis, screen: Screen) -> None:
     console = screen.stdout()
     verdict = diagnosis.verdict
-    path, fmt = diagnosis.inventory.path, diagnosis.inventory.format
-    _print_line(console, Text.assemble((path, "bold"), f" ({fmt}): ", (verdict, _VERDICT_STYLE[verdict])), indent=0)
+    path, fmt = _name(diagnosis.inventory.path), diagnosis.inventory.format
+    _print_line(console, Shown.assemble((path, "bold"), f" ({fmt}): ", (verdict, _VERDICT_STYLE[verdict])), indent=0)
     _print_optimizer_table(console, diagnosis)
     _print_details(console, diagnosis)
 
@@ -249,7 +280,7 @@ def _print_additions(console: Console, diagnosis: Diagnosis, plan: RepairPlan) -
         replaced = sum(a.replaces for a in mine)
         count = f"{len(mine)} ({replaced} replaced)" if replaced else str(len(mine))
         rows.append([label, count, "; ".join(parts) or "—"])
-        table.add_row(*(Text(value) for value in rows[-1]))
+        table.add_row(*(Shown(value) for value in rows[-1]))
     _print_table(console, table, rows)
 
 
@@ -274,48 +305,49 @@ def _print_fill_notes(console: Console, diagnosis: Diagnosis, plan: RepairPlan) 
         inv = opt.optimizer
         empty = [a for a in plan.additions if (a.file, a.address) == (inv.file, inv.address) and not a.state]
         if empty and opt.loader == "set_optimizer_state_dict":
-            _print_line(console, Text(f"{_optimizer_label(opt)}: {fsdp1_after_fill(len(empty))}"), indent=0)
+            _print_line(console, Shown(f"{_optimizer_label(opt)}: {fsdp1_after_fill(len(empty))}"), indent=0)
 
 
 def _print_changes(console: Console, plan: RepairPlan) -> None:
-    renamed = [c for c in plan.changes if c.new is not None]
+    renamed = [(c.old, c.new) for c in plan.changes if c.new is not None]
     dropped = [c.old for c in plan.changes if c.new is None]
     joined = [a.param for a in plan.additions if a.group is not None]
     if renamed:
-        shown = _shown_names(tuple(f"{c.old} → {c.new}" for c in renamed))
-        _print_line(console, Text(f"renamed {len(renamed)} parameters: {shown}"), indent=0)
+        shown = _listed([f"{_name(old)} → {_name(new)}" for old, new in renamed[:_SHOWN]], len(renamed))
+        _print_line(console, Shown(f"renamed {len(renamed)} parameters: {shown}"), indent=0)
     if dropped:
-        _print_line(console, Text(f"dropped {len(dropped)} parameters: {_shown_names(tuple(dropped))}"), indent=0)
+        _print_line(console, Shown(f"dropped {len(dropped)} parameters: {_shown_names(tuple(dropped))}"), indent=0)
     if joined:
         added = f"added {len(joined)} model parameters to their param group: {_shown_names(tuple(joined))}"
-        _print_line(console, Text(added), indent=0)
+        _print_line(console, Shown(added), indent=0)
 
 
 def print_fix(result: FixResult, screen: Screen) -> None:
     console = screen.stdout()
-    title = Text.assemble(
-        (result.diagnosis.inventory.path, "bold"), " → ", (str(result.out), "bold"), f" (fill: {result.plan.fill})"
-    )
+    title = Shown.assemble(
+        (_name(result.diagnosis.inventory.path), "bold"), " → ", (_name(str(result.out)), "bold"),
+        f" (fill: {result.plan.fill})",
+    )  # fmt: skip
     _print_line(console, title, indent=0)
     _print_changes(console, result.plan)
     _print_additions(console, result.diagnosis, result.plan)
     _print_fill_notes(console, result.diagnosis, result.plan)
     v = result.verification
-    verified = Text.assemble(
+    verified = Shown.assemble(
         ("verified", "bold green"),
         f": {v.tensors} existing tensors and {_human_bytes(v.bytes)} read back through the file system, "
         f"bit-identical; the only changes are the {_changes(result.plan)}",
     )
     _print_line(console, verified, indent=0)
     if v.linked:
-        _print_line(console, Text(f"hard-linked to the original's, not copied: {_shown_names(v.linked)}"), indent=0)
+        _print_line(console, Shown(f"hard-linked to the original's, not copied: {_shown_names(v.linked)}"), indent=0)
 
 
 def print_dry_run(planned: DryRun, screen: Screen) -> None:
     console = screen.stdout()
-    title = Text.assemble(
-        ("dry run", "bold yellow"), ": ", (planned.diagnosis.inventory.path, "bold"), " → ",
-        (str(planned.out), "bold"), f" (fill: {planned.plan.fill}); nothing was written",
+    title = Shown.assemble(
+        ("dry run", "bold yellow"), ": ", (_name(planned.diagnosis.inventory.path), "bold"), " → ",
+        (_name(str(planned.out)), "bold"), f" (fill: {planned.plan.fill}); nothing was written",
     )  # fmt: skip
     _print_line(console, title, indent=0)
     _print_changes(console, planned.plan)
@@ -323,14 +355,14 @@ def print_dry_run(planned: DryRun, screen: Screen) -> None:
     _print_fill_notes(console, planned.diagnosis, planned.plan)
     room = ("enough room", "") if planned.bytes_to_write <= planned.free_bytes else ("not enough room", "bold red")
     sizes = f"would write about {_human_bytes(planned.bytes_to_write)}; {_human_bytes(planned.free_bytes)} free there: "
-    _print_line(console, Text.assemble(sizes, room), indent=0)
+    _print_line(console, Shown.assemble(sizes, room), indent=0)
 
 
 def print_demo(report: DemoReport, screen: Screen, *, kept: bool) -> None:
     console = screen.stdout()
     console.rule("1. A real run saved a checkpoint; torch refuses to resume from it")
-    _print_line(console, Text(str(report.checkpoint / "checkpoint.pt")), indent=0)
-    _print_line(console, Text.assemble("stock set_optimizer_state_dict: ", (report.stock_error, "red")), indent=0)
+    _print_line(console, Shown(_name(str(report.checkpoint / "checkpoint.pt"))), indent=0)
+    _print_line(console, Shown.assemble("stock set_optimizer_state_dict: ", (report.stock_error, "red")), indent=0)
     console.rule("2. optim-repair inspect")
     print_inspect(report.diagnosis, screen)
     console.rule("3. optim-repair fix, both fills")
@@ -345,19 +377,19 @@ def print_demo(report: DemoReport, screen: Screen, *, kept: bool) -> None:
         same = "yes" if outcome.identical else "no: phantom step=1 from torch's loader"
         rows.append([outcome.fill, outcome.loader, "yes" if outcome.loaded else "no", same])
         rows[-1].append(f"{outcome.max_difference:.3g}")
-        table.add_row(*rows[-1][:3], Text(same, style="green" if outcome.identical else "red"), rows[-1][4])
+        table.add_row(*rows[-1][:3], Shown(same, style="green" if outcome.identical else "red"), rows[-1][4])
     _print_table(console, table, rows)
     closing = (
         "{} entries resume exactly through optim_repair.set_optimizer_state_dict (a drop-in for torch's); "
         "--fill fresh resumes exactly through torch's own loader, with no code change."
     )
-    _print_line(console, Text(closing), indent=0)
+    _print_line(console, Shown(closing), indent=0)
     if kept:
-        _print_line(console, Text(f"files kept in {report.checkpoint.parent}"), indent=0)
+        _print_line(console, Shown(f"files kept in {_name(str(report.checkpoint.parent))}"), indent=0)
 
 
 def print_error(message: str, screen: Screen) -> None:
-    _print_line(screen.stderr(), Text(f"optim-repair: error: {message}", style="bold red"), indent=0)
+    _print_line(screen.stderr(), Shown(f"optim-repair: error: {message}", style="bold red"), indent=0)
 
 
 def message_printer(screen: Screen) -> Callable[[str], None]:
@@ -365,6 +397,6 @@ def message_printer(screen: Screen) -> Callable[[str], None]:
 
     def show(message: str) -> None:
         if not screen.quiet:
-            _print_line(screen.stderr(), Text(message, style="dim"), indent=0)
+            _print_line(screen.stderr(), Shown(message, style="dim"), indent=0)
 
     return show

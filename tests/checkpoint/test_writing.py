@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ import torch
 
 import optim_repair
 from optim_repair.checkpoint import adapters
-from optim_repair.errors import OutputError, RepairRefused, VerificationError
+from optim_repair.errors import InputError, OutputError, RepairRefused, VerificationError
 from tests.factories import dcp as dk
 from tests.factories import defects, trainers
 from tests.factories.built import Built
@@ -309,3 +311,41 @@ def test_progress_reports_bytes_written_and_verified(tmp_path: Path) -> None:
     linked: list[Step] = []
     optim_repair.fix(built.path, tmp_path / "linked", link=True, progress=linked.append)
     assert {step.total for step in linked} == {(built.path / "optimizer.pt").stat().st_size}
+
+
+def test_a_link_that_became_a_file_while_being_copied_is_named(unirl_checkpoint: Built, tmp_path: Path) -> None:
+    """The checkpoint's file is written first; meanwhile the link beside it becomes a regular file."""
+    link = unirl_checkpoint.path / "z-notes.txt"
+    link.symlink_to(tmp_path / "absent")  # kept as a link in the copy
+    out = tmp_path / "out"
+
+    def replace_the_link(message: str) -> None:
+        if message.startswith("writing") and link.is_symlink():
+            link.unlink()
+            link.write_text("a regular file now\n")
+
+    with pytest.raises(InputError) as refused:
+        optim_repair.fix(unirl_checkpoint.path, out, notice=replace_the_link)
+    assert str(refused.value).startswith(f"{link}: changed while being copied: it was a symbolic link and is no")
+    assert_nothing_written(out)
+
+
+def test_a_hard_link_across_file_systems_names_the_original(tmp_path: Path) -> None:
+    """``--link`` with ``--out`` on another file system (tmpfs in /dev/shm): the message names the original."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("no tmpfs on a file system other than tmp_path's")
+    root = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        built = trainers.unirl_torch(root)
+        out = tmp_path / "out"
+        with pytest.raises(OutputError) as refused:
+            optim_repair.fix(built.path, out, link=True)
+        original = Path(str(refused.value.path))
+        assert original.parent == built.path and original.is_file()
+        assert str(refused.value).startswith(f"{original}: cannot hard-link it into the copy (")
+        assert "write out on the file system of the original, or copy instead of linking" in str(refused.value)
+        assert ".optim-repair-" not in str(refused.value)
+        assert_nothing_written(out)
+    finally:
+        shutil.rmtree(root)

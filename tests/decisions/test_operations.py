@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from tests.decisions.test_comparison import named_state_dict
 from tests.factories import trainers
 from tests.factories.built import Built
 from tests.factories.models import TwoHeadNet, make_optimizer, train
-from tests.factories.support import assert_nothing_written, untouched
+from tests.factories.support import assert_nothing_written, installed_command, untouched
 
 STEPS, MORE = 3, 3
 
@@ -389,3 +390,31 @@ def test_a_layer_unfrozen_between_runs_joins_an_index_keyed_optimizer(tmp_path: 
     with pytest.raises(ValueError, match="doesn't match the size of optimizer's group"):
         unrepaired = make_optimizer(resumed_model, "adamw")
         unrepaired.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
+
+
+def _long_named_checkpoint(tmp_path: Path) -> Path:
+    """A real run's name-keyed optimizer state whose first parameter has a 48-character name: 41 a's, ``.weight``."""
+    model = TwoHeadNet()
+    opt = make_optimizer(model, "adamw")
+    train(model, opt, 2, use_all=True)
+    state, long = get_optimizer_state_dict(model, opt), {"trunk.weight": "a" * 41 + ".weight"}
+    state["state"] = {long.get(name, name): entry for name, entry in state["state"].items()}
+    state["param_groups"] = [{**g, "params": [long.get(p, p) for p in g["params"]]} for g in state["param_groups"]]
+    torch.save({"optimizer_state_dict": state}, tmp_path / "checkpoint.pt")
+    return tmp_path / "checkpoint.pt"
+
+
+@pytest.mark.parametrize("option", [["--rename", "(a+)+$=x"], ["--drop", "(a+)+$"], ["--drop", "(a|aa)*b"]])
+def test_a_pattern_that_could_backtrack_without_bound_is_refused_at_once(tmp_path: Path, option: list[str]) -> None:
+    path, out = _long_named_checkpoint(tmp_path), tmp_path / "out.pt"
+    command = [*installed_command(), "fix", str(path), "--out", str(out), *option]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr.count("\n")) == (2, 1), result.stderr
+    refused = f"{option[0]} '{option[1].split('=')[0]}' could make the matcher try more than 10,000,000,000 ways"
+    assert refused in result.stderr
+    assert_nothing_written(out)
+
+
+@pytest.mark.parametrize("rename", ["^a+\\.=x.", "(.*)\\.weight$=\\1.w", "^(a*)(a*)\\.(.*)$=\\2\\1.\\3", "a=b"])
+def test_common_patterns_are_applied_to_long_names(tmp_path: Path, rename: str) -> None:
+    run_cli(["fix", _long_named_checkpoint(tmp_path), "--out", tmp_path / "out.pt", "--rename", rename], code=0)

@@ -59,8 +59,9 @@ def write_zip(
             elif info.compress_type == zipfile.ZIP_STORED:
                 offset = data_offset(raw, info, str(torch_file.path))
                 writer.add_copy(
-                    info.filename, raw.fileno(), offset, info.file_size, info.CRC, info.date_time, info.external_attr
-                )
+                    info.filename, raw.fileno(), offset, info.file_size, info.CRC, info.date_time, info.external_attr,
+                    source_name=str(torch_file.path),
+                )  # fmt: skip
                 on_bytes(info.file_size)
             else:
                 record = read_record(raw, info, str(torch_file.path))
@@ -83,13 +84,13 @@ def write_legacy(
     """Write ``torch_file`` to the descriptor ``target`` with ``data`` as its main pickle and ``created`` added."""
     keys = pickle.dumps([*torch_file.keys, *(ref.key for ref, _, _ in created)], protocol=2)
     with open_regular(torch_file.path, str(torch_file.path)) as source:
-        kernel_copy(source.fileno(), target, 0, torch_file.main_start, 0)
+        kernel_copy(source.fileno(), target, 0, torch_file.main_start, 0, name=str(torch_file.path))
         position = torch_file.main_start
         for block in (data, keys):
             write_all(target, block, position)
             position += len(block)
         length = torch_file.storage_end - torch_file.storage_start
-        kernel_copy(source.fileno(), target, torch_file.storage_start, length, position)
+        kernel_copy(source.fileno(), target, torch_file.storage_start, length, position, name=str(torch_file.path))
         on_bytes(length)
         position += length
     for ref, size, chunks in created:

@@ -95,10 +95,13 @@ class ZipWriter:
         crc: int,
         date_time: tuple[int, int, int, int, int, int],
         external_attr: int,
+        *,
+        source_name: str,
     ) -> None:
-        """A record whose ``size`` bytes are those at ``offset`` in ``source``, with the CRC-32 they have."""
+        """A record whose ``size`` bytes are those at ``offset`` in ``source`` (the file ``source_name``), with the
+        CRC-32 they have."""
         start = self._header(name, date_time, external_attr, size, crc)
-        kernel_copy(source, self._target, offset, size, self._base + start)
+        kernel_copy(source, self._target, offset, size, self._base + start, name=source_name)
         self._position = start + size
 
     def add_chunks(
