@@ -23,6 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, for its test factories
+from tests.factories.chunked import build_chunked, chunk_count
+
 MISSING = 4
 NAIVE = """
 import sys, torch
@@ -34,6 +37,18 @@ for group in optimizer["param_groups"]:
 torch.save(checkpoint, sys.argv[2])
 """
 """The script optim-repair replaces: load with mmap, add {} for every missing entry, save (no verification)."""
+READ_METADATA = """
+import sys, time
+from torch.distributed.checkpoint import FileSystemReader
+start = time.perf_counter()
+keys = set(FileSystemReader(sys.argv[1]).read_metadata().state_dict_metadata)
+model = {key[len("model."):] for key in keys if key.startswith("model.")}
+state = {key[len("optim.state."):].rsplit(".", 1)[0] for key in keys if key.startswith("optim.state.")}
+missing = sorted(model - state)
+print(f"elapsed={time.perf_counter() - start}", file=sys.stderr)
+"""
+"""What a user would script to find DCP parameters without state: torch reads the metadata, a set difference;
+it times itself, so that torch's import is not counted."""
 
 
 def build(root: Path, gib: float, params: int, moe_params: int) -> None:
@@ -67,12 +82,26 @@ def build(root: Path, gib: float, params: int, moe_params: int) -> None:
     torch.save({"model": experts, "optimizer": {"state": moe_state, "param_groups": moe_groups}}, root / "moe.pt")
 
 
+def params_for(chunks: int, ranks: int) -> int:
+    """How many parameters make about ``chunks`` chunks on ``ranks`` ranks (``tests.factories.chunked``)."""
+    params = max(chunks // (3 * ranks), 1)
+    while chunk_count(ranks, params) < chunks:
+        params += 1
+    return params
+
+
 def measure(command: list[str]) -> tuple[float, float, int]:
-    """Wall seconds, peak RSS in MiB, and exit code of one command in a fresh process."""
-    start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _, status, usage = os.wait4(process.pid, 0)
-    elapsed = time.perf_counter() - start
+    """Wall seconds, peak RSS in MiB, and exit code of one command in a fresh process; a command that prints
+    ``elapsed=SECONDS`` last on stderr is taken at its word (its imports not counted)."""
+    with tempfile.TemporaryFile("w+") as stderr:
+        start = time.perf_counter()
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
+        _, status, usage = os.wait4(process.pid, 0)
+        elapsed = time.perf_counter() - start
+        stderr.seek(0)
+        lines = stderr.read().strip().splitlines()
+    if lines and lines[-1].startswith("elapsed="):
+        elapsed = float(lines[-1].removeprefix("elapsed="))
     return elapsed, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status)
 
 
@@ -85,11 +114,21 @@ def main() -> int:
     parser.add_argument("--gib", type=float, default=2.0)
     parser.add_argument("--params", type=int, default=1440)
     parser.add_argument("--moe-params", type=int, default=30000)
+    parser.add_argument(
+        "--chunks",
+        default="",
+        help="DCP checkpoints of this many chunks too, comma-separated (1000000,5000000), one per rank per tensor",
+    )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--only", default="", help="measure only the rows whose command label contains this")
     parser.add_argument("--build-into", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--build-chunks", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.build_into and args.build_chunks:
+        ranks = 256 if args.build_chunks <= 2_000_000 else 512
+        build_chunked(args.build_into, ranks, params_for(args.build_chunks, ranks))
+        return 0
     if args.build_into:
         build(args.build_into, args.gib, args.params, args.moe_params)
         return 0
@@ -162,6 +201,25 @@ def main() -> int:
                 3.0,
             ),
         ]
+        for count in (int(text) for text in args.chunks.split(",") if text):
+            chunked = root / f"chunks-{count}"
+            subprocess.run([python, __file__, "--build-chunks", str(count), "--build-into", str(chunked)], check=True)
+            pairs += [
+                (
+                    f"inspect (DCP, {count:,} chunks)",
+                    [*tool, "inspect", chunked],
+                    "read_metadata + set difference",
+                    [python, "-c", READ_METADATA, chunked],
+                    0.25,
+                ),
+                (
+                    f"fix --link --no-sync (DCP, {count:,} chunks)",
+                    [*tool, "fix", chunked, "--out", out, "--link", "--no-sync"],
+                    "inspect (DCP)",
+                    [*tool, "inspect", chunked],
+                    2.0,
+                ),
+            ]
         size = torch_file.stat().st_size
         print(
             f"checkpoint: {size / 2**30:.2f} GiB, {args.params} params, {MISSING} missing; MoE: "

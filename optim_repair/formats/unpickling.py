@@ -9,11 +9,13 @@ unpickler raise becomes one ``InputError`` naming the file.
 from __future__ import annotations
 
 import _compat_pickle
+import contextlib
+import gc
 import pickle
 import struct
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError
@@ -55,6 +57,20 @@ Allowlist = Callable[[str, str], Any]
 """What stands in for global ``module.name``; raises ``UnsafeInputError`` for a global not allowed."""
 
 
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused: unpickling a million-chunk ``.metadata`` makes millions of objects,
+    and each collection would walk them all again (5.8x slower with it on). What is unpickled here holds no
+    cycles to collect, and the pre-scan has bounded how much there is."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class AllowlistUnpickler(pickle.Unpickler):
     """An unpickler that resolves every global through an allowlist, which refuses it or stands in."""
 
@@ -78,6 +94,10 @@ class AllowlistUnpickler(pickle.Unpickler):
         return self._file.tell()
 
     def load_safely(self, what: str, *, ours: bool = False) -> Any:
+        with collection_paused():
+            return self._load_safely(what, ours=ours)
+
+    def _load_safely(self, what: str, *, ours: bool) -> Any:
         """Unpickle once ``check_pickle`` has bounded the work, translating every error of a damaged
         pickle into an ``InputError`` about ``what``. ``ours``: a pickle this run wrote (a copy read back
         for verification), which needs no bounding; the allowlist applies all the same."""

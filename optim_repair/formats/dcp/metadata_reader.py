@@ -28,7 +28,7 @@ from optim_repair.formats.dcp.metadata import (
     display_path,
 )
 from optim_repair.formats.inputs import open_regular
-from optim_repair.formats.unpickling import AllowlistUnpickler
+from optim_repair.formats.unpickling import AllowlistUnpickler, collection_paused
 from optim_repair.records.dtypes import DTYPES, itemsize, numel
 
 
@@ -298,7 +298,8 @@ def read_metadata(path: Path, rel: str = "", *, ours: bool = False) -> DcpMetada
         raise InputError(f"cannot read ({os_error_reason(exc)})", path=source) from exc
     unpickler = _unpickler(data, source)
     root = unpickler.load_safely("DCP metadata pickle", ours=ours)
-    meta, property_fields = _parse_metadata(root, source)
+    with collection_paused():  # a record per chunk: see collection_paused
+        meta, property_fields = _parse_metadata(root, source)
     return replace(meta, pickle=_extensible(data, unpickler, root, property_fields))
 
 
