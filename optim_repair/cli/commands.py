@@ -146,7 +146,7 @@ def fix(
         typer.Option(
             metavar="NAME",
             parser=choice("--optimizer", list(OPTIMIZERS)),
-            help=f"Which optimizer wrote the state, for --fill fresh: {', '.join(OPTIMIZERS)}.",
+            help=f"Which optimizer wrote the state, for --fill fresh (implied): {', '.join(OPTIMIZERS)}.",
         ),
     ] = None,
     model: Annotated[

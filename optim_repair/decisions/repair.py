@@ -143,7 +143,7 @@ def _group_members(optimizer: OptimizerInventory, joined: dict[ParamKey, int]) -
 def _check_arguments(fill: str | None, optimizer: str | None) -> None:
     if fill is not None and fill not in ("empty", "fresh"):
         raise UsageError(f"fill must be 'empty' or 'fresh', not {shown(fill)}")
-    if optimizer is not None and fill != "fresh":
+    if optimizer is not None and fill == "empty":
         fresh = Remedy("fill", "fresh")
         raise UsageError("{argument} only applies to the fresh fill", argument="optimizer", remedy=fresh)
     if optimizer is not None and optimizer not in OPTIMIZERS:
@@ -169,6 +169,7 @@ def plan_repair(
     absent ones.
     """
     _check_arguments(fill, optimizer)
+    fill = fill or ("fresh" if optimizer is not None else None)  # naming the optimizer asks for its fresh state
     _refuse_malformed(diagnosis)
     if reset_phantom_step and not any(opt.phantom for opt in diagnosis.optimizers):
         raise RepairRefused(

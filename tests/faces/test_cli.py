@@ -352,6 +352,14 @@ def test_optimizer_without_fresh_fill_is_a_usage_error(unirl_checkpoint: Built, 
     assert_nothing_written(out)
 
 
+def test_optimizer_alone_asks_for_its_fresh_state(unirl_checkpoint: Built, tmp_path: Path) -> None:
+    """Naming the optimizer only matters for fresh state: without --fill it implies --fill fresh."""
+    out = tmp_path / "out"
+    document = json.loads(fix_cli(unirl_checkpoint.path, out, "--optimizer", "adamw", "--json", code=0).stdout)
+    assert document["fill"] == "fresh"
+    assert {tuple(added["keys"]) for added in document["added"]} == {("step", "exp_avg", "exp_avg_sq")}
+
+
 def test_remedies_name_the_flags_library_errors_name_keyword_arguments(root: Path, tmp_path: Path) -> None:
     """The library says ``pass model=PATH``; the CLI says ``pass --model PATH``, for the same error."""
     r = models.run()
