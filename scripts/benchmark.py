@@ -23,9 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, for its test factories
-from tests.factories.chunked import build_chunked, chunk_count
-
 MISSING = 4
 NAIVE = """
 import sys, torch
@@ -84,6 +81,8 @@ def build(root: Path, gib: float, params: int, moe_params: int) -> None:
 
 def params_for(chunks: int, ranks: int) -> int:
     """How many parameters make about ``chunks`` chunks on ``ranks`` ranks (``tests.factories.chunked``)."""
+    from tests.factories.chunked import chunk_count
+
     params = max(chunks // (3 * ranks), 1)
     while chunk_count(ranks, params) < chunks:
         params += 1
@@ -126,6 +125,11 @@ def main() -> int:
     parser.add_argument("--build-chunks", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.build_into and args.build_chunks:
+        # Only the builder imports torch and the checkout's factories: a measured process forked from a
+        # parent holding torch would count its pages in its peak RSS.
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.factories.chunked import build_chunked
+
         ranks = 256 if args.build_chunks <= 2_000_000 else 512
         build_chunked(args.build_into, ranks, params_for(args.build_chunks, ranks))
         return 0
