@@ -29,8 +29,12 @@ class ExitCode(enum.IntEnum):
     OUTPUT = 5
     INTERNAL = 70
     """A bug in optim-repair (EX_SOFTWARE), never an input problem."""
+    HUNG_UP = 129
+    """SIGHUP (the terminal closed); nothing was written. Each signal's code is 128 plus its number."""
     INTERRUPTED = 130
-    """Interrupted (Ctrl-C); nothing was written."""
+    """Interrupted (Ctrl-C, SIGINT); nothing was written."""
+    QUIT = 131
+    """SIGQUIT (Ctrl-\\); nothing was written."""
     TERMINATED = 143
     """Terminated (SIGTERM); nothing was written."""
 
@@ -100,8 +104,17 @@ def os_error_reason(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-class Terminated(BaseException):
-    """The process got SIGTERM: raised like ``KeyboardInterrupt``, so that a temporary copy is removed."""
+class Stopped(BaseException):
+    """A signal that ends the run came (``signals.ENDING``): raised by the console's handler as
+    ``KeyboardInterrupt`` is, so that what the run began is undone on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode(128 + self.signum)
 
 
 class OptimRepairError(Exception):

@@ -2,12 +2,13 @@
 
 ``run_command`` is the one place where a library error becomes a message on stderr (and a JSON document
 on stdout with ``--json``) and an exit code; ``Command`` and ``Group`` make click's own usage errors read
-the same way.
+the same way. A run that fails, however late, leaves no copy behind.
 """
 
 from __future__ import annotations
 
 import importlib
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -15,8 +16,9 @@ from typing import Annotated, Any, TypeVar
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from optim_repair import render
-from optim_repair.errors import ExitCode, OptimRepairError, Remedy, Terminated, UsageError
+from optim_repair import render, signals
+from optim_repair.checkpoint.staging import taken_back_on_failure
+from optim_repair.errors import ExitCode, OptimRepairError, Remedy, Stopped, UsageError
 from optim_repair.records.repair_plan import Fill
 
 _COMMON_EXITS = {
@@ -24,7 +26,9 @@ _COMMON_EXITS = {
     ExitCode.INPUT: "input missing, unreadable, unsafe to load, or without optimizer state",
     ExitCode.OUTPUT: "output refused or failed",
     ExitCode.INTERNAL: "internal error (a bug in optim-repair: please report it)",
+    ExitCode.HUNG_UP: "hung up (SIGHUP); nothing was written",
     ExitCode.INTERRUPTED: "interrupted (Ctrl-C); nothing was written",
+    ExitCode.QUIT: "quit (SIGQUIT); nothing was written",
     ExitCode.TERMINATED: "terminated (SIGTERM); nothing was written",
 }
 
@@ -153,21 +157,36 @@ def _as_flag(remedy: Remedy) -> str:
 
 def run_command(command: Callable[[], int], screen: render.Screen, *, json: bool) -> None:
     """The boundary around everything a command does, rendering included: the one place library errors
-    become a message on stderr (and a JSON document on stdout with ``--json``) and an exit code."""
+    become a message on stderr (and a JSON document on stdout with ``--json``) and an exit code.
+
+    Once the result is printed, the run's signals wait until it exits (``signals.settle``): a finished
+    run stays finished. A run that fails after its copy was moved into place, a signal included, takes the
+    copy back, and says so."""
     try:
-        code = command()
+        with taken_back_on_failure() as placed:
+            code = command()
+            signals.settle()
     except OptimRepairError as exc:
+        signals.settle()
         argument = "--" + exc.argument.replace("_", "-") if exc.argument else ""
         message = exc.describe(argument, _as_flag(exc.remedy) if exc.remedy else "")
-        code = fail(message, exc.exit_code, exc.code, exc.path, json, screen)
-    except KeyboardInterrupt:
-        code = fail("interrupted; nothing was written", ExitCode.INTERRUPTED, "interrupted", None, json, screen)
-    except Terminated:
-        code = fail("terminated; nothing was written", ExitCode.TERMINATED, "terminated", None, json, screen)
+        code = fail(_taken_back(message, placed), exc.exit_code, exc.code, exc.path, json, screen)
+    except (KeyboardInterrupt, Stopped) as exc:  # KeyboardInterrupt: the app run without the console's handler
+        signals.settle()
+        signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+        kind, words = signals.ENDING[signum]
+        message = _taken_back(words, placed) if placed else f"{words}; nothing was written"
+        code = fail(message, 128 + signum, kind, None, json, screen)
     except Exception as exc:  # a bug, not an input problem: one line, its own exit code
+        signals.settle()
         message = f"internal error ({type(exc).__name__}: {exc}); please report it"
-        code = fail(message, ExitCode.INTERNAL, "internal", None, json, screen)
+        code = fail(_taken_back(message, placed), ExitCode.INTERNAL, "internal", None, json, screen)
     raise typer.Exit(code)
+
+
+def _taken_back(message: str, placed: list[Path]) -> str:
+    """``message``, saying that the copy this run had already moved into place was removed again."""
+    return f"{message}; {placed[0]} was already written and verified, and was removed again" if placed else message
 
 
 def fail(message: str, code: int, kind: str, path: str | None, json: bool, screen: render.Screen) -> int:

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from optim_repair import api, render
+from optim_repair import api, render, signals
 from optim_repair.cli.boundary import (
     FILLS,
     Checkpoint,
@@ -27,7 +27,7 @@ from optim_repair.cli.boundary import (
     run_command,
 )
 from optim_repair.decisions.optimizers import OPTIMIZERS
-from optim_repair.errors import ExitCode
+from optim_repair.errors import ExitCode, Stopped
 
 app = typer.Typer(
     cls=Group,
@@ -287,16 +287,13 @@ def demo(
 
 
 def run() -> None:
-    """Run the command line; ``optim_repair.console.main`` calls it once interrupts are handled."""
+    """Run the command line; ``optim_repair.console.main`` calls it once it handles the ending signals."""
     # torch warns on import when numpy is absent; nothing optim-repair does needs numpy.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     try:
         app(prog_name="optim-repair")
-    except KeyboardInterrupt:  # Ctrl-C while typer still builds the command, before it handles interrupts
-        fail("interrupted; nothing was written", ExitCode.INTERRUPTED, "interrupted", None, False, render.Screen())
-        raise SystemExit(ExitCode.INTERRUPTED) from None
-    except SystemExit as exc:
-        # Ctrl-C while typer still parses the command line: it exits 130 silently (Exit from KeyboardInterrupt).
-        if isinstance(exc.__context__, typer.Exit) and isinstance(exc.__context__.__cause__, KeyboardInterrupt):
-            fail("interrupted; nothing was written", ExitCode.INTERRUPTED, "interrupted", None, False, render.Screen())
-        raise
+    except Stopped as exc:  # while typer still parses the command line, before run_command
+        signals.settle()
+        kind, words = signals.ENDING[exc.signum]
+        fail(f"{words}; nothing was written", exc.exit_code, kind, None, False, render.Screen())
+        raise SystemExit(exc.exit_code) from None
