@@ -9,6 +9,7 @@ starts) ends the process by the signal, which a shell reports with the same code
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from types import FrameType
@@ -34,8 +35,20 @@ def _stop_again(unraisable: sys.UnraisableHookArgs) -> None:
         sys.__unraisablehook__(unraisable)
 
 
+def _occupy_closed_descriptors() -> None:
+    """Open ``/dev/null`` on each of descriptors 0, 1 and 2 that is closed, so that no file optim-repair
+    opens gets its number (with stderr closed, a C library's warning would land in the copy). Python has
+    already made the stream None; ``cli.boundary`` refuses to run when stdout or stderr is."""
+    for descriptor in (0, 1, 2):
+        try:
+            os.fstat(descriptor)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
+
+
 def main() -> None:
     signals.install(signals.exit_at_once)
+    _occupy_closed_descriptors()
     from optim_repair.cli import run
 
     sys.unraisablehook = _stop_again

@@ -35,6 +35,8 @@ class ExitCode(enum.IntEnum):
     """Interrupted (Ctrl-C, SIGINT); nothing was written."""
     QUIT = 131
     """SIGQUIT (Ctrl-\\); nothing was written."""
+    BROKEN_PIPE = 141
+    """stdout or stderr is a pipe its reader closed (the exit code of SIGPIPE); nothing was written."""
     TERMINATED = 143
     """Terminated (SIGTERM); nothing was written."""
 
@@ -193,6 +195,27 @@ class OutputError(OptimRepairError):
 
     exit_code = ExitCode.OUTPUT
     code = "output"
+
+
+class StreamError(OutputError):
+    """stdout or stderr is closed or cannot be written (a full disk, a terminal gone): the result did not
+    reach the user, so a copy was not kept."""
+
+    code = "stream"
+
+    def __init__(self, stream: str, reason: str) -> None:
+        super().__init__(f"cannot write to {stream} ({reason})")
+        self.stream = stream
+
+
+class ClosedPipe(StreamError):
+    """stdout or stderr is a pipe whose reader closed it (``| head``): exit 141, as SIGPIPE would give."""
+
+    exit_code = ExitCode.BROKEN_PIPE
+    code = "broken-pipe"
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream, "its reader closed the pipe")
 
 
 class VerificationError(OutputError):

@@ -1,15 +1,16 @@
-"""The installed command's end of a run: the signals that end it.
+"""The installed command's end of a run: the signals that end it and the streams it writes to.
 
 Each case runs the real ``optim-repair`` in a subprocess on a real checkpoint, as users met the failures:
-a signal at any moment from the entry point's first line to the process's exit. Whatever happens, the exit
-code is the documented one, stderr has at most one line and no traceback, and a run that does not exit 0
-leaves nothing behind.
+a signal at any moment from the entry point's first line to the process's exit, stdout or stderr closed
+or full, a pipe its reader closes early. Whatever happens, the exit code is the documented one, stderr has
+at most one line and no traceback, and a run that does not exit 0 leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import fcntl
 import filecmp
+import json
 import os
 import signal
 import subprocess
@@ -133,3 +134,95 @@ def test_a_signal_after_the_rename_takes_the_copy_back(large: Checkpoint, tmp_pa
     words = ENDING[signum][1]
     assert stderr == f"optim-repair: error: {words}; {out} was already written and verified, and was removed again\n"
     assert not out.exists() and leftovers(out) == []
+
+
+def _run(args: list[str], **streams: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*installed_command(), *args], text=True, timeout=60, **streams)  # type: ignore[call-overload]
+
+
+def _fix(built: Path, out: Path, *extra: str) -> list[str]:
+    return ["fix", str(built), "--out", str(out), "--no-sync", *extra]
+
+
+@pytest.fixture()
+def small(tmp_path: Path) -> Path:
+    return trainers.unirl_torch(tmp_path / "u").path
+
+
+@pytest.mark.parametrize("command", ["inspect", "fix"])
+def test_a_closed_stdout_is_an_output_error(small: Path, tmp_path: Path, command: str) -> None:
+    out = tmp_path / "out"
+    args = ["inspect", str(small)] if command == "inspect" else _fix(small, out)
+    result = _run(args, stderr=subprocess.PIPE, preexec_fn=lambda: os.close(1))
+    assert (result.returncode, result.stderr) == (5, "optim-repair: error: cannot write to stdout (it is closed)\n")
+    assert not out.exists() and leftovers(out) == []
+
+
+def test_a_full_stdout_is_an_output_error_and_keeps_no_copy(small: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with open("/dev/full", "w") as full:
+        inspected = _run(["inspect", str(small)], stdout=full, stderr=subprocess.PIPE)
+        fixed = _run(_fix(small, out, "-q"), stdout=full, stderr=subprocess.PIPE)
+    assert (inspected.returncode, inspected.stderr) == (
+        5,
+        "optim-repair: error: cannot write to stdout (the disk is full)\n",
+    )
+    assert fixed.returncode == 5
+    assert fixed.stderr == (
+        f"optim-repair: error: cannot write to stdout (the disk is full); {out} was already written and verified, "
+        "and was removed again\n"
+    )
+    assert not out.exists() and leftovers(out) == []
+    assert _run(_fix(small, out), capture_output=True).returncode == 0  # the retry finds no --out in its way
+
+
+@pytest.mark.parametrize("stderr", ["closed", "full"])
+def test_a_closed_or_full_stderr_is_an_output_error_told_on_stdout_with_json(
+    small: Path, tmp_path: Path, stderr: str
+) -> None:
+    out = tmp_path / "out"
+    args = _fix(small, out, "--json")  # "writing checkpoint.pt" goes to stderr
+    if stderr == "closed":
+        result = _run(args, stdout=subprocess.PIPE, preexec_fn=lambda: os.close(2))
+    else:
+        with open("/dev/full", "w") as full:
+            result = _run(args, stdout=subprocess.PIPE, stderr=full)
+    reason = "it is closed" if stderr == "closed" else "the disk is full"
+    assert result.returncode == 5
+    assert json.loads(result.stdout)["error"] == {
+        "code": "stream", "exit_code": 5, "message": f"cannot write to stderr ({reason})", "path": None,
+    }  # fmt: skip
+    assert not out.exists() and leftovers(out) == []
+    with open("/dev/full", "w") as full:  # inspect --latest names the step it takes on stderr
+        assert _run(["inspect", str(small.parent), "--latest"], stdout=subprocess.PIPE, stderr=full).returncode == 5
+
+
+@pytest.mark.parametrize("command", ["inspect", "fix"])
+def test_a_pipe_closed_early_is_exit_141_and_keeps_no_copy(small: Path, tmp_path: Path, command: str) -> None:
+    """``optim-repair inspect ckpt | head -c 10``: the reader takes ten bytes and goes."""
+    out = tmp_path / "out"
+    args = ["inspect", str(small)] if command == "inspect" else _fix(small, out, "-q")
+    reader, writer = os.pipe()
+    fcntl.fcntl(writer, F_SETPIPE_SZ, 4096)  # smaller than the report, so that it is still writing
+    process = subprocess.Popen([*installed_command(), *args], stdout=writer, stderr=subprocess.PIPE, text=True)
+    os.close(writer)
+    assert len(os.read(reader, 10)) == 10
+    os.close(reader)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 141, stderr
+    closed = "optim-repair: error: cannot write to stdout (its reader closed the pipe)"
+    removed = f"; {out} was already written and verified, and was removed again" if command == "fix" else ""
+    assert stderr == f"{closed}{removed}\n"
+    assert not out.exists() and leftovers(out) == []
+
+
+def test_a_closed_pipe_while_the_help_is_printed_is_exit_141() -> None:
+    reader, writer = os.pipe()
+    os.close(reader)
+    result = _run(["fix", "--help"], stdout=writer, stderr=subprocess.PIPE)
+    os.close(writer)
+    # click's answer to EPIPE is exit 1, as rich's is for a report: "repairable", which would be a lie
+    assert (result.returncode, result.stderr) == (
+        141,
+        "optim-repair: error: cannot write to stdout (its reader closed the pipe)\n",
+    )
