@@ -1,56 +1,56 @@
-"""The ``optim-repair`` console entry point: Ctrl-C and SIGTERM become exit codes from the first moment.
+"""The ``optim-repair`` console entry point: every signal that ends a run is handled from its first line to its last.
 
-This module imports nothing but ``signal`` and ``sys`` before the handlers are in place, and the rest
-of optim-repair only after, so that an interrupt while Python is still loading the command prints one
-line and exits 130 (143 for SIGTERM), never a traceback.
+Its first act, before typer, rich or torch is loaded, is to handle SIGINT, SIGTERM, SIGHUP and SIGQUIT
+(``optim_repair.signals``): while Python loads the command, a signal prints one line and exits at once
+(130, 143, 129, 131), nothing having been written; once the command runs, it raises ``Stopped``, which
+undoes what the run began. A signal that comes before this module's first line (while Python itself
+starts) ends the process by the signal, which a shell reports with the same code.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+from types import FrameType
 
-INTERRUPTED, TERMINATED = 130, 143  # optim_repair.errors.ExitCode, not imported yet
-
-
-def _terminate(signum: int, frame: object) -> None:
-    from optim_repair.errors import Terminated
-
-    raise Terminated
+from optim_repair import signals
 
 
-_swallowed: list[BaseException] = []
+def _stop(signum: int, frame: FrameType | None) -> None:
+    from optim_repair.errors import Stopped  # loaded before this handler is installed: instant
+
+    raise Stopped(signum)
 
 
-def _interrupted_while_importing(unraisable: sys.UnraisableHookArgs) -> None:
-    """Python swallows, and prints with its traceback, a KeyboardInterrupt that lands in one of its
-    import-lock callbacks; remember it instead, and honour it once the imports are done."""
-    if isinstance(unraisable.exc_value, KeyboardInterrupt):
-        _swallowed.append(unraisable.exc_value)
+def _stop_again(unraisable: sys.UnraisableHookArgs) -> None:
+    """Python swallows an exception raised where nothing can catch it (a weakref callback, such as an
+    import lock's, or a ``__del__``), and prints it with its traceback; a ``Stopped`` raised there is
+    instead sent again as its signal, whose handler then raises it where the run can undo its work."""
+    from optim_repair.errors import Stopped
+
+    if isinstance(unraisable.exc_value, Stopped):
+        signal.raise_signal(unraisable.exc_value.signum)
     else:
         sys.__unraisablehook__(unraisable)
 
 
-def _exit(message: str, code: int) -> None:
-    sys.stderr.write(f"optim-repair: error: {message}\n")
-    sys.exit(code)
+def _occupy_closed_descriptors() -> None:
+    """Open ``/dev/null`` on each of descriptors 0, 1 and 2 that is closed, so that no file optim-repair
+    opens gets its number (with stderr closed, a C library's warning would land in the copy). Python has
+    already made the stream None; ``cli.boundary`` refuses to run when stdout or stderr is."""
+    for descriptor in (0, 1, 2):
+        try:
+            os.fstat(descriptor)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, _terminate)
-    sys.unraisablehook = _interrupted_while_importing
-    try:
-        from optim_repair.cli import run
-        from optim_repair.errors import Terminated
-    except KeyboardInterrupt:
-        _exit("interrupted; nothing was written", INTERRUPTED)
-    except BaseException as exc:  # Terminated, while its class was being imported
-        if type(exc).__name__ != "Terminated":
-            raise
-        _exit("terminated; nothing was written", TERMINATED)
-    finally:
-        sys.unraisablehook = sys.__unraisablehook__
-    if _swallowed:
-        _exit("interrupted; nothing was written", INTERRUPTED)
-    del Terminated  # imported above only so that the handler's own import is instant
+    signals.install(signals.exit_at_once)
+    _occupy_closed_descriptors()
+    from optim_repair.cli import run
+
+    sys.unraisablehook = _stop_again
+    signals.install(_stop)
     run()

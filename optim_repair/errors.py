@@ -29,8 +29,14 @@ class ExitCode(enum.IntEnum):
     OUTPUT = 5
     INTERNAL = 70
     """A bug in optim-repair (EX_SOFTWARE), never an input problem."""
+    HUNG_UP = 129
+    """SIGHUP (the terminal closed); nothing was written. Each signal's code is 128 plus its number."""
     INTERRUPTED = 130
-    """Interrupted (Ctrl-C); nothing was written."""
+    """Interrupted (Ctrl-C, SIGINT); nothing was written."""
+    QUIT = 131
+    """SIGQUIT (Ctrl-\\); nothing was written."""
+    BROKEN_PIPE = 141
+    """stdout or stderr is a pipe its reader closed (the exit code of SIGPIPE); nothing was written."""
     TERMINATED = 143
     """Terminated (SIGTERM); nothing was written."""
 
@@ -100,8 +106,17 @@ def os_error_reason(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-class Terminated(BaseException):
-    """The process got SIGTERM: raised like ``KeyboardInterrupt``, so that a temporary copy is removed."""
+class Stopped(BaseException):
+    """A signal that ends the run came (``signals.ENDING``): raised by the console's handler as
+    ``KeyboardInterrupt`` is, so that what the run began is undone on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode(128 + self.signum)
 
 
 class OptimRepairError(Exception):
@@ -180,6 +195,27 @@ class OutputError(OptimRepairError):
 
     exit_code = ExitCode.OUTPUT
     code = "output"
+
+
+class StreamError(OutputError):
+    """stdout or stderr is closed or cannot be written (a full disk, a terminal gone): the result did not
+    reach the user, so a copy was not kept."""
+
+    code = "stream"
+
+    def __init__(self, stream: str, reason: str) -> None:
+        super().__init__(f"cannot write to {stream} ({reason})")
+        self.stream = stream
+
+
+class ClosedPipe(StreamError):
+    """stdout or stderr is a pipe whose reader closed it (``| head``): exit 141, as SIGPIPE would give."""
+
+    exit_code = ExitCode.BROKEN_PIPE
+    code = "broken-pipe"
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream, "its reader closed the pipe")
 
 
 class VerificationError(OutputError):

@@ -5,6 +5,10 @@ once verified, so that ``NAME`` is never incomplete. The run holds an ``flock`` 
 its whole life; a later run that finds a temporary nobody holds (its run was killed) removes it and
 says so. Without ``force`` the rename refuses to replace anything (``renameat2(RENAME_NOREPLACE)``),
 so that of two runs racing to one ``--out`` the later fails instead of silently replacing the other.
+
+Within ``taken_back_on_failure`` (the command line's whole run), a copy moved into place is taken back
+again if the run fails after all (its result could not be printed, a signal came), so that a failed run
+never leaves a copy behind.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import errno
 import fcntl
 import os
 import shutil
-import signal
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +25,7 @@ from pathlib import Path
 
 from optim_repair.errors import OutputError, Remedy, os_error_reason
 from optim_repair.formats.inputs import kind_of
+from optim_repair.signals import held
 
 STALE_AFTER_SECONDS = 10
 """A temporary nobody holds is left alone this long after its last change (its run may be starting)."""
@@ -86,22 +90,18 @@ def temporary_sibling(out: Path, *, directory: bool) -> Iterator[Path]:
     tmp: Path | None = None
     lock: int | None = None
     try:
-        # The signals that end a run are held while the temporary is created and recorded: a handler that
-        # raised between the two would leave it behind (seen under load: SIGTERM during the lock).
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, _ENDING_SIGNALS)
-        try:
+        # The signals that end a run are held while the temporary is created and recorded, and while it is
+        # removed: a handler that raised between the two, or in the middle of the removal, would leave it
+        # behind (seen under load: SIGTERM during the lock).
+        with held():
             tmp, lock = _created(parent, out, directory=directory)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         yield tmp
     finally:
-        if lock is not None:
-            os.close(lock)
-        if tmp is not None:
-            remove(tmp)
-
-
-_ENDING_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+        with held():
+            if lock is not None:
+                os.close(lock)
+            if tmp is not None:
+                remove(tmp)
 
 
 def _created(parent: Path, out: Path, *, directory: bool) -> tuple[Path, int | None]:
@@ -145,10 +145,38 @@ def _rename_no_replace(tmp: Path, out: Path) -> None:
         os.unlink(tmp)
 
 
+_provisional: list[list[Path]] = []
+"""The copies moved into place within each open ``taken_back_on_failure``, innermost last."""
+
+
+@contextlib.contextmanager
+def taken_back_on_failure() -> Iterator[list[Path]]:
+    """Within the block, a copy moved into place is provisional: if the block raises (a signal's ``Stopped``
+    included), each copy it moved into place is removed again. Yields the list of those copies.
+
+    The command line runs a whole command in one, its output included, so that a run that cannot print its
+    result, or that a signal stops after the rename, does not exit with an error and leave a copy behind.
+    Outside one, as for ``optim_repair.fix``, a copy moved into place stays."""
+    placed: list[Path] = []
+    _provisional.append(placed)
+    try:
+        yield placed
+    except BaseException:
+        with held():
+            for path in placed:
+                remove(path)
+        raise
+    finally:
+        _provisional.remove(placed)
+
+
 def move_into_place(tmp: Path, out: Path, *, force: bool, sync: bool = True) -> None:
     """Make ``tmp`` be ``out``: without ``force`` only if nothing is there; with it, replacing what is.
     With ``sync``, the directory holding ``out`` is synced after, so that the rename survives a crash."""
-    _rename(tmp, out, force=force)
+    with held():  # renamed and recorded together, or neither: a copy is taken back only when recorded
+        _rename(tmp, out, force=force)
+        if _provisional:
+            _provisional[-1].append(out)
     if sync:
         descriptor = os.open(Path(os.path.abspath(out)).parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:

@@ -2,29 +2,47 @@
 
 ``run_command`` is the one place where a library error becomes a message on stderr (and a JSON document
 on stdout with ``--json``) and an exit code; ``Command`` and ``Group`` make click's own usage errors read
-the same way.
+the same way. A command's output is part of its run: a write to stdout or stderr that fails is an error
+(exit 5, or 141 for a closed pipe), and a run that fails, however late, leaves no copy behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, TextIO, TypeVar
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from optim_repair import render
-from optim_repair.errors import ExitCode, OptimRepairError, Remedy, Terminated, UsageError
+from optim_repair import render, signals
+from optim_repair.checkpoint.staging import taken_back_on_failure
+from optim_repair.errors import (
+    ClosedPipe,
+    ExitCode,
+    OptimRepairError,
+    Remedy,
+    Stopped,
+    StreamError,
+    UsageError,
+    os_error_reason,
+)
 from optim_repair.records.repair_plan import Fill
 
 _COMMON_EXITS = {
     ExitCode.USAGE: "usage error",
     ExitCode.INPUT: "input missing, unreadable, unsafe to load, or without optimizer state",
-    ExitCode.OUTPUT: "output refused or failed",
+    ExitCode.OUTPUT: "output refused or failed, stdout and stderr included",
     ExitCode.INTERNAL: "internal error (a bug in optim-repair: please report it)",
+    ExitCode.HUNG_UP: "hung up (SIGHUP); nothing was written",
     ExitCode.INTERRUPTED: "interrupted (Ctrl-C); nothing was written",
+    ExitCode.QUIT: "quit (SIGQUIT); nothing was written",
+    ExitCode.BROKEN_PIPE: "stdout or stderr is a pipe its reader closed; nothing was written",
     ExitCode.TERMINATED: "terminated (SIGTERM); nothing was written",
 }
 
@@ -151,28 +169,119 @@ def _as_flag(remedy: Remedy) -> str:
     return f"pass {flag}{f' {remedy.value}' if remedy.value else ''}{remedy.note}"
 
 
+@contextlib.contextmanager
+def writes_to(name: str) -> Iterator[None]:
+    """A block that writes to ``name`` (``stdout`` or ``stderr``): a failed write is a ``StreamError`` (a
+    ``ClosedPipe`` for a pipe its reader closed), and the stream is sent to ``/dev/null`` from then on, so
+    that Python's own flush at exit does not fail again (a warning, and exit 120)."""
+    try:
+        yield
+    except BrokenPipeError as exc:
+        _silence(name)
+        raise ClosedPipe(name) from exc
+    except OSError as exc:
+        _silence(name)
+        raise StreamError(name, os_error_reason(exc)) from exc
+    except SystemExit as exc:  # rich's answer to a broken pipe: exit 1, which would read as "repairable"
+        if not isinstance(exc.__context__, BrokenPipeError):
+            raise
+        _silence(name)
+        raise ClosedPipe(name) from exc.__context__
+
+
+def _stream(name: str) -> TextIO | None:
+    stream: TextIO | None = getattr(sys, name)
+    return stream
+
+
+def _silence(name: str) -> None:
+    stream = _stream(name)
+    if stream is None:
+        return
+    with contextlib.suppress(OSError, ValueError):  # a stream without a descriptor (a test's) stays as it is
+        descriptor = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.dup2(descriptor, stream.fileno())
+        finally:
+            os.close(descriptor)
+
+
+T = TypeVar("T")
+
+
+def on_stderr(callback: Callable[[T], None]) -> Callable[[T], None]:
+    """``callback``, which writes to stderr (messages, the progress bar), with a failed write raised as a
+    ``StreamError``: not as the ``OSError`` the library would take for one of its own files."""
+
+    def guarded(value: T) -> None:
+        with writes_to("stderr"):
+            callback(value)
+
+    return guarded
+
+
+def _check_streams() -> None:
+    """Refuse to start when stdout or stderr is closed (Python made it None): the result could not be told."""
+    for name in ("stdout", "stderr"):
+        if _stream(name) is None:
+            raise StreamError(name, "it is closed")
+
+
+def _flush() -> None:
+    """Write out what stdout and stderr hold, so that a failure is caught here and not at Python's exit."""
+    for name in ("stdout", "stderr"):
+        with writes_to(name):
+            stream = _stream(name)
+            if stream is not None:
+                stream.flush()
+
+
 def run_command(command: Callable[[], int], screen: render.Screen, *, json: bool) -> None:
     """The boundary around everything a command does, rendering included: the one place library errors
-    become a message on stderr (and a JSON document on stdout with ``--json``) and an exit code."""
+    become a message on stderr (and a JSON document on stdout with ``--json``) and an exit code.
+
+    Once the result is written out, the run's signals wait until it exits (``signals.settle``): a finished
+    run stays finished. A run that fails after its copy was moved into place, its output or a signal
+    included, takes the copy back, and says so."""
     try:
-        code = command()
+        with taken_back_on_failure() as placed:
+            _check_streams()
+            code = command()
+            _flush()
+            signals.settle()
     except OptimRepairError as exc:
+        signals.settle()
         argument = "--" + exc.argument.replace("_", "-") if exc.argument else ""
         message = exc.describe(argument, _as_flag(exc.remedy) if exc.remedy else "")
-        code = fail(message, exc.exit_code, exc.code, exc.path, json, screen)
-    except KeyboardInterrupt:
-        code = fail("interrupted; nothing was written", ExitCode.INTERRUPTED, "interrupted", None, json, screen)
-    except Terminated:
-        code = fail("terminated; nothing was written", ExitCode.TERMINATED, "terminated", None, json, screen)
+        code = fail(_taken_back(message, placed), exc.exit_code, exc.code, exc.path, json, screen)
+    except (KeyboardInterrupt, Stopped) as exc:  # KeyboardInterrupt: the app run without the console's handler
+        signals.settle()
+        signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+        kind, words = signals.ENDING[signum]
+        message = _taken_back(words, placed) if placed else f"{words}; nothing was written"
+        code = fail(message, 128 + signum, kind, None, json, screen)
     except Exception as exc:  # a bug, not an input problem: one line, its own exit code
+        signals.settle()
         message = f"internal error ({type(exc).__name__}: {exc}); please report it"
-        code = fail(message, ExitCode.INTERNAL, "internal", None, json, screen)
+        code = fail(_taken_back(message, placed), ExitCode.INTERNAL, "internal", None, json, screen)
     raise typer.Exit(code)
 
 
+def _taken_back(message: str, placed: list[Path]) -> str:
+    """``message``, saying that the copy this run had already moved into place was removed again."""
+    return f"{message}; {placed[0]} was already written and verified, and was removed again" if placed else message
+
+
 def fail(message: str, code: int, kind: str, path: str | None, json: bool, screen: render.Screen) -> int:
+    """Say what failed: one line on stderr (and a JSON document on stdout with ``json``), where they can
+    still be written; return ``code``."""
     line = " ".join(message.split()) if "\n" in message else message
-    render.print_error(line, screen)
+    with contextlib.suppress(StreamError), writes_to("stderr"):
+        if _stream("stderr") is not None:
+            render.print_error(line, screen)
     if json:
-        render.print_json(render.error_document(kind, code, line, path))
+        with contextlib.suppress(StreamError), writes_to("stdout"):
+            if _stream("stdout") is not None:
+                render.print_json(render.error_document(kind, code, line, path))
+                sys.stdout.flush()
     return code

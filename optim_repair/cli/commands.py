@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from optim_repair import api, render
+from optim_repair import api, render, signals
 from optim_repair.cli.boundary import (
     FILLS,
     Checkpoint,
@@ -23,11 +23,13 @@ from optim_repair.cli.boundary import (
     exit_codes,
     fail,
     make_screen,
+    on_stderr,
     rename_pair,
     run_command,
+    writes_to,
 )
 from optim_repair.decisions.optimizers import OPTIMIZERS
-from optim_repair.errors import ExitCode
+from optim_repair.errors import ClosedPipe, ExitCode, Stopped
 
 app = typer.Typer(
     cls=Group,
@@ -61,7 +63,7 @@ def _step(checkpoint: Path, latest: bool, screen: render.Screen) -> Path:
     if not latest:
         return checkpoint
     step = api.latest_checkpoint(checkpoint)
-    render.message_printer(screen)(f"newest complete step: {step}")
+    on_stderr(render.message_printer(screen))(f"newest complete step: {step}")
     return step
 
 
@@ -106,10 +108,11 @@ def inspect(
 
     def command() -> int:
         diagnosis = api.inspect(_step(checkpoint, latest, screen), strict=strict, model=model, dereference=dereference)
-        if json:
-            render.print_json(render.inspect_document(diagnosis))
-        else:
-            render.print_inspect(diagnosis, screen)
+        with writes_to("stdout"):
+            if json:
+                render.print_json(render.inspect_document(diagnosis))
+            else:
+                render.print_inspect(diagnosis, screen)
         return _VERDICT_EXIT[diagnosis.verdict]
 
     run_command(command, screen, json=json)
@@ -233,10 +236,11 @@ def fix(
                 reset_phantom_step=reset_phantom_step,
                 operations=changes,
             )
-            if json:
-                render.print_json(render.dry_run_document(planned))
-            else:
-                render.print_dry_run(planned, screen)
+            with writes_to("stdout"):
+                if json:
+                    render.print_json(render.dry_run_document(planned))
+                else:
+                    render.print_dry_run(planned, screen)
             return ExitCode.OK
         with render.progress_bar(screen, show=not json) as progress:
             result = api.fix(
@@ -251,13 +255,14 @@ def fix(
                 sync=not no_sync,
                 reset_phantom_step=reset_phantom_step,
                 operations=changes,
-                progress=progress,
-                notice=render.message_printer(screen),
+                progress=on_stderr(progress),
+                notice=on_stderr(render.message_printer(screen)),
             )
-        if json:
-            render.print_json(render.fix_document(result))
-        else:
-            render.print_fix(result, screen)
+        with writes_to("stdout"):
+            if json:
+                render.print_json(render.fix_document(result))
+            else:
+                render.print_fix(result, screen)
         return ExitCode.OK
 
     run_command(command, screen, json=json)
@@ -275,8 +280,9 @@ def demo(
     def command() -> int:
         from optim_repair.demo import run_demo
 
-        report = run_demo(keep=keep, progress=render.message_printer(screen))
-        render.print_demo(report, screen, kept=keep)
+        report = run_demo(keep=keep, progress=on_stderr(render.message_printer(screen)))
+        with writes_to("stdout"):
+            render.print_demo(report, screen, kept=keep)
         fresh = [outcome for outcome in report.outcomes if outcome.fill == "fresh"]
         if not all(outcome.identical for outcome in fresh):
             message = "the fresh-state copy did not continue bit-identically; please report it"
@@ -287,16 +293,20 @@ def demo(
 
 
 def run() -> None:
-    """Run the command line; ``optim_repair.console.main`` calls it once interrupts are handled."""
+    """Run the command line; ``optim_repair.console.main`` calls it once it handles the ending signals."""
     # torch warns on import when numpy is absent; nothing optim-repair does needs numpy.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     try:
         app(prog_name="optim-repair")
-    except KeyboardInterrupt:  # Ctrl-C while typer still builds the command, before it handles interrupts
-        fail("interrupted; nothing was written", ExitCode.INTERRUPTED, "interrupted", None, False, render.Screen())
-        raise SystemExit(ExitCode.INTERRUPTED) from None
+    except Stopped as exc:  # while typer still parses the command line, before run_command
+        signals.settle()
+        kind, words = signals.ENDING[exc.signum]
+        fail(f"{words}; nothing was written", exc.exit_code, kind, None, False, render.Screen())
+        raise SystemExit(exc.exit_code) from None
     except SystemExit as exc:
-        # Ctrl-C while typer still parses the command line: it exits 130 silently (Exit from KeyboardInterrupt).
-        if isinstance(exc.__context__, typer.Exit) and isinstance(exc.__context__.__cause__, KeyboardInterrupt):
-            fail("interrupted; nothing was written", ExitCode.INTERRUPTED, "interrupted", None, False, render.Screen())
-        raise
+        if not isinstance(exc.__context__, BrokenPipeError):
+            raise
+        # click's answer to a closed pipe while it prints the help: exit 1, which would read as "repairable"
+        signals.settle()
+        closed = ClosedPipe("stdout")
+        raise SystemExit(fail(str(closed), closed.exit_code, closed.code, None, False, render.Screen())) from None

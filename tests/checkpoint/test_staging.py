@@ -13,7 +13,7 @@ from optim_repair.checkpoint import staging
 from optim_repair.errors import OutputError
 from tests.conftest import run_cli
 from tests.factories import defects
-from tests.factories.support import fix
+from tests.factories.support import fix, leftovers
 
 
 @pytest.mark.parametrize("directory", [False, True], ids=["file", "directory"])
@@ -31,6 +31,24 @@ def test_without_force_an_out_that_appears_meanwhile_is_never_replaced(tmp_path:
             staging.move_into_place(tmp, out, force=False)
     assert (out / "theirs" if directory else out).read_text() == "another run's"
     assert not list(tmp_path.glob(".out.optim-repair-*"))
+
+
+def test_a_copy_moved_into_place_is_taken_back_when_its_run_fails_after(tmp_path: Path) -> None:
+    """What the command line runs each command in: a copy renamed into place, and then the summary cannot be
+    printed (or a signal comes), is removed again; outside it, and when the run ends well, the copy stays."""
+    built = defects.healthy(tmp_path / "in")
+    taken_back, kept, library = tmp_path / "taken-back.pt", tmp_path / "kept.pt", tmp_path / "library.pt"
+    with pytest.raises(BrokenPipeError), staging.taken_back_on_failure() as placed:
+        fix(built.path, taken_back)
+        assert taken_back.is_file() and placed == [taken_back]
+        raise BrokenPipeError
+    assert not taken_back.exists() and leftovers(taken_back) == []
+    with staging.taken_back_on_failure() as placed:
+        fix(built.path, kept)
+    assert kept.is_file() and placed == [kept]
+    fix(built.path, library)
+    assert library.is_file()
+    assert staging._provisional == []
 
 
 def test_force_replaces_a_dangling_link_beside_it_not_at_its_target(tmp_path: Path) -> None:

@@ -10,10 +10,8 @@ import json
 import os
 import pickle
 import resource
-import signal
 import struct
 import subprocess
-import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -194,56 +192,6 @@ def test_odd_parameter_keys_are_refused_or_shown_escaped(tmp_path: Path) -> None
         result = subprocess.run([*installed_command(), "inspect", str(path), *extra], capture_output=True, text=True)
         assert result.returncode == 3 and "Traceback" not in result.stderr, result.stderr  # orphan-state
         assert "\\ud800" in result.stdout
-
-
-def test_sigterm_removes_the_temporary_copy(tmp_path: Path) -> None:
-    built = trainers.unirl_torch(tmp_path / "u", steps=2)
-    big = built.path / "big.bin"
-    big.write_bytes(os.urandom(64 << 20))  # copied and compared: long enough to be caught mid-way
-    out = tmp_path / "out"
-    process = subprocess.Popen(
-        [*installed_command(), "fix", str(built.path), "--out", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 30
-    while not list(tmp_path.glob(".out.optim-repair-*")) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=30)
-    assert process.returncode in (143, 0), stderr
-    if process.returncode == 143:
-        assert stderr.strip() == "optim-repair: error: terminated; nothing was written"
-        assert not out.exists()
-    assert not list(tmp_path.glob(".out.optim-repair-*"))
-
-
-def _handles_sigterm(pid: int) -> bool:
-    """Whether the process has installed its SIGTERM handler: optim-repair's entry point has begun."""
-    with open(f"/proc/{pid}/status") as status:
-        caught = next(line for line in status if line.startswith("SigCgt:")).split()[1]
-    return bool(int(caught, 16) & (1 << (signal.SIGTERM - 1)))
-
-
-@pytest.mark.parametrize("delay", [0.0, 0.01, 0.03, 0.06, 0.1, 0.2])
-def test_ctrl_c_at_any_moment_after_the_entry_point_begins_is_one_line(tmp_path: Path, delay: float) -> None:
-    """From the entry point's first instruction on (Python's own start-up is Python's), Ctrl-C is one line."""
-    built = defects.healthy(tmp_path)
-    process = subprocess.Popen(
-        [*installed_command(), "inspect", str(built.path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.monotonic() + 30
-    while not _handles_sigterm(process.pid) and time.monotonic() < deadline:
-        time.sleep(0.001)
-    time.sleep(delay)
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=30)
-    # Done (0); interrupted (130, one line); or, once the work is done and Python is exiting, ended by the
-    # signal itself (its default action, restored for the exit), saying nothing: never a traceback.
-    assert process.returncode in (0, 130, -signal.SIGINT), stderr
-    expected = {130: "optim-repair: error: interrupted; nothing was written\n", -signal.SIGINT: ""}
-    assert stderr == expected.get(process.returncode, stderr), stderr
 
 
 def test_a_safetensors_header_is_refused_when_deep_or_larger_than_its_bytes(tmp_path: Path) -> None:
