@@ -273,8 +273,7 @@ class _GraphPickler(pickle._Pickler):
 
 
 TORCH_PROTOCOL = 2
-"""The pickle protocol ``torch.save`` writes, and the only one torch's weights-only loader reads in full: protocol
-4's ``FRAME``, say, it refuses ("Unsupported operand 149"), whatever protocol an original declares."""
+"""What ``torch.save`` writes and torch's weights-only loader reads in full (protocol 4's ``FRAME`` it refuses)."""
 
 
 def dump_graph(root: Any) -> bytes:
