@@ -3,8 +3,8 @@
 A torch file's pickle is read into a plain object graph in which every torch global becomes a
 ``GlobalRef``, every call of one a ``Reduced`` and every storage a ``StorageRef``: no torch import,
 no tensor bytes, and nothing outside an allowlist at least as strict as torch's ``weights_only``
-can be named, let alone run. The same graph pickles back to an equivalent pickle, so a writer can
-change one dict and leave everything else as it was.
+can be named, let alone run. The same graph pickles back to an equivalent pickle (``pickle_writing``), so a
+writer can change one dict and leave everything else as it was.
 """
 
 from __future__ import annotations
@@ -12,15 +12,16 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+import types
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from optim_repair.errors import InputError, RepairRefused, UnsafeInputError, shown
+from optim_repair.errors import InputError, UnsafeInputError, shown
 from optim_repair.formats import safe_globals
 from optim_repair.formats.pickle_limits import MAX_DEPTH
 from optim_repair.formats.unpickling import AllowlistUnpickler
-from optim_repair.records.dtypes import DTYPES, LEGACY_STORAGES, contiguous_strides, itemsize
+from optim_repair.records.dtypes import DTYPES, LEGACY_STORAGES, itemsize
 from optim_repair.records.inventory import OtherValue, StateValue, TensorMeta
 
 TENSOR_REBUILDERS = frozenset({"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3"})
@@ -127,7 +128,7 @@ def _bytearray(*args: Any) -> bytearray:
     raise InputError(f"refuses bytearray called with {shown(args)}; pickles call it with bytes only")
 
 
-_STAND_INS: dict[Any, GlobalRef] = {
+STAND_INS: dict[Any, GlobalRef] = {
     _encode: GlobalRef("_codecs", "encode"),
     _bytearray: GlobalRef("builtins", "bytearray"),
 }
@@ -144,13 +145,30 @@ def _storage_dtype(ref: object, source: str) -> str:
     raise InputError(f"unknown storage type {ref.qualname}", path=source)
 
 
+_GLOBAL_NAMES: dict[Any, str] = {
+    **{real: f"{module}.{name}" for (module, name), real in _REAL_GLOBALS.items()},
+    **{stand_in: ref.qualname for stand_in, ref in STAND_INS.items()},
+    **{cls: cls.qualname() for cls in safe_globals.STAND_IN_CLASSES.values()},
+}
+
+
+def global_name(value: Any) -> str | None:
+    """The global a graph value is a reference to (``collections.OrderedDict``, ``torch.Size``), by its name;
+    None for a value that is not one. A reference is data: two graphs hold the same one when the names agree."""
+    if isinstance(value, GlobalRef):
+        return value.qualname
+    if isinstance(value, (type, types.FunctionType)):
+        return _GLOBAL_NAMES.get(value)
+    return None
+
+
 def _allowed_global(module: str, name: str) -> Any:
     """The stand-in for a global a torch pickle names: a real harmless builtin, or a ``GlobalRef``."""
     if (module, name) in _REAL_GLOBALS:
         return _REAL_GLOBALS[(module, name)]
     if (module, name) in safe_globals.STAND_IN_CLASSES:
         return safe_globals.STAND_IN_CLASSES[(module, name)]
-    for stand_in, ref in _STAND_INS.items():
+    for stand_in, ref in STAND_INS.items():
         if (module, name) == (ref.module, ref.name):
             return stand_in
     allowed = (
@@ -241,42 +259,6 @@ def load_graph(data: bytes | BinaryIO, source: str, *, ours: bool = False) -> Pi
     if unpickler.depth_unchecked:
         check_depth(root, source)
     return PickleGraph(root, unpickler.storages, protocol)
-
-
-class _GraphPickler(pickle._Pickler):
-    """The pure-Python pickler, taught to emit stand-ins as the globals and ids they stand for."""
-
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, StorageRef):
-            return obj.pid
-        return None
-
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        # The pure-Python pickler's internals (save, write, memoize, proto) are not in typeshed.
-        this: Any = self
-        if isinstance(obj, type) and issubclass(obj, safe_globals.PickledObject):
-            obj = GlobalRef(obj.module, obj.name)
-        if not isinstance(obj, GlobalRef):
-            if obj in _STAND_INS:
-                obj = _STAND_INS[obj]
-            else:
-                base: Any = super()
-                base.save_global(obj, name)
-                return
-        if this.proto >= 4:
-            this.save(obj.module)
-            this.save(obj.name)
-            this.write(pickle.STACK_GLOBAL)
-        else:
-            this.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
-        this.memoize(obj)
-
-
-def dump_graph(root: Any, protocol: int) -> bytes:
-    """Pickle a graph made by ``load_graph`` (possibly edited) back into bytes torch can load."""
-    buffer = io.BytesIO()
-    _GraphPickler(buffer, protocol=protocol).dump(root)
-    return buffer.getvalue()
 
 
 def tensor_meta(value: Any) -> TensorMeta | None:
@@ -396,21 +378,3 @@ def resolve(root: Any, address: tuple[Any, ...]) -> Any:
     for step in address:
         node = node[step]
     return node
-
-
-def new_tensor(storage: StorageRef, shape: tuple[int, ...]) -> Reduced:
-    """A contiguous tensor stand-in over a whole new storage, pickled as torch itself would."""
-    rebuild = GlobalRef("torch._utils", "_rebuild_tensor_v2")
-    return rebuild(storage, 0, tuple(shape), contiguous_strides(shape), False, collections.OrderedDict())
-
-
-def storage_for(key: str, dtype: str, numel: int, *, legacy: bool, location: str = "cpu") -> StorageRef:
-    """A new storage stand-in of ``dtype`` (a legacy storage class where torch would use one)."""
-    known = DTYPES.get(dtype)
-    cls = known.legacy_storage if known else ""
-    if not cls:
-        raise RepairRefused(f"cannot create a storage of dtype {dtype}: torch pickles name no storage class for it")
-    pid: tuple[Any, ...] = ("storage", GlobalRef("torch", cls), key, location, numel)
-    if legacy:
-        pid = (*pid, None)
-    return StorageRef(pid, dtype, key, location, numel)
