@@ -4,7 +4,8 @@ A torch file's pickle is read into a plain object graph in which every torch glo
 ``GlobalRef``, every call of one a ``Reduced`` and every storage a ``StorageRef``: no torch import,
 no tensor bytes, and nothing outside an allowlist at least as strict as torch's ``weights_only``
 can be named, let alone run. The same graph pickles back to an equivalent pickle (``pickle_writing``), so a
-writer can change one dict and leave everything else as it was.
+writer can change one dict and leave everything else as it was. A tensor torch's loader would refuse to rebuild is
+refused as it is unpickled (``TorchRefuses``).
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from optim_repair.errors import InputError, UnsafeInputError, shown
+from optim_repair.errors import InputError, TorchRefuses, UnsafeInputError, shown
 from optim_repair.formats import safe_globals
 from optim_repair.formats.pickle_limits import MAX_DEPTH
 from optim_repair.formats.unpickling import AllowlistUnpickler
 from optim_repair.records.dtypes import DTYPES, LEGACY_STORAGES, itemsize
-from optim_repair.records.inventory import OtherValue, StateValue, TensorMeta
+from optim_repair.records.inventory import OtherValue, StateValue, TensorMeta, within_storage
 
 TENSOR_REBUILDERS = frozenset({"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3"})
 _OTHER_REBUILDERS = frozenset(
@@ -63,6 +64,8 @@ class GlobalRef:
     name: str
 
     def __call__(self, *args: Any) -> Reduced:
+        if self.module == "torch._utils" and self.name in TENSOR_REBUILDERS:
+            _check_rebuild(self.name, args)
         return Reduced(self, args)
 
     def __reduce__(self) -> str:
@@ -112,6 +115,33 @@ class StorageRef:
     @property
     def nbytes(self) -> int:
         return self.numel * itemsize(self.dtype)
+
+
+_REBUILD_ARITY = {"_rebuild_tensor": (4, 4), "_rebuild_tensor_v2": (6, 7), "_rebuild_tensor_v3": (7, 8)}
+
+
+def _check_rebuild(name: str, args: tuple[Any, ...]) -> None:
+    """Refuse a tensor torch's loader would refuse to rebuild (``torch._utils._rebuild_tensor_v2`` sets its
+    ``requires_grad``, then ``set_`` checks that its elements lie within its storage), from its arguments alone."""
+    low, high = _REBUILD_ARITY[name]
+    if not low <= len(args) <= high:
+        raise TorchRefuses(f"a tensor is rebuilt by {name} with {len(args)} arguments")
+    if not isinstance(args[0], StorageRef):
+        raise TorchRefuses(f"a tensor is rebuilt from a {type(args[0]).__name__}, not a storage")
+    requires_grad = args[4] if len(args) > 4 else False
+    if not isinstance(requires_grad, bool):
+        raise TorchRefuses(f"a tensor of storage {args[0].key} has requires_grad {shown(requires_grad)}, not a bool")
+    dtype = args[0].dtype
+    if name == "_rebuild_tensor_v3":
+        dtype = args[6].name if isinstance(args[6], GlobalRef) else ""
+        if dtype not in DTYPES:
+            raise TorchRefuses(f"a tensor of storage {args[0].key} has the dtype {shown(args[6])}")
+    layout = _layout(args)
+    if layout is None or not within_storage(*layout, itemsize(dtype), args[0].nbytes):
+        where = f"size {shown(args[2])}, stride {shown(args[3])} and offset {shown(args[1])}"
+        raise TorchRefuses(f"a tensor's {where} reach past its storage {args[0].key} of {args[0].nbytes} bytes")
+    if requires_grad and not dtype.startswith(("float", "bfloat", "complex")):
+        raise TorchRefuses(f"a {dtype} tensor of storage {args[0].key} requires grad")
 
 
 def _encode(text: str, encoding: str = "latin1") -> bytes:
@@ -261,6 +291,14 @@ def load_graph(data: bytes | BinaryIO, source: str, *, ours: bool = False) -> Pi
     return PickleGraph(root, unpickler.storages, protocol)
 
 
+def _layout(args: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+    """The size, stride and storage offset of a tensor rebuild's arguments as integers; None where they are not."""
+    try:
+        return tuple(map(int, args[2])), tuple(map(int, args[3])), int(args[1])
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
 def tensor_meta(value: Any) -> TensorMeta | None:
     """The ``TensorMeta`` of a tensor or Parameter stand-in (a DTensor's local shard), or None for anything else."""
     if not isinstance(value, Reduced):
@@ -278,18 +316,16 @@ def tensor_meta(value: Any) -> TensorMeta | None:
         return None
     if func.module != "torch._utils" or func.name not in TENSOR_REBUILDERS or len(value.args) < 4:
         return None
-    storage, offset, size, stride = value.args[:4]
+    storage = value.args[0]
     if not isinstance(storage, StorageRef):
         return None
     dtype = storage.dtype
     if func.name == "_rebuild_tensor_v3" and len(value.args) > 6 and isinstance(value.args[6], GlobalRef):
         dtype = value.args[6].name
-    try:
-        shape = tuple(int(s) for s in size)
-        strides = tuple(int(s) for s in stride)
-        start = int(offset)
-    except (TypeError, ValueError, OverflowError):
+    layout = _layout(value.args)
+    if layout is None:
         return None  # a damaged tensor record: not a tensor this reader can describe
+    shape, strides, start = layout
     return TensorMeta(
         dtype=dtype,
         shape=shape,

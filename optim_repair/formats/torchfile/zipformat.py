@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, ClassVar, Literal
 
-from optim_repair.errors import InputError, NotATorchFile, shown
+from optim_repair.errors import InputError, NotATorchFile, TorchRefuses, shown
 from optim_repair.formats.pickled import PickleGraph, load_graph
 from optim_repair.formats.unpickling import ZIP_ERRORS
 
@@ -139,8 +139,8 @@ def _read_pickle(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> bytes:
 
 
 def open_zip(stream: BinaryIO, path: Path, source: str, *, ours: bool = False) -> ZipTorchFile:
-    """Parse a zip-format torch file from its open ``stream``: its directory, its framing records and its pickle;
-    no storage bytes."""
+    """Parse a zip-format torch file from its open ``stream`` (a file, or a DCP bytes entry in memory): its
+    directory, its framing records and its pickle; no storage bytes."""
     try:
         archive = zipfile.ZipFile(stream)
     except ZIP_ERRORS as exc:
@@ -155,8 +155,11 @@ def open_zip(stream: BinaryIO, path: Path, source: str, *, ours: bool = False) -
         starts = {info.filename: data_offset(stream, info, source) for info in records}
         _check_disjoint(records, starts, source)
         for framing in records:
-            if _is_framing(framing.filename[len(prefix) :]):  # read for its CRC: a damaged input is named as such
-                read_record(stream, framing, source)
+            name = framing.filename[len(prefix) :]
+            if _is_framing(name):  # read for its CRC: a damaged input is named as such, not its copy
+                data = read_record(stream, framing, source)
+                if name == "byteorder" and data not in (b"little", b"big"):
+                    raise TorchRefuses(f"its byteorder record says {shown(data)}, neither little nor big", path=source)
         graph = load_graph(_read_pickle(stream, pickles[0], source), source, ours=ours)
         by_name = {info.filename: info for info in records}
         offsets = {}
