@@ -172,6 +172,16 @@ class NotATorchFile(InputError):
     code = "not-a-torch-file"
 
 
+class TorchRefuses(InputError):
+    """torch's own loader (``torch.load(weights_only=True)``, ``dcp.load``) would refuse the input, as its metadata
+    shows: no verdict is given on a checkpoint that cannot be resumed from."""
+
+    code = "torch-refuses"
+
+    def __init__(self, reason: str, **fields: Any) -> None:
+        super().__init__(f"torch will refuse this file: {reason}", **fields)
+
+
 class UnsafeInputError(InputError):
     """The input would run code (or import a non-allowlisted global) if loaded."""
 

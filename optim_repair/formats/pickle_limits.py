@@ -386,7 +386,7 @@ def check_pickle(stream: BinaryIO, source: str, what: str = "pickle") -> bool:
     start = stream.tell()
     try:
         if isinstance(stream, io.BytesIO):
-            return scan(stream.getbuffer().tobytes(), start)[1]
+            return scan(stream.getvalue(), start)[1]  # the bytes it was made from: no copy
         with mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as data:
             return scan(data, start)[1]
     except _Refused as exc:

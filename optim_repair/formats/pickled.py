@@ -3,8 +3,9 @@
 A torch file's pickle is read into a plain object graph in which every torch global becomes a
 ``GlobalRef``, every call of one a ``Reduced`` and every storage a ``StorageRef``: no torch import,
 no tensor bytes, and nothing outside an allowlist at least as strict as torch's ``weights_only``
-can be named, let alone run. The same graph pickles back to an equivalent pickle, so a writer can
-change one dict and leave everything else as it was.
+can be named, let alone run. The same graph pickles back to an equivalent pickle (``pickle_writing``), so a
+writer can change one dict and leave everything else as it was. A tensor torch's loader would refuse to rebuild is
+refused as it is unpickled (``TorchRefuses``).
 """
 
 from __future__ import annotations
@@ -12,16 +13,17 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+import types
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from optim_repair.errors import InputError, RepairRefused, UnsafeInputError, shown
+from optim_repair.errors import InputError, TorchRefuses, UnsafeInputError, shown
 from optim_repair.formats import safe_globals
 from optim_repair.formats.pickle_limits import MAX_DEPTH
 from optim_repair.formats.unpickling import AllowlistUnpickler
-from optim_repair.records.dtypes import DTYPES, LEGACY_STORAGES, contiguous_strides, itemsize
-from optim_repair.records.inventory import OtherValue, StateValue, TensorMeta
+from optim_repair.records.dtypes import DTYPES, LEGACY_STORAGES, itemsize
+from optim_repair.records.inventory import OtherValue, StateValue, TensorMeta, within_storage
 
 TENSOR_REBUILDERS = frozenset({"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3"})
 _OTHER_REBUILDERS = frozenset(
@@ -62,6 +64,8 @@ class GlobalRef:
     name: str
 
     def __call__(self, *args: Any) -> Reduced:
+        if self.module == "torch._utils" and self.name in TENSOR_REBUILDERS:
+            _check_rebuild(self.name, args)
         return Reduced(self, args)
 
     def __reduce__(self) -> str:
@@ -113,6 +117,33 @@ class StorageRef:
         return self.numel * itemsize(self.dtype)
 
 
+_REBUILD_ARITY = {"_rebuild_tensor": (4, 4), "_rebuild_tensor_v2": (6, 7), "_rebuild_tensor_v3": (7, 8)}
+
+
+def _check_rebuild(name: str, args: tuple[Any, ...]) -> None:
+    """Refuse a tensor torch's loader would refuse to rebuild (``torch._utils._rebuild_tensor_v2`` sets its
+    ``requires_grad``, then ``set_`` checks that its elements lie within its storage), from its arguments alone."""
+    low, high = _REBUILD_ARITY[name]
+    if not low <= len(args) <= high:
+        raise TorchRefuses(f"a tensor is rebuilt by {name} with {len(args)} arguments")
+    if not isinstance(args[0], StorageRef):
+        raise TorchRefuses(f"a tensor is rebuilt from a {type(args[0]).__name__}, not a storage")
+    requires_grad = args[4] if len(args) > 4 else False
+    if not isinstance(requires_grad, bool):
+        raise TorchRefuses(f"a tensor of storage {args[0].key} has requires_grad {shown(requires_grad)}, not a bool")
+    dtype = args[0].dtype
+    if name == "_rebuild_tensor_v3":
+        dtype = args[6].name if isinstance(args[6], GlobalRef) else ""
+        if dtype not in DTYPES:
+            raise TorchRefuses(f"a tensor of storage {args[0].key} has the dtype {shown(args[6])}")
+    layout = _layout(args)
+    if layout is None or not within_storage(*layout, itemsize(dtype), args[0].nbytes):
+        where = f"size {shown(args[2])}, stride {shown(args[3])} and offset {shown(args[1])}"
+        raise TorchRefuses(f"a tensor's {where} reach past its storage {args[0].key} of {args[0].nbytes} bytes")
+    if requires_grad and not dtype.startswith(("float", "bfloat", "complex")):
+        raise TorchRefuses(f"a {dtype} tensor of storage {args[0].key} requires grad")
+
+
 def _encode(text: str, encoding: str = "latin1") -> bytes:
     """``_codecs.encode`` as protocol-2 pickles use it for bytes, limited to latin-1."""
     if encoding != "latin1":
@@ -127,7 +158,7 @@ def _bytearray(*args: Any) -> bytearray:
     raise InputError(f"refuses bytearray called with {shown(args)}; pickles call it with bytes only")
 
 
-_STAND_INS: dict[Any, GlobalRef] = {
+STAND_INS: dict[Any, GlobalRef] = {
     _encode: GlobalRef("_codecs", "encode"),
     _bytearray: GlobalRef("builtins", "bytearray"),
 }
@@ -144,13 +175,30 @@ def _storage_dtype(ref: object, source: str) -> str:
     raise InputError(f"unknown storage type {ref.qualname}", path=source)
 
 
+_GLOBAL_NAMES: dict[Any, str] = {
+    **{real: f"{module}.{name}" for (module, name), real in _REAL_GLOBALS.items()},
+    **{stand_in: ref.qualname for stand_in, ref in STAND_INS.items()},
+    **{cls: cls.qualname() for cls in safe_globals.STAND_IN_CLASSES.values()},
+}
+
+
+def global_name(value: Any) -> str | None:
+    """The global a graph value is a reference to (``collections.OrderedDict``, ``torch.Size``), by its name;
+    None for a value that is not one. A reference is data: two graphs hold the same one when the names agree."""
+    if isinstance(value, GlobalRef):
+        return value.qualname
+    if isinstance(value, (type, types.FunctionType)):
+        return _GLOBAL_NAMES.get(value)
+    return None
+
+
 def _allowed_global(module: str, name: str) -> Any:
     """The stand-in for a global a torch pickle names: a real harmless builtin, or a ``GlobalRef``."""
     if (module, name) in _REAL_GLOBALS:
         return _REAL_GLOBALS[(module, name)]
     if (module, name) in safe_globals.STAND_IN_CLASSES:
         return safe_globals.STAND_IN_CLASSES[(module, name)]
-    for stand_in, ref in _STAND_INS.items():
+    for stand_in, ref in STAND_INS.items():
         if (module, name) == (ref.module, ref.name):
             return stand_in
     allowed = (
@@ -243,44 +291,12 @@ def load_graph(data: bytes | BinaryIO, source: str, *, ours: bool = False) -> Pi
     return PickleGraph(root, unpickler.storages, protocol)
 
 
-class _GraphPickler(pickle._Pickler):
-    """The pure-Python pickler, taught to emit stand-ins as the globals and ids they stand for."""
-
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, StorageRef):
-            return obj.pid
+def _layout(args: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+    """The size, stride and storage offset of a tensor rebuild's arguments as integers; None where they are not."""
+    try:
+        return tuple(map(int, args[2])), tuple(map(int, args[3])), int(args[1])
+    except (TypeError, ValueError, OverflowError):
         return None
-
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        # The pure-Python pickler's internals (save, write, memoize, proto) are not in typeshed.
-        this: Any = self
-        if isinstance(obj, type) and issubclass(obj, safe_globals.PickledObject):
-            obj = GlobalRef(obj.module, obj.name)
-        if not isinstance(obj, GlobalRef):
-            if obj in _STAND_INS:
-                obj = _STAND_INS[obj]
-            else:
-                base: Any = super()
-                base.save_global(obj, name)
-                return
-        if this.proto >= 4:
-            this.save(obj.module)
-            this.save(obj.name)
-            this.write(pickle.STACK_GLOBAL)
-        else:
-            this.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
-        this.memoize(obj)
-
-
-TORCH_PROTOCOL = 2
-"""What ``torch.save`` writes and torch's weights-only loader reads in full (protocol 4's ``FRAME`` it refuses)."""
-
-
-def dump_graph(root: Any) -> bytes:
-    """Pickle a graph made by ``load_graph`` (possibly edited) back into bytes torch can load."""
-    buffer = io.BytesIO()
-    _GraphPickler(buffer, protocol=TORCH_PROTOCOL).dump(root)
-    return buffer.getvalue()
 
 
 def tensor_meta(value: Any) -> TensorMeta | None:
@@ -300,18 +316,16 @@ def tensor_meta(value: Any) -> TensorMeta | None:
         return None
     if func.module != "torch._utils" or func.name not in TENSOR_REBUILDERS or len(value.args) < 4:
         return None
-    storage, offset, size, stride = value.args[:4]
+    storage = value.args[0]
     if not isinstance(storage, StorageRef):
         return None
     dtype = storage.dtype
     if func.name == "_rebuild_tensor_v3" and len(value.args) > 6 and isinstance(value.args[6], GlobalRef):
         dtype = value.args[6].name
-    try:
-        shape = tuple(int(s) for s in size)
-        strides = tuple(int(s) for s in stride)
-        start = int(offset)
-    except (TypeError, ValueError, OverflowError):
+    layout = _layout(value.args)
+    if layout is None:
         return None  # a damaged tensor record: not a tensor this reader can describe
+    shape, strides, start = layout
     return TensorMeta(
         dtype=dtype,
         shape=shape,
@@ -400,21 +414,3 @@ def resolve(root: Any, address: tuple[Any, ...]) -> Any:
     for step in address:
         node = node[step]
     return node
-
-
-def new_tensor(storage: StorageRef, shape: tuple[int, ...]) -> Reduced:
-    """A contiguous tensor stand-in over a whole new storage, pickled as torch itself would."""
-    rebuild = GlobalRef("torch._utils", "_rebuild_tensor_v2")
-    return rebuild(storage, 0, tuple(shape), contiguous_strides(shape), False, collections.OrderedDict())
-
-
-def storage_for(key: str, dtype: str, numel: int, *, legacy: bool, location: str = "cpu") -> StorageRef:
-    """A new storage stand-in of ``dtype`` (a legacy storage class where torch would use one)."""
-    known = DTYPES.get(dtype)
-    cls = known.legacy_storage if known else ""
-    if not cls:
-        raise RepairRefused(f"cannot create a storage of dtype {dtype}: torch pickles name no storage class for it")
-    pid: tuple[Any, ...] = ("storage", GlobalRef("torch", cls), key, location, numel)
-    if legacy:
-        pid = (*pid, None)
-    return StorageRef(pid, dtype, key, location, numel)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, os_error_reason, shown
 from optim_repair.formats.inputs import open_regular, size_of
@@ -13,10 +14,26 @@ from optim_repair.records.inventory import TensorMeta, WeightMap
 
 SAFETENSORS_SUFFIX = ".safetensors"
 _MAX_HEADER = 100 * 1024 * 1024
+"""The most a header may hold, as the ``safetensors`` library itself allows."""
+MAX_TENSORS = 1 << 18
+"""The most tensors one file may describe: twice what the largest released models hold in all their shards."""
+_VALUES_PER_TENSOR = 16
+"""How many JSON values (members and elements) one tensor's entry may take: ``dtype``, ``shape`` (its
+dimensions), ``data_offsets`` (two), with room to spare."""
 
 
-def read_weights(path: Path, source: str) -> WeightMap:
-    """The tensors a safetensors file describes, from its JSON header alone."""
+def _header_text(stream: BinaryIO, length: int, source: str) -> str:
+    """The header, decoded, once its objects and values are counted: what parsing it would make is bounded
+    by ``MAX_TENSORS`` whatever the header's size. Its bytes are dropped once decoded."""
+    raw = stream.read(length)
+    objects, values = raw.count(b"{"), raw.count(b",") + raw.count(b"[")  # strings may hold some: over-counted
+    if objects > MAX_TENSORS + 2 or values > _VALUES_PER_TENSOR * MAX_TENSORS:
+        raise InputError(f"its safetensors header describes more than {MAX_TENSORS} tensors", path=source)
+    return raw.decode("utf-8")
+
+
+def _parsed_header(path: Path, source: str) -> tuple[dict[str, Any], int]:
+    """The header as parsed JSON, and how many bytes of tensor data follow it."""
     try:
         with open_regular(path, source) as stream:
             head = stream.read(8)
@@ -25,7 +42,7 @@ def read_weights(path: Path, source: str) -> WeightMap:
             length = struct.unpack("<Q", head)[0]
             if length > _MAX_HEADER:
                 raise InputError(f"not a safetensors file (header of {length} bytes)", path=source)
-            header = json.loads(stream.read(length))
+            header = json.loads(_header_text(stream, length, source))
             data_size = size_of(stream) - 8 - length
     except OSError as exc:
         raise InputError(f"cannot read ({os_error_reason(exc)})", path=source) from exc
@@ -33,10 +50,16 @@ def read_weights(path: Path, source: str) -> WeightMap:
         raise InputError("not a safetensors file (bad header)", path=source) from exc
     if not isinstance(header, dict):
         raise InputError("not a safetensors file (bad header)", path=source)
+    return header, data_size
+
+
+def read_weights(path: Path, source: str) -> WeightMap:
+    """The tensors a safetensors file describes, from its JSON header alone."""
+    header, data_size = _parsed_header(path, source)
+    header.pop("__metadata__", None)
     tensors = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
+    for name in list(header):
+        info = header.pop(name)  # each entry is let go once described: the header is not held twice
         try:
             shape = tuple(int(size) for size in info["shape"])
             start, end = (int(x) for x in info["data_offsets"])

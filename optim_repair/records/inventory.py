@@ -25,6 +25,19 @@ def key_style(keys: Iterable[ParamKey]) -> Literal["name", "index"]:
     return "name" if any(isinstance(key, str) for key in keys) else "index"
 
 
+def within_storage(shape: tuple[int, ...], stride: tuple[int, ...], offset: int, item: int, nbytes: int) -> bool:
+    """Whether every element of a tensor of this layout (elements of ``item`` bytes) lies inside a storage of
+    ``nbytes``, as torch's ``set_`` requires to rebuild it."""
+    if len(stride) != len(shape) or offset < 0:
+        return False
+    if min(shape, default=0) < 0 or min(stride, default=0) < 0:
+        return False
+    if 0 in shape:
+        return True  # no element: nothing to lie outside
+    last = offset + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
+    return (last + 1) * item <= nbytes
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     """A tensor as it is stored: its layout and where its storage lies, not its values."""
@@ -53,15 +66,7 @@ class TensorMeta:
     @cached_property
     def in_bounds(self) -> bool:
         """Whether every element lies inside the storage, as torch requires to rebuild the tensor."""
-        if len(self.stride) != len(self.shape) or self.storage_offset < 0:
-            return False
-        if min(self.shape, default=0) < 0 or min(self.stride, default=0) < 0:
-            return False
-        if 0 in self.shape:
-            return True  # no element: nothing to lie outside
-        spans = zip(self.shape, self.stride, strict=True)
-        last = self.storage_offset + sum((size - 1) * stride for size, stride in spans)
-        return (last + 1) * itemsize(self.dtype) <= self.storage_nbytes
+        return within_storage(self.shape, self.stride, self.storage_offset, itemsize(self.dtype), self.storage_nbytes)
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,58 @@ def billion_laughs_persistent_id() -> bytes:
     return PROTO2 + billion_laughs() + b"Q."
 
 
+def _central_entry(data: bytes | bytearray, name: str) -> int:
+    """Where the central directory entry of the record ``name`` starts in a zip archive's bytes."""
+    return data.rindex(b"PK\x01\x02", 0, data.rindex(name.encode()))
+
+
+def claim_size(path: Path, name: str, size: int) -> Path:
+    """The archive at ``path`` with its directory claiming that the record ``name`` unpacks to ``size`` bytes."""
+    data = bytearray(path.read_bytes())
+    entry = _central_entry(data, name)
+    data[entry + 24 : entry + 28] = struct.pack("<I", size)
+    path.write_bytes(bytes(data))
+    return path
+
+
+def deflated_pickle(path: Path, size: int) -> Path:
+    """A torch zip whose ``data.pkl``, deflated, unpacks to ``size`` bytes of POP opcodes (a thousandth on disk)."""
+    info = zipfile.ZipInfo("archive/data.pkl")
+    info.compress_type = zipfile.ZIP_DEFLATED
+    with zipfile.ZipFile(path, "w") as archive:
+        with archive.open(info, "w", force_zip64=True) as record:
+            record.write(PROTO2)
+            chunk = b"N0" * (1 << 20)
+            for _ in range((size - 4) // len(chunk)):
+                record.write(chunk)
+            record.write(b"N0" * (((size - 4) % len(chunk)) // 2) + b"N.")
+        archive.writestr("archive/byteorder", "little")
+        archive.writestr("archive/version", "3\n")
+    return path
+
+
+def shared_record(path: Path, target: str, names: list[str]) -> Path:
+    """The zip archive at ``path`` with the directory entries of the records ``names`` pointing at the record
+    ``target`` (its local header, CRC and sizes): many storages read from, and copied from, one record."""
+    data = bytearray(path.read_bytes())
+    first = _central_entry(data, target)
+    for name in names:
+        entry = _central_entry(data, name)
+        data[entry + 16 : entry + 28] = data[first + 16 : first + 28]  # CRC and sizes
+        data[entry + 42 : entry + 46] = data[first + 42 : first + 46]  # where its local header is
+    path.write_bytes(bytes(data))
+    return path
+
+
+def safetensors_entries(path: Path, count: int) -> Path:
+    """A safetensors file whose header describes ``count`` one-element tensors over the same four bytes."""
+    header = (
+        b"{" + b",".join(b'"w%d":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}' % i for i in range(count)) + b"}"
+    )
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    return path
+
+
 # --------------------------------------------------------------------------- unsafe pickles
 
 

@@ -14,6 +14,7 @@ import struct
 import subprocess
 import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,17 +25,26 @@ from tests.factories import defects, hostile, trainers
 from tests.factories.support import installed_command
 
 LIMIT_BYTES = 3 << 30
+TIGHT_LIMIT_BYTES = 1 << 30
+"""For the inputs that once made a small file take more than a GiB: the tool itself needs far less."""
 
 
-def _limits() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (LIMIT_BYTES, LIMIT_BYTES))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT_BYTES, LIMIT_BYTES))
+def _limits(memory: int) -> Callable[[], None]:
+    def set_limits() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT_BYTES, LIMIT_BYTES))
+
+    return set_limits
 
 
-def refused(*args: str | Path, codes: tuple[int, ...] = (3, 4), timeout: float = 60) -> str:
+def refused(*args: str | Path, codes: tuple[int, ...] = (3, 4), timeout: float = 60, memory: int = LIMIT_BYTES) -> str:
     """Run the installed command under limits; assert a documented exit code and one error line; return it."""
     result = subprocess.run(
-        [*installed_command(), *map(str, args)], capture_output=True, text=True, timeout=timeout, preexec_fn=_limits
+        [*installed_command(), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=_limits(memory),
     )
     assert result.returncode in codes, (result.returncode, result.stderr[-2000:])
     lines = result.stderr.splitlines()
@@ -152,6 +162,34 @@ def test_compressed_records_cannot_expand_without_bound(tmp_path: Path) -> None:
     assert not (tmp_path / "out.pt").exists()
 
 
+def test_a_deflated_pickle_unpacks_to_no_more_than_a_multiple_of_its_size(tmp_path: Path) -> None:
+    """500 MiB of pickle in half a megabyte once took 1.5 GiB; now a GiB of address space is more than enough."""
+    bomb = hostile.deflated_pickle(tmp_path / "bomb.pt", 500 << 20)
+    assert bomb.stat().st_size < 1 << 20
+    line = refused("inspect", bomb, codes=(4,), memory=TIGHT_LIMIT_BYTES)
+    assert "bomb.pt: its pickle holds 524288000 bytes packed in" in line
+    hostile.claim_size(bomb, "data.pkl", 1000)  # the directory lies: it is unpacked only up to its limit
+    line = refused("fix", bomb, "--out", tmp_path / "out.pt", codes=(4,), memory=TIGHT_LIMIT_BYTES)
+    assert "bomb.pt: damaged zip archive (record 'archive/data.pkl' fails its size or CRC)" in line
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_records_that_share_bytes_are_refused(tmp_path: Path) -> None:
+    """Storages whose directory entries all name one record: each copied whole, a small file wrote a huge one."""
+    path = trainers.unirl_torch(tmp_path / "u").path / "checkpoint.pt"
+    by_size: dict[int, list[str]] = {}
+    with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            if "/data/" in info.filename:
+                by_size.setdefault(info.file_size, []).append(info.filename)
+    alike = max(by_size.values(), key=len)  # storages of one size: nothing but the overlap is wrong
+    hostile.shared_record(path, alike[0], alike[1:])
+    line = refused("fix", path, "--out", tmp_path / "out.pt", codes=(4,))
+    assert "checkpoint.pt: damaged zip archive (records 'checkpoint/data/" in line and "overlap" in line
+    assert not (tmp_path / "out.pt").exists()
+    assert "overlap" in refused("inspect", path, codes=(4,))
+
+
 def test_duplicate_record_names_are_refused(tmp_path: Path) -> None:
     path = _zip_with(tmp_path / "twice.pt", "byteorder", b"little", zipfile.ZIP_STORED)
     with zipfile.ZipFile(path, "a") as archive, warnings.catch_warnings():
@@ -204,6 +242,14 @@ def test_a_safetensors_header_is_refused_when_deep_or_larger_than_its_bytes(tmp_
     header = json.dumps({"head_unused.weight": {"dtype": "F32", "shape": [1 << 31, 4], "data_offsets": [0, 16]}})
     weights.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(16))
     assert "does not fit its bytes" in refused("fix", built.path, "--out", tmp_path / "b", *model)
+
+
+def test_a_safetensors_header_of_too_many_entries_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    """1.4 million entries in a 100 MB header once took 1.4 GiB as --model."""
+    built = trainers.unirl_torch(tmp_path / "u")
+    weights = hostile.safetensors_entries(tmp_path / "model.safetensors", 1_400_000)
+    line = refused("inspect", built.path, "--model", weights, codes=(4,), memory=TIGHT_LIMIT_BYTES)
+    assert "model.safetensors: its safetensors header describes more than 262144 tensors" in line
 
 
 def test_no_fill_is_sized_by_a_dcp_chunk_stored_in_fewer_bytes_than_it_holds(tmp_path: Path) -> None:

@@ -14,15 +14,13 @@ import pytest
 import torch
 
 from optim_repair.errors import InputError, RepairRefused, UnsafeInputError
+from optim_repair.formats.pickle_writing import dump_graph, new_tensor, storage_for
 from optim_repair.formats.pickled import (
     GlobalRef,
     Reduced,
     StorageRef,
-    dump_graph,
     is_tensor,
     load_graph,
-    new_tensor,
-    storage_for,
     tensor_meta,
     walk,
 )

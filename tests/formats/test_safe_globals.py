@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from optim_repair.errors import InputError
-from optim_repair.formats.pickled import dump_graph, is_dtensor, load_graph, tensor_meta
+from optim_repair.formats.pickle_writing import dump_graph
+from optim_repair.formats.pickled import is_dtensor, load_graph, tensor_meta
 
 SHARD = b"ctorch.distributed.tensor.placement_types\nShard\n"
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import io
-import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,8 +15,8 @@ from typing import Any
 from optim_repair.errors import InputError, os_error_reason, shown
 from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpMetadata, DcpStorage, display_path
 from optim_repair.formats.inputs import open_beneath, size_of
-from optim_repair.formats.pickled import PickleGraph, load_graph
-from optim_repair.formats.unpickling import ZIP_ERRORS
+from optim_repair.formats.pickled import PickleGraph
+from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, open_zip
 
 MAX_BYTES_ENTRY = 64 << 20
 """The most one bytes entry (a ``torch.save``'d object: a param group, a ``params`` list, non-tensor
@@ -59,18 +58,11 @@ def untransform(data: bytes, transforms: tuple[str, ...], source: str) -> bytes:
 
 
 def read_saved_object(data: bytes, source: str) -> PickleGraph:
-    """Parse the ``torch.save`` archive in ``data`` (a bytes entry): its pickle, safely."""
-    try:
-        archive = zipfile.ZipFile(io.BytesIO(data))
-        pickles = [name for name in archive.namelist() if name.endswith("/data.pkl")]
-        if len(pickles) != 1:
-            raise InputError("not a torch.save archive (no single data.pkl)", path=source)
-        if archive.getinfo(pickles[0]).file_size > MAX_BYTES_ENTRY:
-            raise InputError(f"its pickle claims more than {MAX_BYTES_ENTRY} bytes", path=source)
-        pickle_bytes = archive.read(pickles[0])
-    except (*ZIP_ERRORS, OSError) as exc:
-        raise InputError(f"not a torch.save archive ({exc})", path=source) from None
-    return load_graph(pickle_bytes, source)
+    """Parse the ``torch.save`` archive in ``data`` (a bytes entry) as a torch file is read: its records, its
+    framing and its pickle, safely; ``dcp.load`` reads it with ``torch.load``, which checks as much."""
+    if not data.startswith(ZIP_MAGIC):
+        raise InputError("not a torch.save archive", path=source)
+    return open_zip(io.BytesIO(data), Path(source), source).graph
 
 
 def read_ranges(directory: Path, wanted: Mapping[str, DcpStorage], display: str) -> Iterator[tuple[str, bytes]]:

@@ -15,7 +15,7 @@ from optim_repair.formats.dcp.metadata import METADATA_FILE, SHARD_SUFFIX, displ
 from optim_repair.formats.dcp.metadata_reader import memo_objects
 from optim_repair.formats.dcp.metadata_writer import Place, extended_metadata, rebuilt_metadata
 from optim_repair.formats.dcp.planning import PlannedEntries
-from optim_repair.formats.pickled import dump_graph, new_tensor, storage_for
+from optim_repair.formats.pickle_writing import dump_graph, new_tensor, storage_for
 from optim_repair.formats.ranges import write_all
 from optim_repair.formats.torchfile.zipwriter import ZipWriter
 from optim_repair.records.dtypes import numel

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, ClassVar, Literal
 
-from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError, shown
+from optim_repair.errors import InputError, NotATorchFile, TorchRefuses, UnsafeInputError, shown
 from optim_repair.formats.inputs import size_of
 from optim_repair.formats.pickled import PickleGraph, load_graph
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+LEGACY_PROTOCOL = 1001
+"""The one protocol version torch's legacy loader reads (``torch.serialization.PROTOCOL_VERSION``)."""
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,10 @@ def open_legacy(stream: BinaryIO, path: Path, source: str, *, ours: bool = False
         magic = None
     if magic != LEGACY_MAGIC:
         raise NotATorchFile("not a torch file (no zip archive, no legacy magic number)", path=source)
-    load_graph(stream, source)
-    load_graph(stream, source)
+    protocol = load_graph(stream, source).root
+    if protocol != LEGACY_PROTOCOL:
+        raise TorchRefuses(f"its protocol version is {shown(protocol)}, not {LEGACY_PROTOCOL}", path=source)
+    load_graph(stream, source)  # the system it was saved on, which torch reads and ignores
     main_start = stream.tell()
     graph = load_graph(stream, source, ours=ours)
     keys = load_graph(stream, source).root

@@ -15,7 +15,7 @@ from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, VerificationError, shown
 from optim_repair.formats.inputs import open_regular
-from optim_repair.formats.pickled import GlobalRef, Reduced, StorageRef, describe_address, resolve, tensor_meta
+from optim_repair.formats.pickled import Reduced, StorageRef, describe_address, global_name, resolve, tensor_meta
 from optim_repair.formats.ranges import same_range
 from optim_repair.formats.safe_globals import PickledObject
 from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
@@ -53,6 +53,11 @@ class _GraphComparison:
         raise VerificationError(f"the copy differs at {where}: {what}", path=self.source)
 
     def same(self, a: Any, b: Any, path: tuple[Any, ...]) -> None:
+        name, twin = global_name(a), global_name(b)
+        if name is not None or twin is not None:  # a reference to a class or a function: by its name
+            if name != twin:
+                self.fail(path, f"{name or shown(a)} became {twin or shown(b)}")
+            return
         if type(a) is not type(b):
             self.fail(path, f"{type(a).__name__} became {type(b).__name__}")
         pair = (id(a), id(b))
@@ -89,7 +94,7 @@ class _GraphComparison:
         elif isinstance(a, (float, complex)):
             if _float_bits(a) != _float_bits(b):
                 self.fail(path, f"{shown(a)} became {shown(b)}")
-        elif isinstance(a, (GlobalRef, type, int, str, bytes, bytearray, set, frozenset)) or a is None:
+        elif isinstance(a, (int, str, bytes, bytearray, set, frozenset)) or a is None:
             if a != b:
                 self.fail(path, f"{shown(a)} became {shown(b)}")
         else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import itertools
 import struct
 import zipfile
 import zlib
@@ -10,8 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, ClassVar, Literal
 
-from optim_repair.errors import InputError, NotATorchFile, shown
-from optim_repair.formats.inputs import size_of
+from optim_repair.errors import InputError, NotATorchFile, TorchRefuses, shown
 from optim_repair.formats.pickled import PickleGraph, load_graph
 from optim_repair.formats.unpickling import ZIP_ERRORS
 
@@ -38,15 +39,19 @@ class ZipTorchFile:
     def framing(self) -> dict[str, zipfile.ZipInfo]:
         """The records torch reads besides the pickle and the storages (``byteorder``, ``version``, ...)."""
         names = {info.filename[len(self.prefix) :]: info for info in self.records}
-        return {name: info for name, info in names.items() if name != "data.pkl" and not name.startswith("data/")}
+        return {name: info for name, info in names.items() if _is_framing(name)}
 
 
 ZIP_MAGIC = b"PK\x03\x04"
 MAX_PICKLE_BYTES = 512 << 20
-"""The most a torch file's ``data.pkl`` may hold: far beyond the pickle of a million-parameter
-checkpoint, and a bound on what a compressed pickle record may unpack to."""
+"""The most a torch file's ``data.pkl`` may hold: far beyond the pickle of a million-parameter checkpoint."""
+MAX_PICKLE_EXPANSION = 64
+"""How many times its own size a deflated ``data.pkl`` may unpack to (beyond ``MIN_PICKLE_LIMIT``). torch stores
+its pickle; re-zipped, a checkpoint's pickle (names, small numbers, memo references) packs to about a quarter."""
+MIN_PICKLE_LIMIT = 1 << 20
 MAX_FRAMING_BYTES = 1 << 20
 """The most a record other than the pickle and the storages may hold: torch writes a few bytes in each."""
+_CHUNK = 1 << 20
 
 
 def data_offset(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> int:
@@ -56,6 +61,10 @@ def data_offset(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> int:
         raise InputError(f"damaged zip record {info.filename}", path=source)
     fields: tuple[int, ...] = _LOCAL_HEADER.unpack(header)
     return info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+
+
+def _is_framing(name: str) -> bool:
+    return name != "data.pkl" and not name.startswith("data/")
 
 
 def _check_records(records: list[zipfile.ZipInfo], prefix: str, source: str) -> None:
@@ -73,43 +82,65 @@ def _check_records(records: list[zipfile.ZipInfo], prefix: str, source: str) -> 
             method = {zipfile.ZIP_BZIP2: "bzip2", zipfile.ZIP_LZMA: "lzma"}.get(info.compress_type, info.compress_type)
             reason = f"record {shown(info.filename)} is compressed with method {method}; torch never does that"
             raise InputError(reason, path=source)
-        name = info.filename[len(prefix) :]
-        framing = name != "data.pkl" and not name.startswith("data/")
-        if framing and max(info.file_size, info.compress_size) > MAX_FRAMING_BYTES:
+        if _is_framing(info.filename[len(prefix) :]) and max(info.file_size, info.compress_size) > MAX_FRAMING_BYTES:
             raise InputError(
                 f"record {shown(info.filename)} holds {info.file_size} bytes; torch writes only a few bytes there",
                 path=source,
             )
 
 
-def read_record(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> bytes:
-    """A framing record's bytes (never more than ``MAX_FRAMING_BYTES``: ``_check_records``), stored or deflated,
-    read from its local header: the archive's directory is not parsed again for them."""
+def _check_disjoint(records: list[zipfile.ZipInfo], starts: Mapping[str, int], source: str) -> None:
+    """Refuse records that share bytes: torch writes each once, one after another, and a storage read (or
+    copied) through many names that share one record would be read (or written) as many times."""
+    ordered = sorted(records, key=lambda info: info.header_offset)
+    for before, after in itertools.pairwise(ordered):
+        if after.header_offset < starts[before.filename] + before.compress_size:
+            raise InputError(
+                f"damaged zip archive (records {shown(before.filename)} and {shown(after.filename)} overlap); "
+                "torch writes every record apart",
+                path=source,
+            )
+
+
+def read_record(stream: BinaryIO, info: zipfile.ZipInfo, source: str, limit: int = MAX_FRAMING_BYTES) -> bytes:
+    """A record's bytes, stored or deflated, checked against its size and CRC and never more than ``limit``,
+    read from its local header: the archive's directory is not parsed again for them. A deflated record is
+    unpacked a chunk at a time into one buffer, so that it is held once."""
     stream.seek(data_offset(stream, info, source))
-    raw = stream.read(info.compress_size)
-    stored = info.compress_type == zipfile.ZIP_STORED
-    data = raw if stored else zlib.decompressobj(-15).decompress(raw, info.file_size + 1)
+    if info.compress_type == zipfile.ZIP_STORED:
+        data = stream.read(min(info.compress_size, limit + 1))
+    else:
+        unpacked, decompressor, left = io.BytesIO(), zlib.decompressobj(-15), info.compress_size
+        while left and unpacked.tell() <= limit:
+            raw = stream.read(min(_CHUNK, left))
+            if not raw:
+                break
+            left -= len(raw)
+            try:
+                unpacked.write(decompressor.decompress(raw, limit + 1 - unpacked.tell()))
+            except zlib.error as exc:
+                raise InputError(f"damaged zip archive (record {shown(info.filename)}: {exc})", path=source) from exc
+        data = unpacked.getvalue()  # the buffer itself, not a copy
     if len(data) != info.file_size or zlib.crc32(data) != info.CRC:
         raise InputError(f"damaged zip archive (record {shown(info.filename)} fails its size or CRC)", path=source)
     return data
 
 
-def _read_pickle(archive: zipfile.ZipFile, info: zipfile.ZipInfo, source: str) -> bytes:
-    """The pickle record, read only up to ``MAX_PICKLE_BYTES`` whatever its header claims."""
-    if info.file_size > MAX_PICKLE_BYTES:
-        raise InputError(f"its pickle holds {info.file_size} bytes, more than {MAX_PICKLE_BYTES}", path=source)
-    try:
-        with archive.open(info) as record:
-            data = record.read(MAX_PICKLE_BYTES + 1)
-    except (*ZIP_ERRORS, OSError) as exc:
-        raise InputError(f"damaged zip archive ({exc})", path=source) from exc
-    if len(data) > MAX_PICKLE_BYTES:
-        raise InputError(f"its pickle holds more than {MAX_PICKLE_BYTES} bytes", path=source)
-    return data
+def _read_pickle(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> bytes:
+    """The pickle record, read only up to a limit whatever its header claims: ``MAX_PICKLE_BYTES``, and for a
+    deflated record ``MAX_PICKLE_EXPANSION`` times what it takes in the file."""
+    limit = MAX_PICKLE_BYTES
+    if info.compress_type != zipfile.ZIP_STORED:
+        limit = min(limit, max(MIN_PICKLE_LIMIT, MAX_PICKLE_EXPANSION * info.compress_size))
+    if info.file_size > limit:
+        packed = "" if limit == MAX_PICKLE_BYTES else f" packed in {info.compress_size}"
+        raise InputError(f"its pickle holds {info.file_size} bytes{packed}, more than {limit}", path=source)
+    return read_record(stream, info, source, limit)
 
 
 def open_zip(stream: BinaryIO, path: Path, source: str, *, ours: bool = False) -> ZipTorchFile:
-    """Parse a zip-format torch file from its open ``stream``: its pickle and its directory, no storage bytes."""
+    """Parse a zip-format torch file from its open ``stream`` (a file, or a DCP bytes entry in memory): its
+    directory, its framing records and its pickle; no storage bytes."""
     try:
         archive = zipfile.ZipFile(stream)
     except ZIP_ERRORS as exc:
@@ -121,10 +152,18 @@ def open_zip(stream: BinaryIO, path: Path, source: str, *, ours: bool = False) -
             raise NotATorchFile("a zip archive without data.pkl is not a torch.save file", path=source)
         prefix = pickles[0].filename[: -len("data.pkl")]
         _check_records(records, prefix, source)
-        graph = load_graph(_read_pickle(archive, pickles[0], source), source, ours=ours)
+        starts = {info.filename: data_offset(stream, info, source) for info in records}
+        _check_disjoint(records, starts, source)
+        for framing in records:
+            name = framing.filename[len(prefix) :]
+            if _is_framing(name):  # read for its CRC: a damaged input is named as such, not its copy
+                data = read_record(stream, framing, source)
+                if name == "byteorder" and data not in (b"little", b"big"):
+                    raise TorchRefuses(f"its byteorder record says {shown(data)}, neither little nor big", path=source)
+        graph = load_graph(_read_pickle(stream, pickles[0], source), source, ours=ours)
         by_name = {info.filename: info for info in records}
         offsets = {}
-        size = size_of(stream)
+        size = stream.seek(0, io.SEEK_END)
         for key, ref in graph.storages.items():
             info = by_name.get(f"{prefix}data/{key}")
             if info is None:
@@ -134,7 +173,7 @@ def open_zip(stream: BinaryIO, path: Path, source: str, *, ours: bool = False) -
                     f"storage record {shown(info.filename)} holds {info.file_size} bytes, expected {ref.nbytes}",
                     path=source,
                 )
-            offsets[key] = data_offset(stream, info, source)
+            offsets[key] = starts[info.filename]
             if offsets[key] + ref.nbytes > size:
                 raise InputError(f"storage record {shown(info.filename)} lies past the end of the file", path=source)
     return ZipTorchFile(path, graph, offsets, tuple(records), prefix)

@@ -5,14 +5,17 @@ Checkpoints are real ``dcp.save`` outputs (``tests.factories.dcp``); nothing is 
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.state_dict_loader import load
@@ -21,6 +24,7 @@ from torch.distributed.checkpoint.state_dict_saver import save
 from optim_repair.errors import InputError, UnsafeInputError
 from optim_repair.formats.dcp import DcpChunk, DcpTensor, is_dcp_directory, read_dcp, read_metadata
 from optim_repair.records.inventory import TensorMeta
+from tests.conftest import run_cli
 from tests.factories import dcp as dk
 from tests.factories.built import Site
 from tests.factories.dcp import by_name, only, write_dcp
@@ -245,3 +249,26 @@ def test_an_empty_key_path_is_no_weight(tmp_path: Path) -> None:
         pickle.dump(metadata, stream)
     inventory = read_dcp(built.path, "")
     assert "blocks.0.attn.to_q.weight" not in inventory.weights[0].lookup()
+
+
+def test_a_bytes_entry_torch_would_refuse_is_refused(tmp_path: Path) -> None:
+    """``dcp.load`` ``torch.load``s every bytes entry: each is read as a torch file is, its framing included."""
+    path = dk.unirl_dcp(tmp_path).path
+    with (path / ".metadata").open("rb") as stream:
+        metadata = pickle.load(stream)
+    info = metadata.storage_data[MetadataIndex("optim.param_groups.0.lr")]
+    shard = path / info.relative_path
+    with zipfile.ZipFile(io.BytesIO(shard.read_bytes()[info.offset : info.offset + info.length])) as archive:
+        records = [(record, archive.read(record)) for record in archive.infolist()]
+    damaged = io.BytesIO()
+    with zipfile.ZipFile(damaged, "w") as archive:
+        for record, data in records:
+            archive.writestr(record, b"middle" if record.filename.endswith("/byteorder") else data)
+    with shard.open("ab") as stream:
+        info.offset, info.length = stream.tell(), stream.write(damaged.getvalue())
+    with (path / ".metadata").open("wb") as stream:
+        pickle.dump(metadata, stream)
+    with pytest.raises(CheckpointException, match="Unknown endianness type: middle"):
+        load({"optim": {"param_groups": [{"lr": 0.0}]}}, checkpoint_id=path)
+    result = run_cli(["inspect", path], code=4)
+    assert "optim.param_groups.0.lr: torch will refuse this file: its byteorder record says b'middle'" in result.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import shutil
 import zipfile
 from collections.abc import Callable
@@ -12,10 +13,12 @@ import pytest
 import torch
 
 from optim_repair.errors import VerificationError
-from optim_repair.formats.pickled import dump_graph, load_graph
+from optim_repair.formats.pickle_writing import dump_graph
+from optim_repair.formats.pickled import load_graph
 from optim_repair.formats.torchfile import open_torch_file, write_torch_file
 from optim_repair.formats.torchfile.verifier import verify_torch_file
 from optim_repair.records.repair_plan import Addition
+from tests.conftest import run_cli
 from tests.factories import trainers
 from tests.factories.built import Built
 from tests.factories.support import (
@@ -197,3 +200,20 @@ def test_an_unreadable_copy_fails_verification(tricky_copy: tuple[Built, Path, l
     out.write_bytes(out.read_bytes()[:100])
     with pytest.raises(VerificationError, match="cannot be read back"):
         verify_torch_file(built.path, out, "tricky", planned)
+
+
+@pytest.mark.parametrize(
+    "hooks", [b"ccollections\nOrderedDict\n", b"cbuiltins\nbytearray\n"], ids=["class", "function"]
+)
+def test_a_global_as_a_tensors_hooks_is_compared_by_its_name(tmp_path: Path, hooks: bytes) -> None:
+    """torch's loader takes any global it allows as a tensor's ``backward_hooks``, called or not: the copy holds
+    the same reference, pickled as the global it names (once "the copy differs: cannot compare a function")."""
+    built = trainers.unirl_torch(tmp_path / "in")
+    path = built.path / "checkpoint.pt"
+    rewrite_pickle(path, lambda data: data.replace(b"\x89h\x02)R", b"\x89" + hooks, 1))  # not OrderedDict()
+    original = torch.load(path, weights_only=True)["policy_state_dict"]["trunk.weight"]._backward_hooks
+    assert original in (collections.OrderedDict, bytearray)
+    out = tmp_path / "out"
+    run_cli(["fix", built.path, "--out", out])
+    fixed = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert fixed["policy_state_dict"]["trunk.weight"]._backward_hooks is original

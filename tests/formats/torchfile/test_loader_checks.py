@@ -1,0 +1,93 @@
+"""What torch's loader checks, checked from metadata alone: a file torch refuses gets no verdict, but exit 4.
+
+Each case is a real ``torch.save`` output with one field damaged; each test proves against torch itself that
+``torch.load(weights_only=True)`` refuses it before it asserts that ``inspect`` says so.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_cli
+from tests.factories import trainers
+from tests.factories.support import overwrite, rewrite_pickle
+from tests.factories.trainers import single_file
+
+_FALSE_HOOKS = b"\x89h\x02)R"
+"""``requires_grad=False, backward_hooks=OrderedDict()`` as torch.save pickles them (the class memoized as 2)."""
+
+
+def _first(old: bytes, new: bytes) -> Callable[[bytes], bytes]:
+    def edit(data: bytes) -> bytes:
+        assert old in data
+        return data.replace(old, new, 1)
+
+    return edit
+
+
+def refused_as_torch_would(path: Path, reason: str) -> None:
+    with pytest.raises((RuntimeError, TypeError, ValueError)):
+        torch.load(path, weights_only=True)
+    result = run_cli(["inspect", path], code=4)
+    assert result.stderr.count("\n") == 1 and f"{path}: torch will refuse this file: {reason}" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "reason"),
+    [
+        (_FALSE_HOOKS, b"K\x01h\x02)R", "a tensor of storage 0 has requires_grad 1, not a bool"),
+        (_FALSE_HOOKS, b"Nh\x02)R", "a tensor of storage 0 has requires_grad None, not a bool"),
+        (b"QK\x00", b"QK\x01", "a tensor's size (8, 4), stride (4, 1) and offset 1 reach past its storage 0"),
+    ],
+    ids=["requires-grad-int", "requires-grad-none", "past-its-storage"],
+)
+def test_a_tensor_torch_cannot_rebuild(tmp_path: Path, old: bytes, new: bytes, reason: str) -> None:
+    path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
+    rewrite_pickle(path, _first(old, new))
+    refused_as_torch_would(path, reason)
+
+
+def test_an_integer_tensor_that_requires_grad(tmp_path: Path) -> None:
+    path = single_file(tmp_path, "counts.pt", {"counts": torch.zeros(3, dtype=torch.int64)})
+    rewrite_pickle(path, _first(b"\x89ccollections\nOrderedDict\n", b"\x88ccollections\nOrderedDict\n"))
+    refused_as_torch_would(path, "a int64 tensor of storage 0 requires grad")
+
+
+def test_a_legacy_file_of_another_protocol_version(tmp_path: Path) -> None:
+    path = trainers.unirl_torch(tmp_path, legacy=True).path / "checkpoint.pt"
+    magic = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)
+    assert path.read_bytes()[len(magic) :].startswith(pickle.dumps(1001, protocol=2))
+    overwrite(path, len(magic), pickle.dumps(7, protocol=2))  # as long as 1001's: BININT2
+    refused_as_torch_would(path, "its protocol version is 7, not 1001")
+
+
+def test_a_byteorder_neither_little_nor_big(tmp_path: Path) -> None:
+    path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
+    with zipfile.ZipFile(path) as archive:
+        records = [(info, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w") as archive:
+        for info, data in records:
+            archive.writestr(info, b"middle" if info.filename.endswith("/byteorder") else data)
+    refused_as_torch_would(path, "its byteorder record says b'middle', neither little nor big")
+
+
+def test_a_framing_record_that_fails_its_crc_names_the_input(tmp_path: Path) -> None:
+    """Once read only by the verifier, from both files: "the copy cannot be read back" (exit 5)."""
+    path = trainers.unirl_torch(tmp_path / "in").path / "checkpoint.pt"
+    with zipfile.ZipFile(path) as archive:
+        info = next(info for info in archive.infolist() if info.filename.split("/", 1)[1] == "version")
+    data = path.read_bytes()
+    name_length, extra_length = struct.unpack_from("<HH", data, info.header_offset + 26)  # its local header's
+    start = info.header_offset + 30 + name_length + extra_length
+    overwrite(path, start, bytes([data[start] ^ 0x01]))
+    out = tmp_path / "out.pt"
+    result = run_cli(["fix", path, "--out", out], code=4)
+    assert f"{path}: damaged zip archive (record '{info.filename}' fails its size or CRC)" in result.stderr
+    assert not out.exists()
