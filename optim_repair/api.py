@@ -16,8 +16,9 @@ from optim_repair.checkpoint.reading import Parsed, read_model_weights, read_par
 from optim_repair.checkpoint.writing import free_space, space_needed, write_copy
 from optim_repair.decisions.diagnose import Diagnosis, diagnose
 from optim_repair.decisions.repair import plan_repair
-from optim_repair.errors import Remedy, UsageError
+from optim_repair.errors import InputError, Remedy, UsageError
 from optim_repair.progress import Notice, Progress, Reporter, ignore, silent
+from optim_repair.records.inventory import CheckpointInventory
 from optim_repair.records.repair_plan import Addition, Fill, PlanFill, RepairPlan
 from optim_repair.records.request import NO_OPERATIONS, CopyRequest, Operations, PlanRequest
 from optim_repair.records.verification import Verification
@@ -58,9 +59,20 @@ def inspect(
     """
     weights = read_model_weights(Path(model)) if model is not None else None
     found = discover(Path(path), dereference=dereference)
-    inventory, _ = read_parsed(found)
-    found.check_unchanged()  # a verdict about one version of the checkpoint, not a mix of two
+    inventory, _ = _read_unchanged(found)
     return diagnose(inventory, strict=strict, model=weights)
+
+
+def _read_unchanged(found: Discovery) -> tuple[CheckpointInventory, Parsed]:
+    """What reading found, about one version of the checkpoint: a change while it was read (a run still
+    saving it) is reported as that, also when it made a file look damaged."""
+    try:
+        read = read_parsed(found)
+    except InputError:
+        found.check_unchanged()
+        raise
+    found.check_unchanged()
+    return read
 
 
 def latest_checkpoint(run: str | Path) -> Path:
@@ -121,7 +133,7 @@ def _read(checkpoint: str | Path | Diagnosis, dereference: bool) -> _Read:
             )
         return _Read(checkpoint, discover(Path(inventory.path), dereference=inventory.dereference), Parsed())
     found = discover(Path(checkpoint), dereference=dereference)
-    inventory, parsed = read_parsed(found)
+    inventory, parsed = _read_unchanged(found)
     return _Read(diagnose(inventory), found, parsed)
 
 
