@@ -55,6 +55,8 @@ _CHUNK = 1 << 20
 
 
 def data_offset(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> int:
+    if info.header_offset < 0:  # the central directory says the archive begins before the file does
+        raise InputError(f"damaged zip record {shown(info.filename)} (it begins before the file)", path=source)
     stream.seek(info.header_offset)
     header = stream.read(_LOCAL_HEADER.size)
     if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
@@ -63,8 +65,26 @@ def data_offset(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> int:
     return info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
 
 
+_UNREADABLE_FLAGS = 0x1 | 0x20 | 0x40
+"""Flags miniz, torch's zip reader, refuses ("unsupported encryption"): encrypted, patched data, strong encryption."""
+
+
 def _is_framing(name: str) -> bool:
     return name != "data.pkl" and not name.startswith("data/")
+
+
+def _check_folder(records: list[zipfile.ZipInfo], source: str) -> None:
+    """Refuse what torch's reader refuses of the archive's layout: it takes the folder of the first record for
+    the archive's, every record must be in it, and it must hold ``data.pkl`` and a version record."""
+    folder = records[0].filename.split("/", 1)[0] + "/"
+    stray = next((info.filename for info in records if not info.filename.startswith(folder)), None)
+    if stray is not None:
+        raise TorchRefuses(f"record {shown(stray)} is not in the archive's folder {shown(folder)}", path=source)
+    names = {info.filename for info in records}
+    if folder + "data.pkl" not in names:
+        raise TorchRefuses(f"its folder {shown(folder)} holds no data.pkl", path=source)
+    if folder + "version" not in names and folder + ".data/version" not in names:
+        raise TorchRefuses("it has no version record", path=source)
 
 
 def _check_records(records: list[zipfile.ZipInfo], prefix: str, source: str) -> None:
@@ -76,8 +96,8 @@ def _check_records(records: list[zipfile.ZipInfo], prefix: str, source: str) -> 
         if info.filename in names:
             raise InputError(f"damaged zip archive (two records are named {shown(info.filename)})", path=source)
         names.add(info.filename)
-        if info.flag_bits & 0x1:
-            raise InputError(f"damaged zip archive (record {shown(info.filename)} is marked encrypted)", path=source)
+        if info.flag_bits & _UNREADABLE_FLAGS:
+            raise TorchRefuses(f"record {shown(info.filename)} is marked encrypted or patched", path=source)
         if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
             method = {zipfile.ZIP_BZIP2: "bzip2", zipfile.ZIP_LZMA: "lzma"}.get(info.compress_type, info.compress_type)
             reason = f"record {shown(info.filename)} is compressed with method {method}; torch never does that"
@@ -151,6 +171,7 @@ def open_zip(stream: BinaryIO, path: Path, source: str, *, ours: bool = False) -
         if not pickles:
             raise NotATorchFile("a zip archive without data.pkl is not a torch.save file", path=source)
         prefix = pickles[0].filename[: -len("data.pkl")]
+        _check_folder(records, source)
         _check_records(records, prefix, source)
         starts = {info.filename: data_offset(stream, info, source) for info in records}
         _check_disjoint(records, starts, source)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import run_cli
+from tests.factories import dcp as dk
 from tests.factories import trainers
 from tests.factories.support import overwrite, rewrite_pickle
 from tests.factories.trainers import single_file
@@ -91,3 +92,68 @@ def test_a_framing_record_that_fails_its_crc_names_the_input(tmp_path: Path) -> 
     result = run_cli(["fix", path, "--out", out], code=4)
     assert f"{path}: damaged zip archive (record '{info.filename}' fails its size or CRC)" in result.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flag", [0x1, 0x20, 0x40])
+def test_a_record_marked_encrypted_or_patched(tmp_path: Path, flag: int) -> None:
+    """miniz refuses these flags in the central directory ("unsupported encryption"); found by the fuzzer."""
+    path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
+    with zipfile.ZipFile(path) as archive:
+        storage = next(info for info in archive.infolist() if "/data/" in info.filename)
+    data = path.read_bytes()
+    entry = data.index(b"PK\x01\x02")
+    while True:  # the central-directory entry of that storage
+        name_length = struct.unpack_from("<H", data, entry + 28)[0]
+        if data[entry + 46 : entry + 46 + name_length].decode() == storage.filename:
+            break
+        entry = data.index(b"PK\x01\x02", entry + 4)
+    flags = struct.unpack_from("<H", data, entry + 8)[0]
+    overwrite(path, entry + 8, struct.pack("<H", flags | flag))
+    refused_as_torch_would(path, f"record '{storage.filename}' is marked encrypted or patched")
+
+
+def test_a_central_directory_placing_a_record_before_the_file(tmp_path: Path) -> None:
+    """Four bytes cut before the central directory of a DCP bytes entry (its length kept): zipfile computes a
+    negative offset for its first record, which crashed the reader (found by the fuzzer)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = dk.unirl_dcp(tmp_path).path
+    metadata = FileSystemReader(path).read_metadata()
+    info = next(info for index, info in metadata.storage_data.items() if index.fqn == "optim.param_groups.0.eps")
+    shard = path / info.relative_path
+    data = shard.read_bytes()
+    entry = data[info.offset : info.offset + info.length]
+    cut = entry.index(b"PK\x01\x02")
+    end = info.offset + info.length
+    shard.write_bytes(data[: info.offset] + entry[: cut - 4] + entry[cut:] + bytes(4) + data[end:])
+    result = run_cli(["inspect", path], code=4)
+    expected = "optim.param_groups.0.eps: damaged zip record 'archive/data.pkl' (it begins before the file)"
+    assert expected in result.stderr
+    assert result.stderr.count("\n") == 1
+
+
+def _renamed(path: Path, rename: Callable[[str], str]) -> None:
+    with zipfile.ZipFile(path) as archive:
+        records = [(info, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w") as archive:
+        for info, data in records:
+            info.filename = rename(info.filename)
+            archive.writestr(info, data)
+
+
+@pytest.mark.parametrize(
+    ("rename", "reason"),
+    [
+        (
+            lambda name: "x/data.pkl" if name.endswith("/data.pkl") else name,
+            "record 'checkpoint/.format_version' is not in the archive's folder 'x/'",
+        ),
+        (lambda name: name.replace("/version", "/versio"), "it has no version record"),
+    ],
+)
+def test_an_archive_layout_torch_refuses(tmp_path: Path, rename: Callable[[str], str], reason: str) -> None:
+    """torch takes the first record's folder for the archive's, and needs data.pkl and a version there (the
+    first found by the fuzzer in a DCP bytes entry)."""
+    path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
+    _renamed(path, rename)
+    refused_as_torch_would(path, reason)
