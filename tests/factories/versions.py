@@ -37,3 +37,8 @@ def missing_state_match(name: str | None = None) -> str:
     if TORCH >= (2, 10):
         return "Missing optimizer state" + ("" if name is None else f" for parameter {re.escape(repr(name))}")
     return "" if name is None else re.escape(repr(name))
+
+
+NO_DEVICE_MATCH = "Expected device to be set" if TORCH >= (2, 10) else "^$"
+"""The message of the AssertionError torch's full_state_dict loader raises for an optimizer without tensor
+state (plain SGD): from torch 2.10 it says so; before, a bare ``assert device is not None`` says nothing."""
