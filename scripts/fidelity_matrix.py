@@ -48,8 +48,9 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "ASGD": lambda p: torch.optim.ASGD(p, lr=1e-2, t0=1),
     "Rprop": lambda p: torch.optim.Rprop(p, lr=1e-2),
     "Adafactor": lambda p: torch.optim.Adafactor(p, lr=1e-2),
-    "Muon (matrices only)": lambda p: torch.optim.Muon([q for q in p if q.ndim == 2], lr=1e-2),
 }
+if hasattr(torch.optim, "Muon"):  # new in torch 2.9
+    OPTIMIZERS["Muon (matrices only)"] = lambda p: torch.optim.Muon([q for q in p if q.ndim == 2], lr=1e-2)
 
 LOADERS = ("stock full_state_dict=True", "stock full_state_dict=False", "optim_repair", "optimizer.load_state_dict")
 FILLS = ("none (sparse)", "fix --fill empty", "fix --fill fresh")

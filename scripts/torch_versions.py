@@ -3,7 +3,9 @@
 Each argument is the Python of an environment that has another torch and the test extras (CI runs only the
 pinned torch; this script is for people who change how checkpoints are read or written). Make each one with
 ``pip install torch==X.Y.Z <the test extras>`` and ``pip install --no-deps -e .`` (for the ``optim-repair``
-command the README's resume script calls); tests whose libraries do not install on that torch skip:
+command the README's resume script calls); tests whose libraries do not install on that torch skip. torchao
+is built for one torch, and transformers imports it when it is installed: give an older torch the torchao
+built for it (``pip install --no-deps torchao==0.13.0`` for torch 2.8), or transformers fails to import too. Then:
 
     python scripts/torch_versions.py /work/venv-torch24/bin/python /work/venv-torch215/bin/python
 
@@ -140,7 +142,8 @@ def run(python: str, pytest_args: list[str]) -> Result:
     )
     failed = [line for line in suite.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
     torch = version.stdout.strip() or f"? ({version.stderr.strip()[-200:]})"
-    return Result(python, torch, checked, _summary_line(suite.stdout), suite.returncode, failed)
+    summary = _summary_line(suite.stdout if suite.stdout.strip() else suite.stderr)  # a conftest that fails to import
+    return Result(python, torch, checked, summary, suite.returncode, failed)
 
 
 def main() -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 from tests.factories import defects, hostile, models, trainers
 from tests.factories.built import Built, Site
 from tests.factories.models import ParamKey
+from tests.factories.versions import MISSING_STATE_ERROR, missing_state_match
 
 
 def load(path: Path) -> Any:
@@ -96,7 +96,7 @@ def test_unirl_reproduces_the_bug(unirl_checkpoint: Built) -> None:
     """The fixture's point: torch's own loader refuses it."""
     model = models.TwoHeadNet()
     opt = models.make_optimizer(model)
-    with pytest.raises(RuntimeError, match=re.escape("Missing optimizer state for parameter 'head_unused.weight'")):
+    with pytest.raises(MISSING_STATE_ERROR, match=missing_state_match("head_unused.weight")):
         set_optimizer_state_dict(model, opt, unirl_checkpoint.load())
 
 

@@ -95,8 +95,9 @@ def _flattened_missing(missing: tuple[ParamKey, ...]) -> Notice:
     return Notice(
         "flattened-missing-state",
         "torch's set_optimizer_state_dict(flatten_optimizer_state_dict=True) fails on the "
-        f"{len(missing)} absent entries (TypeError: float() argument must be a string or a real number, not "
-        "'dict'); remedy: optim-repair fix (exact fresh state, the default for flattened state: it cannot hold {})",
+        f'{len(missing)} absent entries ("TypeError: float() argument must be a string or a real number, not '
+        "'dict'\" from torch 2.10, a KeyError of the absent flattened key before); remedy: optim-repair fix "
+        "(exact fresh state, the default for flattened state: it cannot hold {})",
     )
 
 

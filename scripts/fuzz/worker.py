@@ -134,10 +134,15 @@ def _set_limits(config: WorkerConfig) -> None:
 
 
 def preload_modules() -> list[str]:
-    """What the forkserver imports once, so that a new worker is a fork, not a Python start-up."""
+    """What the forkserver imports once, so that a new worker is a fork, not a Python start-up.
+
+    ``compression.zstd`` (Python 3.14) too, which the DCP reader tries first: where it is absent, that import
+    searches every directory on ``sys.path``, and torch 2.8 (not 2.13) appends one of its own under the temporary
+    directory (``torch.distributed.nn.jit.instantiator``); searched once here, it is not listed during a case.
+    """
     return [__name__, "optim_repair", "optim_repair.formats.dcp.writer", "optim_repair.render", "torch",
-            "torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem", "zstandard", "bz2",
-            "lzma"]  # fmt: skip
+            "torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem", "compression.zstd",
+            "zstandard", "bz2", "lzma"]  # fmt: skip
 
 
 def worker_main(conn: Connection, config: WorkerConfig) -> None:

@@ -26,6 +26,7 @@ from tests.factories.support import (
     fix,
     load,
 )
+from tests.factories.versions import MISSING_STATE_ERROR, missing_state_match
 
 SAFE = sorted(set(factories.FACTORIES) - set(defects.MALFORMED))
 OPT = trainers.OPT_SITE
@@ -71,7 +72,7 @@ def test_the_bug_report_is_repaired_and_resumes_through_the_stock_loader(
     opt = with_scheduler(
         torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
     )
-    with pytest.raises(RuntimeError, match="Missing optimizer state for parameter"):
+    with pytest.raises(MISSING_STATE_ERROR, match=missing_state_match()):
         set_optimizer_state_dict(model, opt, built.load())
     sd = load(out / "checkpoint.pt")["optimizer_state_dict"]
     assert [name for name in models.BUG_REPORT_MISSING if sd["state"][name] == {}] == list(models.BUG_REPORT_MISSING)
@@ -86,7 +87,7 @@ def test_name_keyed_copies_load_through_set_optimizer_state_dict(root: Path, tmp
     fix(built.path, tmp_path / "u")
     model = models.TwoHeadNet()
     opt = with_scheduler(models.make_optimizer(model))
-    with pytest.raises(RuntimeError, match="Missing optimizer state"):
+    with pytest.raises(MISSING_STATE_ERROR, match=missing_state_match()):
         set_optimizer_state_dict(model, opt, built.load(), options=options)
     set_optimizer_state_dict(
         model, opt, load(tmp_path / "u" / "checkpoint.pt")["optimizer_state_dict"], options=options

@@ -33,6 +33,7 @@ from tests.factories import trainers
 from tests.factories.built import Built
 from tests.factories.models import TwoHeadNet, make_optimizer, train
 from tests.factories.support import assert_nothing_written, installed_command, untouched
+from tests.factories.versions import MISSING_STATE_ERROR, missing_state_match
 
 STEPS, MORE = 3, 3
 
@@ -89,7 +90,7 @@ def test_a_wrapped_runs_state_is_renamed_into_the_plain_model(
     assert found is not None and found.rename is not None and str(found.rename) == f"^{re.escape(prefix)}="
     model = TwoHeadNet(seed=3)
     opt = make_optimizer(model, "adamw")
-    with pytest.raises(Exception, match=r"Missing|not found|KeyError"):  # stock torch on the wrapped names
+    with pytest.raises(MISSING_STATE_ERROR, match=missing_state_match("trunk.weight")):  # stock torch, wrapped names
         _resume(path, model, opt)
     out = tmp_path / "fixed.pt"
     with untouched(path):

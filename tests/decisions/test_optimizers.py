@@ -25,6 +25,7 @@ from optim_repair.records.inventory import ParamGroup, TensorMeta
 from optim_repair.records.repair_plan import FreshTensor
 from tests.factories.models import VARIANTS, BranchNet, branch_inputs, train_branches
 from tests.factories.support import group_of
+from tests.factories.versions import HAS_MUON, NO_DEVICE_MATCH
 
 Factory = Callable[[Any], torch.optim.Optimizer]
 
@@ -32,6 +33,8 @@ Factory = Callable[[Any], torch.optim.Optimizer]
 def test_registry_covers_every_lazy_optimizer() -> None:
     assert set(OPTIMIZERS) == {spec for spec, _, _ in VARIANTS.values()}
     for spec in OPTIMIZERS.values():
+        if spec.torch_class == "Muon" and not HAS_MUON:
+            continue  # the registry knows Muon's state before the installed torch has the class
         assert issubclass(getattr(torch.optim, spec.torch_class), torch.optim.Optimizer)
 
 
@@ -242,7 +245,7 @@ def test_fresh_fill_resumes_exactly_through_torch_set_optimizer_state_dict(varia
     if variant == "sgd":
         # Plain SGD stores no state at all; torch's own full_state_dict loader cannot load
         # even its own output for it (optim_repair.torch_loader can: see tests/faces/test_torch_loader.py).
-        with pytest.raises(AssertionError, match="Expected device to be set"):
+        with pytest.raises(AssertionError, match=NO_DEVICE_MATCH):
             run(variant, load)
         return
     run(variant, load)

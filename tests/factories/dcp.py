@@ -22,6 +22,7 @@ and ``set_optimizer_state_dict``, then more training.
 
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 from collections.abc import Callable, Mapping, Sequence
@@ -248,7 +249,10 @@ def save_two_ranks(state: Mapping[str, Any], path: Path) -> None:
             local = _shard(dict(state), rank, DeviceMesh("cpu", [0, 1]))
             planner, writer = DefaultSavePlanner(), FileSystemWriter(path)
             planner.set_up_planner(state_dict=local, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
-            writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+            if "kwargs" in inspect.signature(writer.set_up_storage_writer).parameters:  # as dcp.save asks
+                writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+            else:  # torch before 2.9 takes is_coordinator alone
+                writer.set_up_storage_writer(rank == 0)
             plans.append(writer.prepare_local_plan(planner.create_local_plan()))
             planners.append(planner)
             writers.append(writer)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import abc
 import inspect
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LinearLR, LRScheduler
+
+from tests.factories.versions import HAS_MUON, NO_MUON
 
 ParamKey = str | int
 """A parameter's key in an optimizer state dict: its name, or its integer index."""
@@ -370,11 +372,23 @@ def run(
     return Run(model, opt, scheduler, steps)
 
 
-class MatrixMuon(torch.optim.Muon):
-    """torch's Muon over the parameters it supports: the matrices (the others are not trained)."""
+if HAS_MUON or TYPE_CHECKING:
 
-    def __init__(self, params: Any, **kwargs: Any) -> None:
-        super().__init__([p for p in params if p.ndim == 2], **kwargs)
+    class MatrixMuon(torch.optim.Muon):
+        """torch's Muon over the parameters it supports: the matrices (the others are not trained)."""
+
+        def __init__(self, params: Any, **kwargs: Any) -> None:
+            super().__init__([p for p in params if p.ndim == 2], **kwargs)
+
+else:
+
+    class MatrixMuon(Optimizer):
+        """Before torch 2.9 there is no Muon: a test that makes one skips, saying so."""
+
+        def __init__(self, params: Any, **kwargs: Any) -> None:
+            import pytest
+
+            pytest.skip(NO_MUON)
 
 
 # id -> (registry name, class, keyword arguments): every flag that changes the fresh state.
