@@ -96,6 +96,8 @@ def _check_records(records: list[zipfile.ZipInfo], prefix: str, source: str) -> 
         if info.filename in names:
             raise InputError(f"damaged zip archive (two records are named {shown(info.filename)})", path=source)
         names.add(info.filename)
+        if info.volume not in (0, 1):  # miniz: "unsupported multidisk archive"
+            raise TorchRefuses(f"record {shown(info.filename)} is on disk {info.volume} of several", path=source)
         if info.flag_bits & _UNREADABLE_FLAGS:
             raise TorchRefuses(f"record {shown(info.filename)} is marked encrypted or patched", path=source)
         if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):

@@ -157,3 +157,12 @@ def test_an_archive_layout_torch_refuses(tmp_path: Path, rename: Callable[[str],
     path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
     _renamed(path, rename)
     refused_as_torch_would(path, reason)
+
+
+def test_a_record_on_another_disk(tmp_path: Path) -> None:
+    """miniz refuses a central-directory entry whose disk is neither 0 nor 1 ("unsupported multidisk archive");
+    Python's zipfile reads it (found by the fuzzer)."""
+    path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
+    entry = path.read_bytes().index(b"PK\x01\x02")
+    overwrite(path, entry + 34, struct.pack("<H", 65535))
+    refused_as_torch_would(path, "record 'checkpoint/data.pkl' is on disk 65535 of several")
