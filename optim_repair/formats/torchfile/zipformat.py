@@ -65,12 +65,43 @@ def data_offset(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> int:
     return info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
 
 
-_UNREADABLE_FLAGS = 0x1 | 0x20 | 0x40
-"""Flags miniz, torch's zip reader, refuses ("unsupported encryption"): encrypted, patched data, strong encryption."""
+_UNREADABLE_FLAGS = 0x1 | 0x20 | 0x40 | 0x2000
+"""Flags miniz, torch's zip reader, refuses ("unsupported encryption"): encrypted, patched data, strong encryption,
+a masked local header."""
+_DOS_DIRECTORY = 0x10
+"""The external attribute that makes miniz take a record for a directory: torch then reads none of its bytes."""
 
 
 def _is_framing(name: str) -> bool:
     return name != "data.pkl" and not name.startswith("data/")
+
+
+def _check_end_record(stream: BinaryIO, start: int, records: list[zipfile.ZipInfo], source: str) -> None:
+    """Refuse what miniz, torch's zip reader, refuses of the end record (zip64's where there is one) and Python's
+    zipfile reads regardless: another disk ("unsupported multidisk archive"), or a directory holding fewer
+    entries than the end record counts (an entry's lengths ran past it: "invalid header")."""
+    end = zipfile._EndRecData(stream)  # type: ignore[attr-defined]  # stable since Python 2; zipfile's own parse
+    if end is None:
+        return  # zipfile has refused it already
+    disk, directory_disk = end[zipfile._ECD_DISK_NUMBER], end[zipfile._ECD_DISK_START]  # type: ignore[attr-defined]
+    here, total = end[zipfile._ECD_ENTRIES_THIS_DISK], end[zipfile._ECD_ENTRIES_TOTAL]  # type: ignore[attr-defined]
+    if (disk | directory_disk) > 1 or here != total:
+        raise TorchRefuses("its end record describes an archive of several disks", path=source)
+    if total != len(records):
+        raise TorchRefuses(f"its end record counts {total} records, its directory holds {len(records)}", path=source)
+    size = end[zipfile._ECD_SIZE]  # type: ignore[attr-defined]
+    stream.seek(start)
+    directory, at = stream.read(size), 0
+    for _ in records:  # each entry's own lengths must keep it inside the directory, as miniz checks
+        if at + _CENTRAL_ENTRY > len(directory):
+            break
+        at += _CENTRAL_ENTRY + sum(struct.unpack_from("<3H", directory, at + 28))
+    if at != size:
+        raise TorchRefuses("the entries of its directory run past the size its end record gives it", path=source)
+
+
+_CENTRAL_ENTRY = 46
+"""The fixed part of a central-directory entry, before its name, extra field and comment."""
 
 
 def _check_folder(records: list[zipfile.ZipInfo], source: str) -> None:
@@ -100,6 +131,9 @@ def _check_records(records: list[zipfile.ZipInfo], prefix: str, source: str) -> 
             raise TorchRefuses(f"record {shown(info.filename)} is on disk {info.volume} of several", path=source)
         if info.flag_bits & _UNREADABLE_FLAGS:
             raise TorchRefuses(f"record {shown(info.filename)} is marked encrypted or patched", path=source)
+        if info.external_attr & _DOS_DIRECTORY:
+            marked = f"record {shown(info.filename)} is marked a directory: torch reads none of it"
+            raise InputError(f"damaged zip archive ({marked})", path=source)
         if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
             method = {zipfile.ZIP_BZIP2: "bzip2", zipfile.ZIP_LZMA: "lzma"}.get(info.compress_type, info.compress_type)
             reason = f"record {shown(info.filename)} is compressed with method {method}; torch never does that"
@@ -173,6 +207,7 @@ def open_zip(stream: BinaryIO, path: Path, source: str, *, ours: bool = False) -
         if not pickles:
             raise NotATorchFile("a zip archive without data.pkl is not a torch.save file", path=source)
         prefix = pickles[0].filename[: -len("data.pkl")]
+        _check_end_record(stream, archive.start_dir, records, source)
         _check_folder(records, source)
         _check_records(records, prefix, source)
         starts = {info.filename: data_offset(stream, info, source) for info in records}

@@ -94,7 +94,7 @@ def test_a_framing_record_that_fails_its_crc_names_the_input(tmp_path: Path) -> 
     assert not out.exists()
 
 
-@pytest.mark.parametrize("flag", [0x1, 0x20, 0x40])
+@pytest.mark.parametrize("flag", [0x1, 0x20, 0x40, 0x2000])
 def test_a_record_marked_encrypted_or_patched(tmp_path: Path, flag: int) -> None:
     """miniz refuses these flags in the central directory ("unsupported encryption"); found by the fuzzer."""
     path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
@@ -166,3 +166,34 @@ def test_a_record_on_another_disk(tmp_path: Path) -> None:
     entry = path.read_bytes().index(b"PK\x01\x02")
     overwrite(path, entry + 34, struct.pack("<H", 65535))
     refused_as_torch_would(path, "record 'checkpoint/data.pkl' is on disk 65535 of several")
+
+
+def test_a_storage_record_marked_a_directory(tmp_path: Path) -> None:
+    """miniz takes a record whose external attributes say directory for one, and torch then reads uninitialized
+    memory for the tensor (two loads differ); its copy, written with plain attributes, would read the real
+    bytes (found by the fuzzer's torch oracle as a copy that differs)."""
+    path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
+    data = path.read_bytes()
+    entry = data.index(b"PK\x01\x02")
+    while not data[entry + 46 : entry + 46 + struct.unpack_from("<H", data, entry + 28)[0]].endswith(b"/data/0"):
+        entry = data.index(b"PK\x01\x02", entry + 4)
+    overwrite(path, entry + 38, struct.pack("<I", 0x10))
+    result = run_cli(["inspect", path], code=4)
+    assert "record 'checkpoint/data/0' is marked a directory: torch reads none of it" in result.stderr
+
+
+def test_an_entry_whose_comment_runs_past_the_directory(tmp_path: Path) -> None:
+    """Python's zipfile reads the comment from what follows; miniz says "invalid header" (found by the fuzzer)."""
+    path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
+    data = path.read_bytes()
+    last = data.rindex(b"PK\x01\x02")
+    overwrite(path, last + 32, struct.pack("<H", 65535))
+    refused_as_torch_would(path, "the entries of its directory run past the size its end record gives it")
+
+
+def test_a_zip64_end_record_of_another_disk(tmp_path: Path) -> None:
+    """torch writes a zip64 end record, whose disk numbers miniz reads instead of the classic one's."""
+    path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
+    end64 = path.read_bytes().rindex(b"PK\x06\x06")
+    overwrite(path, end64 + 16, struct.pack("<I", 2))  # the number of this disk
+    refused_as_torch_would(path, "its end record describes an archive of several disks")
