@@ -158,6 +158,8 @@ def apply_operations(
         model_names = _model_names(model, where, "adding the model's parameters")
         joined = {name: group for name in model_names if name not in listed}
     kept = {name: now for name, now in renamed.items() if name not in dropped}
+    if renamed and not kept and not joined:
+        raise RepairRefused(f"{where}: the drops leave the optimizer no parameter; nothing would be left to resume")
     groups = tuple(
         ParamGroup(
             (

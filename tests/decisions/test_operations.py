@@ -289,6 +289,17 @@ def test_a_dcp_parameter_is_dropped_from_state_and_params(tmp_path: Path) -> Non
     assert not any(name.startswith("blocks.1.") for name in whole["param_groups"][0]["params"])
 
 
+def test_dropping_every_parameter_is_refused(tmp_path: Path) -> None:
+    """A copy whose optimizer has no parameter left would not even be found again (found by the fuzzer)."""
+    from tests.factories import dcp as dk
+
+    built = dk.unirl_dcp(tmp_path / "in")
+    out = tmp_path / "fixed"
+    result = run_cli(["fix", built.path, "--out", out, "--drop", "."], code=3)
+    assert "the drops leave the optimizer no parameter; nothing would be left to resume" in result.stderr
+    assert not out.exists()
+
+
 def test_a_layer_unfrozen_between_runs_joins_a_dcp_checkpoint(tmp_path: Path) -> None:
     """FSDP2-style DCP: the head was frozen (in no group) and is unfrozen into group 0; against the run that never
     stopped and appends it to group 0 at the same step."""

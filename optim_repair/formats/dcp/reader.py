@@ -14,7 +14,7 @@ from optim_repair.errors import InputError
 from optim_repair.formats.dcp.layout import DcpOptimizer, find_optimizers, longest_name, model_weights
 from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpBytes, DcpMetadata, DcpTensor, display_path
 from optim_repair.formats.dcp.metadata_reader import read_metadata
-from optim_repair.formats.dcp.storage import check_ranges, read_bytes_entries
+from optim_repair.formats.dcp.storage import check_bytes_entries, check_ranges, read_bytes_entries
 from optim_repair.formats.pickled import option_value, state_value
 from optim_repair.records.inventory import (
     FileInventory,
@@ -121,7 +121,8 @@ def read_dcp(path: Path, rel: str, *, keep: dict[str, DcpMetadata] | None = None
 
     ``rel`` is the directory relative to the user's argument ("" when it is the argument); ``keep``
     receives the metadata under ``rel``, for a writer to reuse instead of reading it again. Only the
-    optimizers' bytes entries are read from the shards; no tensor bytes, and torch is not imported.
+    optimizers' bytes entries are read from the shards (the others are checked as archives, not unpickled);
+    no tensor bytes, and torch is not imported.
     """
     meta = read_metadata(path, rel)
     if keep is not None:
@@ -133,6 +134,8 @@ def read_dcp(path: Path, rel: str, *, keep: dict[str, DcpMetadata] | None = None
     ]
     check_ranges(path, meta, rel)
     values = read_bytes_entries(path, meta, wanted, rel)
+    others = [key for key, item in meta.items.items() if isinstance(item, DcpBytes) and key not in values]
+    check_bytes_entries(path, meta, others, rel)
     weights = model_weights(meta, optimizers)
     known = {name for tensors in weights.values() for name in tensors}
     inventories = []

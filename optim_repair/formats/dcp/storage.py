@@ -16,7 +16,7 @@ from optim_repair.errors import InputError, os_error_reason, shown
 from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpMetadata, DcpStorage, display_path
 from optim_repair.formats.inputs import open_beneath, size_of
 from optim_repair.formats.pickled import PickleGraph
-from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, open_zip
+from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, check_archive, open_zip
 
 MAX_BYTES_ENTRY = 64 << 20
 """The most one bytes entry (a ``torch.save``'d object: a param group, a ``params`` list, non-tensor
@@ -126,3 +126,18 @@ def read_bytes_entries(directory: Path, meta: DcpMetadata, keys: Sequence[str], 
             unpickled[data, info.transforms] = read_saved_object(untransform(data, info.transforms, where), where).root
         values[key] = unpickled[data, info.transforms]
     return values
+
+
+def check_bytes_entries(directory: Path, meta: DcpMetadata, keys: Sequence[str], rel: str) -> None:
+    """Check that each of the bytes entries ``keys`` (those no optimizer holds: a scheduler's, a dataloader's) is
+    an archive ``dcp.load`` can open, as torch's reader checks it; their pickles, which ``dcp.load`` unpickles
+    with ``weights_only=False``, are not read."""
+    source = display_path(rel, METADATA_FILE)
+    wanted = {key: _bytes_entry_storage(meta, key, source) for key in keys}
+    for key, data in read_ranges(directory, wanted, rel):
+        info = wanted[key]
+        where = f"{display_path(rel, info.relative_path)}:{key}"
+        data = untransform(data, info.transforms, where)
+        if not data.startswith(ZIP_MAGIC):
+            raise InputError("not a torch.save archive", path=where)
+        check_archive(io.BytesIO(data), where)

@@ -194,31 +194,49 @@ def _read_pickle(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> bytes:
     return read_record(stream, info, source, limit)
 
 
+def _open_archive(stream: BinaryIO, source: str) -> zipfile.ZipFile:
+    try:
+        return zipfile.ZipFile(stream)
+    except ZIP_ERRORS as exc:
+        raise InputError(f"damaged zip archive ({exc})", path=source) from exc
+
+
+def _framing(archive: zipfile.ZipFile, stream: BinaryIO, source: str) -> tuple[zipfile.ZipInfo, str, dict[str, int]]:
+    """Check the archive as torch's reader would, and read its framing records for their CRCs; return its
+    ``data.pkl`` record, its folder and where each record's data starts. No pickle is read."""
+    records = archive.infolist()
+    pickles = [info for info in records if info.filename.endswith("/data.pkl")]
+    if not pickles:
+        raise NotATorchFile("a zip archive without data.pkl is not a torch.save file", path=source)
+    prefix = pickles[0].filename[: -len("data.pkl")]
+    _check_end_record(stream, archive.start_dir, records, source)
+    _check_folder(records, source)
+    _check_records(records, prefix, source)
+    starts = {info.filename: data_offset(stream, info, source) for info in records}
+    _check_disjoint(records, starts, source)
+    for framing in records:
+        name = framing.filename[len(prefix) :]
+        if _is_framing(name):  # read for its CRC: a damaged input is named as such, not its copy
+            data = read_record(stream, framing, source)
+            if name == "byteorder" and data not in (b"little", b"big"):
+                raise TorchRefuses(f"its byteorder record says {shown(data)}, neither little nor big", path=source)
+    return pickles[0], prefix, starts
+
+
+def check_archive(stream: BinaryIO, source: str) -> None:
+    """Check a ``torch.save`` archive's layout and framing as torch's reader would, without reading its pickle
+    (a DCP bytes entry ``dcp.load`` unpickles with ``weights_only=False``, which optim-repair never does)."""
+    with _open_archive(stream, source) as archive:
+        _framing(archive, stream, source)
+
+
 def open_zip(stream: BinaryIO, path: Path, source: str, *, ours: bool = False) -> ZipTorchFile:
     """Parse a zip-format torch file from its open ``stream`` (a file, or a DCP bytes entry in memory): its
     directory, its framing records and its pickle; no storage bytes."""
-    try:
-        archive = zipfile.ZipFile(stream)
-    except ZIP_ERRORS as exc:
-        raise InputError(f"damaged zip archive ({exc})", path=source) from exc
-    with archive:
+    with _open_archive(stream, source) as archive:
         records = archive.infolist()
-        pickles = [info for info in records if info.filename.endswith("/data.pkl")]
-        if not pickles:
-            raise NotATorchFile("a zip archive without data.pkl is not a torch.save file", path=source)
-        prefix = pickles[0].filename[: -len("data.pkl")]
-        _check_end_record(stream, archive.start_dir, records, source)
-        _check_folder(records, source)
-        _check_records(records, prefix, source)
-        starts = {info.filename: data_offset(stream, info, source) for info in records}
-        _check_disjoint(records, starts, source)
-        for framing in records:
-            name = framing.filename[len(prefix) :]
-            if _is_framing(name):  # read for its CRC: a damaged input is named as such, not its copy
-                data = read_record(stream, framing, source)
-                if name == "byteorder" and data not in (b"little", b"big"):
-                    raise TorchRefuses(f"its byteorder record says {shown(data)}, neither little nor big", path=source)
-        graph = load_graph(_read_pickle(stream, pickles[0], source), source, ours=ours)
+        pickle_record, prefix, starts = _framing(archive, stream, source)
+        graph = load_graph(_read_pickle(stream, pickle_record, source), source, ours=ours)
         by_name = {info.filename: info for info in records}
         offsets = {}
         size = stream.seek(0, io.SEEK_END)

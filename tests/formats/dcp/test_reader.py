@@ -272,3 +272,23 @@ def test_a_bytes_entry_torch_would_refuse_is_refused(tmp_path: Path) -> None:
         load({"optim": {"param_groups": [{"lr": 0.0}]}}, checkpoint_id=path)
     result = run_cli(["inspect", path], code=4)
     assert "optim.param_groups.0.lr: torch will refuse this file: its byteorder record says b'middle'" in result.stderr
+
+
+def test_a_damaged_bytes_entry_outside_the_optimizers_is_refused(tmp_path: Path) -> None:
+    """A scheduler's bytes entry stored at the wrong offset: dcp.load fails on it, so the checkpoint cannot be
+    resumed; its pickle is not read (dcp.load unpickles it with weights_only=False), its archive is checked."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    built = dk.torchtitan_dcp(tmp_path)
+    metadata = FileSystemReader(built.path).read_metadata()
+    info = next(info for index, info in metadata.storage_data.items() if index.fqn == "lr_scheduler.last_epoch")
+    shard = built.path / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset : info.offset + 2] = b"XX"  # no longer a zip archive
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointException):
+        _load_state_dict({}, FileSystemReader(built.path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    result = run_cli(["inspect", built.path], code=4)
+    assert "lr_scheduler.last_epoch: not a torch.save archive" in result.stderr
