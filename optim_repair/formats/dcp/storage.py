@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,12 +58,30 @@ def untransform(data: bytes, transforms: tuple[str, ...], source: str) -> bytes:
     return data
 
 
+def _whole_archive(data: bytes, source: str) -> io.BytesIO:
+    """A bytes entry as the archive it must be, exactly: ``dcp.save`` stores each one with its own length, and
+    ``torch.load`` refuses an archive that bytes beyond its end record follow (a length in ``.metadata``
+    that runs into the next entry)."""
+    if not data.startswith(ZIP_MAGIC):
+        raise InputError("not a torch.save archive", path=source)
+    stream = io.BytesIO(data)
+    end = zipfile._EndRecData(stream)  # type: ignore[attr-defined]  # zipfile's own parse; None if it has none
+    if end is not None:
+        last = end[zipfile._ECD_LOCATION] + _END_RECORD + len(end[zipfile._ECD_COMMENT])  # type: ignore[attr-defined]
+        if last != len(data):
+            raise InputError(f"its length runs {len(data) - last} bytes past its archive", path=source)
+    stream.seek(0)
+    return stream
+
+
+_END_RECORD = 22
+"""The fixed size of a zip end of central directory record, before its comment."""
+
+
 def read_saved_object(data: bytes, source: str) -> PickleGraph:
     """Parse the ``torch.save`` archive in ``data`` (a bytes entry) as a torch file is read: its records, its
     framing and its pickle, safely; ``dcp.load`` reads it with ``torch.load``, which checks as much."""
-    if not data.startswith(ZIP_MAGIC):
-        raise InputError("not a torch.save archive", path=source)
-    return open_zip(io.BytesIO(data), Path(source), source).graph
+    return open_zip(_whole_archive(data, source), Path(source), source).graph
 
 
 def read_ranges(directory: Path, wanted: Mapping[str, DcpStorage], display: str) -> Iterator[tuple[str, bytes]]:
@@ -137,7 +156,4 @@ def check_bytes_entries(directory: Path, meta: DcpMetadata, keys: Sequence[str],
     for key, data in read_ranges(directory, wanted, rel):
         info = wanted[key]
         where = f"{display_path(rel, info.relative_path)}:{key}"
-        data = untransform(data, info.transforms, where)
-        if not data.startswith(ZIP_MAGIC):
-            raise InputError("not a torch.save archive", path=where)
-        check_archive(io.BytesIO(data), where)
+        check_archive(_whole_archive(untransform(data, info.transforms, where), where), where)

@@ -131,6 +131,9 @@ def _check_records(records: list[zipfile.ZipInfo], prefix: str, source: str) -> 
             raise TorchRefuses(f"record {shown(info.filename)} is on disk {info.volume} of several", path=source)
         if info.flag_bits & _UNREADABLE_FLAGS:
             raise TorchRefuses(f"record {shown(info.filename)} is marked encrypted or patched", path=source)
+        if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
+            sizes = f"{info.compress_size} stored bytes for {info.file_size}"
+            raise TorchRefuses(f"record {shown(info.filename)} is stored, yet its directory gives {sizes}", path=source)
         if info.external_attr & _DOS_DIRECTORY:
             marked = f"record {shown(info.filename)} is marked a directory: torch reads none of it"
             raise InputError(f"damaged zip archive ({marked})", path=source)

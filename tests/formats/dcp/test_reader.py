@@ -292,3 +292,19 @@ def test_a_damaged_bytes_entry_outside_the_optimizers_is_refused(tmp_path: Path)
         _load_state_dict({}, FileSystemReader(built.path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     result = run_cli(["inspect", built.path], code=4)
     assert "lr_scheduler.last_epoch: not a torch.save archive" in result.stderr
+
+
+def test_a_bytes_entry_whose_length_runs_past_its_archive(tmp_path: Path) -> None:
+    """dcp.save gives each bytes entry its archive's length: a longer one reads into what follows (found by the
+    fuzzer, where torch's loader then refused the archive)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    built = dk.unirl_dcp(tmp_path)
+    metadata = FileSystemReader(built.path).read_metadata()
+    index = next(index for index in metadata.storage_data if index.fqn == "optim.param_groups.0.eps")
+    info = metadata.storage_data[index]
+    metadata.storage_data[index] = type(info)(info.relative_path, info.offset, info.length + 64, None)
+    with open(built.path / ".metadata", "wb") as stream:
+        pickle.dump(metadata, stream)
+    result = run_cli(["inspect", built.path], code=4)
+    assert "optim.param_groups.0.eps: its length runs 64 bytes past its archive" in result.stderr

@@ -6,6 +6,7 @@ Each case is a real ``torch.save`` output with one field damaged; each test prov
 
 from __future__ import annotations
 
+import io
 import pickle
 import struct
 import zipfile
@@ -16,7 +17,6 @@ import pytest
 import torch
 
 from tests.conftest import run_cli
-from tests.factories import dcp as dk
 from tests.factories import trainers
 from tests.factories.support import overwrite, rewrite_pickle
 from tests.factories.trainers import single_file
@@ -112,24 +112,18 @@ def test_a_record_marked_encrypted_or_patched(tmp_path: Path, flag: int) -> None
     refused_as_torch_would(path, f"record '{storage.filename}' is marked encrypted or patched")
 
 
-def test_a_central_directory_placing_a_record_before_the_file(tmp_path: Path) -> None:
-    """Four bytes cut before the central directory of a DCP bytes entry (its length kept): zipfile computes a
-    negative offset for its first record, which crashed the reader (found by the fuzzer)."""
-    from torch.distributed.checkpoint import FileSystemReader
+def test_a_central_directory_placing_a_record_before_the_file() -> None:
+    """Four bytes cut before the central directory of a DCP bytes entry: zipfile computes a negative offset for
+    its first record, which crashed the reader (found by the fuzzer)."""
+    from optim_repair.errors import InputError
+    from optim_repair.formats.dcp.storage import read_saved_object
 
-    path = dk.unirl_dcp(tmp_path).path
-    metadata = FileSystemReader(path).read_metadata()
-    info = next(info for index, info in metadata.storage_data.items() if index.fqn == "optim.param_groups.0.eps")
-    shard = path / info.relative_path
-    data = shard.read_bytes()
-    entry = data[info.offset : info.offset + info.length]
-    cut = entry.index(b"PK\x01\x02")
-    end = info.offset + info.length
-    shard.write_bytes(data[: info.offset] + entry[: cut - 4] + entry[cut:] + bytes(4) + data[end:])
-    result = run_cli(["inspect", path], code=4)
-    expected = "optim.param_groups.0.eps: damaged zip record 'archive/data.pkl' (it begins before the file)"
-    assert expected in result.stderr
-    assert result.stderr.count("\n") == 1
+    buffer = io.BytesIO()
+    torch.save(1e-8, buffer)
+    data = buffer.getvalue()
+    cut = data.index(b"PK\x01\x02")
+    with pytest.raises(InputError, match=r"damaged zip record 'archive/data\.pkl' \(it begins before the file\)"):
+        read_saved_object(data[: cut - 4] + data[cut:], "entry")
 
 
 def _renamed(path: Path, rename: Callable[[str], str]) -> None:
@@ -197,3 +191,14 @@ def test_a_zip64_end_record_of_another_disk(tmp_path: Path) -> None:
     end64 = path.read_bytes().rindex(b"PK\x06\x06")
     overwrite(path, end64 + 16, struct.pack("<I", 2))  # the number of this disk
     refused_as_torch_would(path, "its end record describes an archive of several disks")
+
+
+def test_a_stored_record_whose_sizes_differ(tmp_path: Path) -> None:
+    """miniz refuses a stored record whose compressed size is not its size (found by the fuzzer)."""
+    path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
+    data = path.read_bytes()
+    entry = data.index(b"PK\x01\x02")
+    while not data[entry + 46 : entry + 46 + struct.unpack_from("<H", data, entry + 28)[0]].endswith(b"/data/0"):
+        entry = data.index(b"PK\x01\x02", entry + 4)
+    overwrite(path, entry + 20, struct.pack("<I", 1))
+    refused_as_torch_would(path, "record 'checkpoint/data/0' is stored, yet its directory gives 1 stored bytes for")
