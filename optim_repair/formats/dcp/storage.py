@@ -18,6 +18,7 @@ from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpMetadata, DcpSto
 from optim_repair.formats.inputs import open_beneath, size_of
 from optim_repair.formats.pickled import PickleGraph
 from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, check_archive, open_zip
+from optim_repair.formats.unpickling import ZIP_ERRORS
 
 MAX_BYTES_ENTRY = 64 << 20
 """The most one bytes entry (a ``torch.save``'d object: a param group, a ``params`` list, non-tensor
@@ -65,7 +66,10 @@ def _whole_archive(data: bytes, source: str) -> io.BytesIO:
     if not data.startswith(ZIP_MAGIC):
         raise InputError("not a torch.save archive", path=source)
     stream = io.BytesIO(data)
-    end = zipfile._EndRecData(stream)  # type: ignore[attr-defined]  # zipfile's own parse; None if it has none
+    try:
+        end = zipfile._EndRecData(stream)  # type: ignore[attr-defined]  # zipfile's own parse; None if it has none
+    except ZIP_ERRORS as exc:
+        raise InputError(f"damaged zip archive ({exc})", path=source) from exc
     if end is not None:
         last = end[zipfile._ECD_LOCATION] + _END_RECORD + len(end[zipfile._ECD_COMMENT])  # type: ignore[attr-defined]
         if last != len(data):

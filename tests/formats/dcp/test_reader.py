@@ -308,3 +308,21 @@ def test_a_bytes_entry_whose_length_runs_past_its_archive(tmp_path: Path) -> Non
         pickle.dump(metadata, stream)
     result = run_cli(["inspect", built.path], code=4)
     assert "optim.param_groups.0.eps: its length runs 64 bytes past its archive" in result.stderr
+
+
+def test_a_bytes_entry_of_several_disks_is_one_line() -> None:
+    """Its zip64 locator counting two disks: zipfile raised where the entry's length was checked (found by the
+    fuzzer)."""
+    import struct
+
+    import torch
+
+    from optim_repair.formats.dcp.storage import read_saved_object
+
+    buffer = io.BytesIO()
+    torch.save(1e-8, buffer)
+    data = bytearray(buffer.getvalue())
+    locator = data.rindex(b"PK\x06\x07")
+    data[locator + 16 : locator + 20] = struct.pack("<I", 2)
+    with pytest.raises(InputError, match=r"damaged zip archive \(zipfiles that span multiple disks"):
+        read_saved_object(bytes(data), "entry")
