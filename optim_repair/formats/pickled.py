@@ -66,6 +66,8 @@ class GlobalRef:
     def __call__(self, *args: Any) -> Reduced:
         if self.module == "torch._utils" and self.name in TENSOR_REBUILDERS:
             _check_rebuild(self.name, args)
+        if self.module == "torch" and (self.name in LEGACY_STORAGES or self.name in DTYPES):  # types torch cannot call
+            raise TorchRefuses(f"its pickle calls torch.{self.name}, which torch's loader cannot call")
         return Reduced(self, args)
 
     def __reduce__(self) -> str:

@@ -1,8 +1,10 @@
 """A second opinion on every successful ``fix``: torch's own loaders read the original and the copy.
 
 For each file the repair read, ``torch.load(weights_only=True)`` (a DCP checkpoint: DCP's own reader, with
-no template) must accept the original (else optim-repair repaired what torch refuses, unless torch refuses
-only a tensor record of a DCP shard, whose bytes optim-repair never reads) and the copy, and,
+no template) must accept the original (else optim-repair repaired what torch refuses), unless torch refuses
+only a tensor record of a DCP shard, whose bytes optim-repair never reads, or only an opcode its weights-only
+unpickler lacks (a pickle of protocol 3 or more, which ``torch.save(pickle_protocol=...)`` writes and
+``weights_only=False`` reads; the copy is pickled with protocol 2). The copy must load, and,
 when no model operation renamed or dropped anything, every value of the original must be in the copy, bit
 for bit (the copy may only add entries). Returns the problems found, each a (kind, detail) pair.
 """
@@ -115,7 +117,8 @@ def check(original: Path, copy: Path, files: list[str], *, compare: bool) -> lis
         try:
             before = _load(source)
         except refusals as exc:
-            if not (source.is_dir() and _only_tensor_records_refused(source)):
+            tolerated = "Unsupported operand" in str(exc) or (source.is_dir() and _only_tensor_records_refused(source))
+            if not tolerated:
                 problems.append(("torch-refuses-original", f"{rel or source.name}: {_reason(exc)}"))
             continue
         try:

@@ -202,3 +202,11 @@ def test_a_stored_record_whose_sizes_differ(tmp_path: Path) -> None:
         entry = data.index(b"PK\x01\x02", entry + 4)
     overwrite(path, entry + 20, struct.pack("<I", 1))
     refused_as_torch_would(path, "record 'checkpoint/data/0' is stored, yet its directory gives 1 stored bytes for")
+
+
+def test_a_storage_type_called_as_a_function(tmp_path: Path) -> None:
+    """The weights-only loader gives a storage type, not a callable ("'StorageType' object is not callable";
+    found by the fuzzer: the hooks' OrderedDict renamed)."""
+    path = single_file(tmp_path, "checkpoint.pt", {"w": torch.zeros(2)})
+    rewrite_pickle(path, _first(b"ccollections\nOrderedDict\n", b"ctorch\nBFloat16Storage\n"))
+    refused_as_torch_would(path, "its pickle calls torch.BFloat16Storage, which torch's loader cannot call")
