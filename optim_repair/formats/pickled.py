@@ -294,11 +294,12 @@ def load_graph(data: bytes | BinaryIO, source: str, *, ours: bool = False) -> Pi
 
 
 def _layout(args: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
-    """The size, stride and storage offset of a tensor rebuild's arguments as integers; None where they are not."""
-    try:
-        return tuple(map(int, args[2])), tuple(map(int, args[3])), int(args[1])
-    except (TypeError, ValueError, OverflowError):
+    """The size, stride and storage offset of a tensor rebuild's arguments; None where they are not integers (a
+    bool is none to torch's ``set_``: found by the fuzzer)."""
+    size, stride, offset = args[2], args[3], args[1]
+    if not (isinstance(size, tuple) and isinstance(stride, tuple)):
         return None
+    return (size, stride, offset) if all(type(x) is int for x in (*size, *stride, offset)) else None
 
 
 def tensor_meta(value: Any) -> TensorMeta | None:

@@ -207,6 +207,9 @@ def _open_archive(stream: BinaryIO, source: str) -> zipfile.ZipFile:
 def _framing(archive: zipfile.ZipFile, stream: BinaryIO, source: str) -> tuple[zipfile.ZipInfo, str, dict[str, int]]:
     """Check the archive as torch's reader would, and read its framing records for their CRCs; return its
     ``data.pkl`` record, its folder and where each record's data starts. No pickle is read."""
+    if archive.comment:  # torch's reader fails on some lengths (4,075 bytes after a 1,577-byte archive), not others
+        reason = f"damaged zip archive (a comment of {len(archive.comment)} bytes, which torch.save never writes)"
+        raise InputError(reason, path=source)
     records = archive.infolist()
     pickles = [info for info in records if info.filename.endswith("/data.pkl")]
     if not pickles:

@@ -210,3 +210,16 @@ def test_a_storage_type_called_as_a_function(tmp_path: Path) -> None:
     path = single_file(tmp_path, "checkpoint.pt", {"w": torch.zeros(2)})
     rewrite_pickle(path, _first(b"ccollections\nOrderedDict\n", b"ctorch\nBFloat16Storage\n"))
     refused_as_torch_would(path, "its pickle calls torch.BFloat16Storage, which torch's loader cannot call")
+
+
+def test_an_archive_comment_is_refused(tmp_path: Path) -> None:
+    """torch.save writes none, and torch's reader fails on some lengths ("Invalid argument"; found by the fuzzer)."""
+    path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
+    with zipfile.ZipFile(path) as archive:
+        records = [(info, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w") as archive:
+        for info, data in records:
+            archive.writestr(info, data)
+        archive.comment = bytes(10000)
+    result = run_cli(["inspect", path], code=4)
+    assert "damaged zip archive (a comment of 10000 bytes, which torch.save never writes)" in result.stderr
