@@ -243,7 +243,6 @@ class PickleGraph:
 
     root: Any
     storages: dict[str, StorageRef]
-    protocol: int
 
 
 def _children(node: Any) -> Iterable[Any]:
@@ -282,15 +281,11 @@ def check_depth(root: Any, source: str) -> None:
 def load_graph(data: bytes | BinaryIO, source: str, *, ours: bool = False) -> PickleGraph:
     """Unpickle ``data`` safely into a graph of plain values and stand-ins; no tensor bytes are read."""
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
-    start = stream.tell()
-    head = stream.read(2)
-    stream.seek(start)
-    protocol = head[1] if len(head) == 2 and head[0] == pickle.PROTO[0] else 2
     unpickler = _GraphUnpickler(stream, source)
     root = unpickler.load_safely("torch pickle", ours=ours)
     if unpickler.depth_unchecked:
         check_depth(root, source)
-    return PickleGraph(root, unpickler.storages, protocol)
+    return PickleGraph(root, unpickler.storages)
 
 
 def _layout(args: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:

@@ -61,6 +61,30 @@ def test_an_integer_tensor_that_requires_grad(tmp_path: Path) -> None:
     refused_as_torch_would(path, "a int64 tensor of storage 0 requires grad")
 
 
+def rezipped(
+    path: Path,
+    edit: Callable[[zipfile.ZipInfo, bytes], bytes] = lambda info, data: data,
+    comment: bytes = b"",
+) -> None:
+    """Write the zip torch file at ``path`` again with Python's zipfile, each record through ``edit`` (which may
+    rename it), and the archive ``comment``."""
+    with zipfile.ZipFile(path) as archive:
+        records = [(info, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w") as archive:
+        for info, data in records:
+            archive.writestr(info, edit(info, data))
+        archive.comment = comment
+
+
+def central_entry(path: Path, name: str) -> int:
+    """Where the central-directory entry of the record ``name`` starts in the zip file at ``path``."""
+    data = path.read_bytes()
+    entry = data.index(b"PK\x01\x02")
+    while data[entry + 46 : entry + 46 + struct.unpack_from("<H", data, entry + 28)[0]] != name.encode():
+        entry = data.index(b"PK\x01\x02", entry + 4)
+    return entry
+
+
 def test_a_legacy_file_of_another_protocol_version(tmp_path: Path) -> None:
     path = trainers.unirl_torch(tmp_path, legacy=True).path / "checkpoint.pt"
     magic = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)
@@ -71,11 +95,7 @@ def test_a_legacy_file_of_another_protocol_version(tmp_path: Path) -> None:
 
 def test_a_byteorder_neither_little_nor_big(tmp_path: Path) -> None:
     path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
-    with zipfile.ZipFile(path) as archive:
-        records = [(info, archive.read(info)) for info in archive.infolist()]
-    with zipfile.ZipFile(path, "w") as archive:
-        for info, data in records:
-            archive.writestr(info, b"middle" if info.filename.endswith("/byteorder") else data)
+    rezipped(path, lambda info, data: b"middle" if info.filename.endswith("/byteorder") else data)
     refused_as_torch_would(path, "its byteorder record says b'middle', neither little nor big")
 
 
@@ -100,14 +120,8 @@ def test_a_record_marked_encrypted_or_patched(tmp_path: Path, flag: int) -> None
     path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
     with zipfile.ZipFile(path) as archive:
         storage = next(info for info in archive.infolist() if "/data/" in info.filename)
-    data = path.read_bytes()
-    entry = data.index(b"PK\x01\x02")
-    while True:  # the central-directory entry of that storage
-        name_length = struct.unpack_from("<H", data, entry + 28)[0]
-        if data[entry + 46 : entry + 46 + name_length].decode() == storage.filename:
-            break
-        entry = data.index(b"PK\x01\x02", entry + 4)
-    flags = struct.unpack_from("<H", data, entry + 8)[0]
+    entry = central_entry(path, storage.filename)
+    flags = struct.unpack_from("<H", path.read_bytes(), entry + 8)[0]
     overwrite(path, entry + 8, struct.pack("<H", flags | flag))
     refused_as_torch_would(path, f"record '{storage.filename}' is marked encrypted or patched")
 
@@ -126,15 +140,6 @@ def test_a_central_directory_placing_a_record_before_the_file() -> None:
         read_saved_object(data[: cut - 4] + data[cut:], "entry")
 
 
-def _renamed(path: Path, rename: Callable[[str], str]) -> None:
-    with zipfile.ZipFile(path) as archive:
-        records = [(info, archive.read(info)) for info in archive.infolist()]
-    with zipfile.ZipFile(path, "w") as archive:
-        for info, data in records:
-            info.filename = rename(info.filename)
-            archive.writestr(info, data)
-
-
 @pytest.mark.parametrize(
     ("rename", "reason"),
     [
@@ -149,7 +154,12 @@ def test_an_archive_layout_torch_refuses(tmp_path: Path, rename: Callable[[str],
     """torch takes the first record's folder for the archive's, and needs data.pkl and a version there (the
     first found by the fuzzer in a DCP bytes entry)."""
     path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
-    _renamed(path, rename)
+
+    def renamed(info: zipfile.ZipInfo, data: bytes) -> bytes:
+        info.filename = rename(info.filename)
+        return data
+
+    rezipped(path, renamed)
     refused_as_torch_would(path, reason)
 
 
@@ -167,11 +177,7 @@ def test_a_storage_record_marked_a_directory(tmp_path: Path) -> None:
     memory for the tensor (two loads differ); its copy, written with plain attributes, would read the real
     bytes (found by the fuzzer's torch oracle as a copy that differs)."""
     path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
-    data = path.read_bytes()
-    entry = data.index(b"PK\x01\x02")
-    while not data[entry + 46 : entry + 46 + struct.unpack_from("<H", data, entry + 28)[0]].endswith(b"/data/0"):
-        entry = data.index(b"PK\x01\x02", entry + 4)
-    overwrite(path, entry + 38, struct.pack("<I", 0x10))
+    overwrite(path, central_entry(path, "checkpoint/data/0") + 38, struct.pack("<I", 0x10))
     result = run_cli(["inspect", path], code=4)
     assert "record 'checkpoint/data/0' is marked a directory: torch reads none of it" in result.stderr
 
@@ -196,11 +202,7 @@ def test_a_zip64_end_record_of_another_disk(tmp_path: Path) -> None:
 def test_a_stored_record_whose_sizes_differ(tmp_path: Path) -> None:
     """miniz refuses a stored record whose compressed size is not its size (found by the fuzzer)."""
     path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
-    data = path.read_bytes()
-    entry = data.index(b"PK\x01\x02")
-    while not data[entry + 46 : entry + 46 + struct.unpack_from("<H", data, entry + 28)[0]].endswith(b"/data/0"):
-        entry = data.index(b"PK\x01\x02", entry + 4)
-    overwrite(path, entry + 20, struct.pack("<I", 1))
+    overwrite(path, central_entry(path, "checkpoint/data/0") + 20, struct.pack("<I", 1))
     refused_as_torch_would(path, "record 'checkpoint/data/0' is stored, yet its directory gives 1 stored bytes for")
 
 
@@ -215,11 +217,6 @@ def test_a_storage_type_called_as_a_function(tmp_path: Path) -> None:
 def test_an_archive_comment_is_refused(tmp_path: Path) -> None:
     """torch.save writes none, and torch's reader fails on some lengths ("Invalid argument"; found by the fuzzer)."""
     path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
-    with zipfile.ZipFile(path) as archive:
-        records = [(info, archive.read(info)) for info in archive.infolist()]
-    with zipfile.ZipFile(path, "w") as archive:
-        for info, data in records:
-            archive.writestr(info, data)
-        archive.comment = bytes(10000)
+    rezipped(path, comment=bytes(10000))
     result = run_cli(["inspect", path], code=4)
     assert "damaged zip archive (a comment of 10000 bytes, which torch.save never writes)" in result.stderr
