@@ -26,18 +26,6 @@ from optim_repair.records.dtypes import DTYPES, LEGACY_STORAGES, itemsize
 from optim_repair.records.inventory import OtherValue, StateValue, TensorMeta, within_storage
 
 TENSOR_REBUILDERS = frozenset({"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3"})
-_OTHER_REBUILDERS = frozenset(
-    {
-        "_rebuild_parameter",
-        "_rebuild_parameter_with_state",
-        "_rebuild_qtensor",
-        "_rebuild_sparse_tensor",
-        "_rebuild_meta_tensor_no_storage",
-        "_rebuild_nested_tensor",
-        "_rebuild_wrapper_subclass",
-        "_rebuild_device_tensor_from_cpu_tensor",
-    }
-)
 _TORCH_GLOBALS = frozenset(
     {"Size", "Tensor", "device", "UntypedStorage", "strided", "sparse_coo", "sparse_csr"}
     | {
@@ -64,6 +52,10 @@ class GlobalRef:
     name: str
 
     def __call__(self, *args: Any) -> Reduced:
+        if self.module in ("torch._utils", "torch._tensor") and self.name in _REBUILD_ARITY:
+            low, high = _REBUILD_ARITY[self.name]
+            if not low <= len(args) <= high:
+                raise TorchRefuses(f"a tensor is rebuilt by {self.name} with {len(args)} arguments")
         if self.module == "torch._utils" and self.name in TENSOR_REBUILDERS:
             _check_rebuild(self.name, args)
         if self.module == "torch" and (self.name in LEGACY_STORAGES or self.name in DTYPES):  # types torch cannot call
@@ -119,15 +111,18 @@ class StorageRef:
         return self.numel * itemsize(self.dtype)
 
 
-_REBUILD_ARITY = {"_rebuild_tensor": (4, 4), "_rebuild_tensor_v2": (6, 7), "_rebuild_tensor_v3": (7, 8)}
+_REBUILD_ARITY = {"_rebuild_tensor": (4, 4), "_rebuild_tensor_v2": (6, 7), "_rebuild_tensor_v3": (7, 8),
+                  "_rebuild_parameter": (3, 3), "_rebuild_parameter_with_state": (4, 4), "_rebuild_qtensor": (7, 7),
+                  "_rebuild_sparse_tensor": (2, 2), "_rebuild_meta_tensor_no_storage": (4, 4),
+                  "_rebuild_nested_tensor": (4, 4), "_rebuild_wrapper_subclass": (8, 8),
+                  "_rebuild_device_tensor_from_cpu_tensor": (4, 4), "_rebuild_from_type_v2": (4, 4)}  # fmt: skip
+"""The rebuild functions torch's loader allows, and how many arguments each takes (their signatures in ``torch._utils``
+and ``torch._tensor``, unchanged from torch 2.4 to 2.13): torch refuses another count with a TypeError."""
 
 
 def _check_rebuild(name: str, args: tuple[Any, ...]) -> None:
     """Refuse a tensor torch's loader would refuse to rebuild (``torch._utils._rebuild_tensor_v2`` sets its
     ``requires_grad``, then ``set_`` checks that its elements lie within its storage), from its arguments alone."""
-    low, high = _REBUILD_ARITY[name]
-    if not low <= len(args) <= high:
-        raise TorchRefuses(f"a tensor is rebuilt by {name} with {len(args)} arguments")
     if not isinstance(args[0], StorageRef):
         raise TorchRefuses(f"a tensor is rebuilt from a {type(args[0]).__name__}, not a storage")
     requires_grad = args[4] if len(args) > 4 else False
@@ -204,7 +199,7 @@ def _allowed_global(module: str, name: str) -> Any:
         if (module, name) == (ref.module, ref.name):
             return stand_in
     allowed = (
-        (module == "torch._utils" and (name in TENSOR_REBUILDERS or name in _OTHER_REBUILDERS))
+        (module == "torch._utils" and name in _REBUILD_ARITY and name != "_rebuild_from_type_v2")
         or (module == "torch._tensor" and name == "_rebuild_from_type_v2")
         or (module == "torch.nn.parameter" and name == "Parameter")
         or (module == "torch.serialization" and name == "_get_layout")

@@ -220,3 +220,11 @@ def test_an_archive_comment_is_refused(tmp_path: Path) -> None:
     rezipped(path, comment=bytes(10000))
     result = run_cli(["inspect", path], code=4)
     assert "damaged zip archive (a comment of 10000 bytes, which torch.save never writes)" in result.stderr
+
+
+def test_a_rebuild_function_called_with_the_wrong_count(tmp_path: Path) -> None:
+    """Every rebuild function torch allows takes a fixed number of arguments ("_rebuild_qtensor() missing 7
+    required positional arguments"; found by the fuzzer: the hooks' OrderedDict renamed)."""
+    path = single_file(tmp_path, "checkpoint.pt", {"w": torch.zeros(2)})
+    rewrite_pickle(path, _first(b"ccollections\nOrderedDict\n", b"ctorch._utils\n_rebuild_qtensor\n"))
+    refused_as_torch_would(path, "a tensor is rebuilt by _rebuild_qtensor with 0 arguments")
