@@ -11,7 +11,7 @@ import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
-from typing import Any, ClassVar, NamedTuple, cast
+from typing import Any, ClassVar, cast
 
 from optim_repair.errors import InputError, UnsafeInputError, os_error_reason, shown
 from optim_repair.formats.dcp.metadata import (
@@ -57,7 +57,7 @@ class _DType:
 
 def _torch_size(*args: Any) -> tuple[int, ...]:
     sizes = args[0] if args else ()
-    return _int_tuple(sizes, "a torch.Size")
+    return int_tuple(sizes, "a torch.Size")
 
 
 def _layout(name: Any) -> str:
@@ -123,12 +123,12 @@ def _allowlist(module: str, name: str) -> Any:
     return _DType(name) if is_dtype else _STANDINS[(module, name)]
 
 
-def _unpickler(data: bytes, source: str) -> AllowlistUnpickler:
+def unpickler(data: bytes, source: str) -> AllowlistUnpickler:
     """An unpickler of a ``.metadata`` pickle that admits stand-ins for the DCP classes only."""
     return AllowlistUnpickler(io.BytesIO(data), source, _allowlist)
 
 
-def _int_tuple(value: Any, what: str, source: str | None = None) -> tuple[int, ...]:
+def int_tuple(value: Any, what: str, source: str | None = None) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise InputError(f"{what} is {shown(value)}, not a tuple of integers", path=source)
     return tuple(value)
@@ -158,10 +158,10 @@ def _tensor_item(value: Any, key: str, source: str) -> tuple[DcpTensor, int]:
     dtype = state[0]
     if not isinstance(dtype, _DType):
         raise InputError(f"{key} names no dtype", path=source)
-    size = _int_tuple(fields.get("size"), f"the size of {key}", source)
+    size = int_tuple(fields.get("size"), f"the size of {key}", source)
     if any(dimension < 0 for dimension in size):
         raise InputError(f"{key} has the size {shown(size)}", path=source)
-    strides = None if len(state) == 5 or state[5] is None else _int_tuple(state[5], f"the strides of {key}", source)
+    strides = None if len(state) == 5 or state[5] is None else int_tuple(state[5], f"the strides of {key}", source)
     if strides is not None and (len(strides) != len(size) or any(stride < 0 for stride in strides)):
         raise InputError(f"{key} of size {shown(size)} has the strides {shown(strides)}", path=source)
     chunks = fields.get("chunks")
@@ -170,8 +170,8 @@ def _tensor_item(value: Any, key: str, source: str) -> tuple[DcpTensor, int]:
     parsed = []
     for chunk in chunks:
         chunk_fields = _record_fields(chunk, "ChunkStorageMetadata", source)
-        offsets = _int_tuple(chunk_fields.get("offsets"), f"a chunk offset of {key}", source)
-        sizes = _int_tuple(chunk_fields.get("sizes"), f"a chunk size of {key}", source)
+        offsets = int_tuple(chunk_fields.get("offsets"), f"a chunk offset of {key}", source)
+        sizes = int_tuple(chunk_fields.get("sizes"), f"a chunk size of {key}", source)
         inside = len(offsets) == len(sizes) == len(size) and all(
             start >= 0 and length >= 0 and start + length <= whole
             for start, length, whole in zip(offsets, sizes, size, strict=True)
@@ -205,7 +205,7 @@ def _storage_entry(
     if not isinstance(fqn, str):
         raise InputError(f"a storage entry has the key {shown(fqn)}", path=source)
     offset = index.get("offset")
-    offsets = None if offset is None else _int_tuple(offset, f"the chunk offset of {fqn}", source)
+    offsets = None if offset is None else int_tuple(offset, f"the chunk offset of {fqn}", source)
     info = _record_fields(info_record, "_StorageInfo", source)
     start, length = info.get("offset"), info.get("length")
     if not (isinstance(start, int) and isinstance(length, int) and start >= 0 and length >= 0):
@@ -296,79 +296,25 @@ def read_metadata(path: Path, rel: str = "", *, ours: bool = False) -> DcpMetada
             data = stream.read()
     except OSError as exc:
         raise InputError(f"cannot read ({os_error_reason(exc)})", path=source) from exc
-    unpickler = _unpickler(data, source)
-    root = unpickler.load_safely("DCP metadata pickle", ours=ours)
+    reading = unpickler(data, source)
+    root = reading.load_safely("DCP metadata pickle", ours=ours)
     with collection_paused():  # a record per chunk: see collection_paused
         meta, property_fields = _parse_metadata(root, source)
-    return replace(meta, pickle=_extensible(data, unpickler, root, property_fields))
+    return replace(meta, pickle=_extensible(data, reading, root, property_fields))
 
 
 def _extensible(
-    data: bytes, unpickler: AllowlistUnpickler, root: MetadataRecord, property_fields: int
+    data: bytes, reading: AllowlistUnpickler, root: MetadataRecord, property_fields: int
 ) -> MetadataPickle | None:
     """The pickle and where its memo holds the three tables a repair extends; None when it does not hold
     them all (a pickler other than torch's wrote it)."""
     tables = [id(root.state[name]) for name in ("state_dict_metadata", "planner_data", "storage_data")]
     found: dict[int, int] = {}
-    for index, value in unpickler.memo.copy().items():
+    for index, value in reading.memo.copy().items():
         if id(value) in tables:
             found[id(value)] = index
-    end = unpickler.stream_position()
+    end = reading.stream_position()
     if len(found) < len(tables) or data[end - 1 : end] != pickle.STOP:
         return None
     described, planner, stored = (found[table] for table in tables)
     return MetadataPickle(data, end, (described, planner, stored), property_fields)
-
-
-class StorageMemo(NamedTuple):
-    """One storage entry of a ``.metadata``: its key's fields, and where the memo holds its two objects."""
-
-    fqn: str
-    offsets: tuple[int, ...] | None
-    """The chunk's offsets, from its ``MetadataIndex``."""
-    chunk_index: Any
-    """The ``MetadataIndex``'s ``index`` field."""
-    index_memo: int
-    """The memo index of the ``MetadataIndex``."""
-    info_memo: int
-    """The memo index of the ``_StorageInfo``."""
-
-
-@dataclass(frozen=True)
-class MemoObjects:
-    """Where the unpickler's memo holds a ``.metadata``'s objects: the ``Metadata`` itself, each entry's
-    description, each key path, and each storage entry's ``MetadataIndex`` (with its fields) and ``_StorageInfo``,
-    in the pickle's order, for a writer that rebuilds the tables from references to them."""
-
-    root: int
-    items: dict[str, int]
-    paths: dict[str, int]
-    storage: list[StorageMemo]
-
-
-def memo_objects(pickled: MetadataPickle, source: str) -> MemoObjects:
-    """The memo indices of ``pickled``'s objects, from unpickling it again (it was checked when it was read)."""
-    unpickler = _unpickler(pickled.data, source)
-    root = unpickler.load_safely("DCP metadata pickle", ours=True)
-    where = {id(value): index for index, value in unpickler.memo.copy().items()}
-    fields = root.state
-
-    def index_of(value: Any) -> int:
-        if id(value) not in where:
-            raise InputError("its pickle does not keep every metadata object in its memo", path=source)
-        return where[id(value)]
-
-    storage = []
-    for key_record, info in fields["storage_data"].items():
-        state = key_record.state or {}
-        offset = state.get("offset")
-        offsets = None if offset is None else _int_tuple(offset, "a chunk offset", source)
-        storage.append(
-            StorageMemo(str(state.get("fqn")), offsets, state.get("index"), index_of(key_record), index_of(info))
-        )
-    return MemoObjects(
-        index_of(root),
-        {key: index_of(value) for key, value in fields["state_dict_metadata"].items()},
-        {key: index_of(value) for key, value in fields["planner_data"].items()},
-        storage,
-    )

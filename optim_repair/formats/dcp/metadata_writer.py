@@ -20,7 +20,7 @@ from itertools import chain
 from typing import Any, NamedTuple
 
 from optim_repair.formats.dcp.metadata import MetadataPickle
-from optim_repair.formats.dcp.metadata_reader import MemoObjects
+from optim_repair.formats.dcp.metadata_memo import MemoObjects
 from optim_repair.formats.dcp.planning import NewEntry, Rekeyed
 from optim_repair.records.dtypes import contiguous_strides
 from optim_repair.records.repair_plan import FreshTensor

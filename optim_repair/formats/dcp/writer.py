@@ -12,7 +12,7 @@ from pathlib import Path
 
 from optim_repair.errors import InputError, OutputError, os_error_reason
 from optim_repair.formats.dcp.metadata import METADATA_FILE, SHARD_SUFFIX, display_path
-from optim_repair.formats.dcp.metadata_reader import memo_objects
+from optim_repair.formats.dcp.metadata_memo import memo_objects
 from optim_repair.formats.dcp.metadata_writer import Place, extended_metadata, rebuilt_metadata
 from optim_repair.formats.dcp.planning import PlannedEntries
 from optim_repair.formats.pickle_writing import dump_graph, new_tensor, storage_for

@@ -12,7 +12,7 @@ import pytest
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from optim_repair.formats.dcp import plan_dcp, read_dcp, read_metadata
-from optim_repair.formats.dcp.metadata_reader import memo_objects
+from optim_repair.formats.dcp.metadata_memo import memo_objects
 from optim_repair.formats.dcp.metadata_writer import Place, extended_metadata, rebuilt_metadata
 from optim_repair.records.repair_plan import Addition, FreshTensor, ParamChange
 from tests.factories import dcp as dk
