@@ -59,15 +59,15 @@ def inspect(
     """
     weights = read_model_weights(Path(model)) if model is not None else None
     found = discover(Path(path), dereference=dereference)
-    inventory, _ = _read_unchanged(found)
+    inventory, _ = _read_unchanged(found, keep=False)
     return diagnose(inventory, strict=strict, model=weights)
 
 
-def _read_unchanged(found: Discovery) -> tuple[CheckpointInventory, Parsed]:
-    """What reading found, about one version of the checkpoint: a change while it was read (a run still
-    saving it) is reported as that, also when it made a file look damaged."""
+def _read_unchanged(found: Discovery, *, keep: bool = True) -> tuple[CheckpointInventory, Parsed]:
+    """What reading found (``keep``: and kept for a writer), about one version of the checkpoint: a change while
+    it was read (a run still saving it) is reported as that, also when it made a file look damaged."""
     try:
-        read = read_parsed(found)
+        read = read_parsed(found, keep=keep)
     except InputError:
         found.check_unchanged()
         raise

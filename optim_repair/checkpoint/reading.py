@@ -27,16 +27,18 @@ class Parsed:
     """The metadata of each DCP checkpoint, by its directory relative to the argument."""
 
 
-def read_parsed(found: Discovery) -> tuple[CheckpointInventory, Parsed]:
-    """The inventory of every optimizer in what ``discover`` found, and what was parsed to make it."""
+def read_parsed(found: Discovery, *, keep: bool = True) -> tuple[CheckpointInventory, Parsed]:
+    """The inventory of every optimizer in what ``discover`` found, and what was parsed to make it (``keep``:
+    for a writer; without it, nothing is kept, and a DCP ``.metadata`` is summarized as it is read, in memory
+    that does not grow with its chunks)."""
     torch_files: dict[str, TorchFile] = {}
-    dcp: dict[str, DcpMetadata] = {}
+    dcp: dict[str, DcpMetadata] | None = {} if keep else None
     inventory = _read_discovered(found, torch_files, dcp)
-    return inventory, Parsed(torch_files, dcp)
+    return inventory, Parsed(torch_files, dcp or {})
 
 
 def _read_discovered(
-    found: Discovery, torch_files: dict[str, TorchFile], dcp: dict[str, DcpMetadata]
+    found: Discovery, torch_files: dict[str, TorchFile], dcp: dict[str, DcpMetadata] | None
 ) -> CheckpointInventory:
     if not found.is_directory:
         inventory = read_inventory(found.target, "", str(found.root), keep=torch_files)
@@ -82,7 +84,7 @@ def _skipped(rel: str, exc: InputError) -> Skipped:
 
 
 def _read_directory(
-    found: Discovery, torch_files: dict[str, TorchFile], dcp: dict[str, DcpMetadata]
+    found: Discovery, torch_files: dict[str, TorchFile], dcp: dict[str, DcpMetadata] | None
 ) -> CheckpointInventory:
     root = found.root
     files = [read_dcp(found.path(entry), entry.rel, keep=dcp) for entry in found.with_role("dcp")]

@@ -96,6 +96,9 @@ class DcpMetadata:
     planner_data: Mapping[str, KeyPath]
     """Each key's original path of keys (``("optim", "state", "blocks.0.w", "exp_avg")``)."""
     storage: Mapping[StorageIndex, DcpStorage]
+    summarized: Mapping[str, tuple[int, str]] = field(default_factory=dict)
+    """For a summary read (``read_summary``), which lists neither the chunks nor the storage entries it summarized:
+    the furthest byte of each shard they reach, and the key stored there."""
     pickle: MetadataPickle | None = field(default=None, repr=False, compare=False)
     """The pickle these were read from: the writer extends these very bytes, so that a file changed
     in between is never taken as the original."""

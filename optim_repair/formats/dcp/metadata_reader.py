@@ -7,9 +7,12 @@ only the DCP metadata classes and plain data, so a crafted file is refused befor
 from __future__ import annotations
 
 import io
+import mmap
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from functools import partial
+from itertools import chain
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar, cast
 
@@ -27,6 +30,9 @@ from optim_repair.formats.dcp.metadata import (
     StorageIndex,
     display_path,
 )
+from optim_repair.formats.dcp.metadata_records import ChunkRun, ShardEnds, StorageRun
+from optim_repair.formats.dcp.metadata_summary import MODULE as SUMMARY_MODULE
+from optim_repair.formats.dcp.metadata_summary import NotSummarized, Summary, summarize
 from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.unpickling import AllowlistUnpickler, collection_paused
 from optim_repair.records.dtypes import DTYPES, itemsize, numel
@@ -123,9 +129,16 @@ def _allowlist(module: str, name: str) -> Any:
     return _DType(name) if is_dtype else _STANDINS[(module, name)]
 
 
-def unpickler(data: bytes, source: str) -> AllowlistUnpickler:
-    """An unpickler of a ``.metadata`` pickle that admits stand-ins for the DCP classes only."""
-    return AllowlistUnpickler(io.BytesIO(data), source, _allowlist)
+def unpickler(data: bytes, source: str, summary: Summary | None = None) -> AllowlistUnpickler:
+    """An unpickler of a ``.metadata`` pickle that admits stand-ins for the DCP classes only (and, in what
+    remains of a ``summary``, its stand-ins for the runs it summarized)."""
+    if summary is None:
+        return AllowlistUnpickler(io.BytesIO(data), source, _allowlist)
+
+    def allowlist(module: str, name: str) -> Any:
+        return summary.stand_in if (module, name) == (SUMMARY_MODULE, summary.name) else _allowlist(module, name)
+
+    return AllowlistUnpickler(io.BytesIO(data), source, allowlist)
 
 
 def int_tuple(value: Any, what: str, source: str | None = None) -> tuple[int, ...]:
@@ -167,8 +180,13 @@ def _tensor_item(value: Any, key: str, source: str) -> tuple[DcpTensor, int]:
     chunks = fields.get("chunks")
     if not isinstance(chunks, list):
         raise InputError(f"{key} lists no chunks", path=source)
-    parsed = []
+    parsed, held = [], 0
     for chunk in chunks:
+        if isinstance(chunk, ChunkRun):  # chunks summarized as they were read (read_summary)
+            if chunk.outside(size):
+                raise InputError(f"a summarized chunk of {key} lies outside it", path=source)
+            held += chunk.held
+            continue
         chunk_fields = _record_fields(chunk, "ChunkStorageMetadata", source)
         offsets = int_tuple(chunk_fields.get("offsets"), f"a chunk offset of {key}", source)
         sizes = int_tuple(chunk_fields.get("sizes"), f"a chunk size of {key}", source)
@@ -179,8 +197,9 @@ def _tensor_item(value: Any, key: str, source: str) -> tuple[DcpTensor, int]:
         if not inside:
             raise InputError(f"a chunk of {key} lies outside it ({shown(offsets)} + {shown(sizes)})", path=source)
         parsed.append(DcpChunk(offsets, sizes))
+        held += numel(sizes)
     # What is sized by the tensor's size (a fresh fill) must be backed by chunks that hold as much.
-    held, whole = sum(numel(chunk.sizes) for chunk in parsed), numel(size)
+    whole = numel(size)
     if held < whole:
         raise InputError(f"the chunks of {key} hold {held} of its {whole} elements", path=source)
     return DcpTensor(dtype.name, size, tuple(parsed), strides), len(state)
@@ -262,13 +281,21 @@ def _parse_metadata(root: Any, source: str) -> tuple[DcpMetadata, int]:
     if not isinstance(storage_data, dict):
         raise InputError("holds no storage_data", path=source)
     checked: set[str] = set()
-    storage = dict(_storage_entry(index, info, source, checked) for index, info in storage_data.items())
-    for index in storage:
-        if index[0] not in items:
-            raise InputError(f"stores {shown(index[0])}, which its state_dict_metadata does not list", path=source)
+    runs = [index for index in storage_data if isinstance(index, StorageRun)]
+    storage = dict(
+        _storage_entry(index, info, source, checked)
+        for index, info in storage_data.items()
+        if not isinstance(index, StorageRun)
+    )
+    for key in chain((index[0] for index in storage), (key for run in runs for key in run.keys)):
+        if key not in items:
+            raise InputError(f"stores {shown(key)}, which its state_dict_metadata does not list", path=source)
     for key in _compact(items, storage):
         items[key] = replace(cast(DcpTensor, items[key]), compact=True)
-    return DcpMetadata(items, paths, storage), next(iter(property_fields), 5)
+    shards = runs[0].shards if runs else ShardEnds()
+    if len(set(runs)) != shards.runs:  # a summarized entry elsewhere than in storage_data: read it whole
+        raise InputError("holds storage entries outside its storage_data", path=source)
+    return DcpMetadata(items, paths, storage, summarized=shards.ends), next(iter(property_fields), 5)
 
 
 def _compact(items: Mapping[str, DcpItem], storage: Mapping[StorageIndex, DcpStorage]) -> list[str]:
@@ -285,6 +312,32 @@ def _compact(items: Mapping[str, DcpItem], storage: Mapping[StorageIndex, DcpSto
                 found.append(key)
                 break
     return found
+
+
+def read_summary(path: Path, rel: str = "") -> DcpMetadata:
+    """The ``.metadata`` of the DCP directory ``path`` as ``read_metadata`` reads it, in memory that does not grow
+    with its chunks: the chunks and storage entries of tensors that ``summarize`` summarized are not listed
+    (``DcpMetadata.summarized``), so that it serves inspection, not a writer. A pickle it does not follow, or
+    one that its summary finds fault with, is read whole, for that read's own answer."""
+    source = display_path(rel, METADATA_FILE)
+    try:
+        with (
+            open_regular(path / METADATA_FILE, source) as stream,
+            mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as data,
+        ):
+            summary = summarize(data, partial(_release, data))
+        reading = unpickler(summary.data, source, summary)
+        root = reading.load_safely("DCP metadata pickle")
+        with collection_paused():
+            return _parse_metadata(root, source)[0]
+    except (NotSummarized, InputError, OSError, ValueError):
+        return read_metadata(path, rel)
+
+
+def _release(data: mmap.mmap, end: int) -> None:
+    """Let go of the pages of ``data`` before ``end`` (a multiple of the page size), which the walk has passed."""
+    if hasattr(mmap, "MADV_DONTNEED"):
+        data.madvise(mmap.MADV_DONTNEED, 0, end)
 
 
 def read_metadata(path: Path, rel: str = "", *, ours: bool = False) -> DcpMetadata:

@@ -13,7 +13,7 @@ from typing import Any
 from optim_repair.errors import InputError
 from optim_repair.formats.dcp.layout import DcpOptimizer, find_optimizers, longest_name, model_weights
 from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpBytes, DcpMetadata, DcpTensor, display_path
-from optim_repair.formats.dcp.metadata_reader import read_metadata
+from optim_repair.formats.dcp.metadata_reader import read_metadata, read_summary
 from optim_repair.formats.dcp.storage import check_bytes_entries, check_ranges, read_bytes_entries
 from optim_repair.formats.pickled import option_value, state_value
 from optim_repair.records.inventory import (
@@ -120,13 +120,15 @@ def read_dcp(path: Path, rel: str, *, keep: dict[str, DcpMetadata] | None = None
     """The optimizers (and model weights) of the DCP directory ``path``, from its metadata alone.
 
     ``rel`` is the directory relative to the user's argument ("" when it is the argument); ``keep``
-    receives the metadata under ``rel``, for a writer to reuse instead of reading it again. Only the
+    receives the metadata under ``rel``, read whole, for a writer to reuse instead of reading it again (without
+    it, the metadata is summarized as it is read: ``read_summary``). Only the
     optimizers' bytes entries are read from the shards (the others are checked as archives, not unpickled);
     no tensor bytes, and torch is not imported.
     """
-    meta = read_metadata(path, rel)
-    if keep is not None:
-        keep[rel] = meta
+    if keep is None:
+        meta = read_summary(path, rel)
+    else:
+        meta = keep[rel] = read_metadata(path, rel)
     source = display_path(rel, METADATA_FILE)
     optimizers = find_optimizers(meta, source)
     wanted = [

@@ -113,15 +113,17 @@ def read_ranges(directory: Path, wanted: Mapping[str, DcpStorage], display: str)
 
 def check_ranges(directory: Path, meta: DcpMetadata, display: str) -> None:
     """Every stored range lies inside its shard (each shard is opened once, as a regular file)."""
-    by_file: dict[str, list[tuple[str, DcpStorage]]] = {}
+    by_file: dict[str, list[tuple[str, int]]] = {}
     for (key, _), info in meta.storage.items():
-        by_file.setdefault(info.relative_path, []).append((key, info))
+        by_file.setdefault(info.relative_path, []).append((key, info.offset + info.length))
+    for relative, (end, key) in meta.summarized.items():
+        by_file.setdefault(relative, []).append((key, end))
     for relative, entries in by_file.items():
         where = display_path(display, relative)
         with open_beneath(directory, relative, where) as stream:
             size = size_of(stream)
-        for key, info in entries:
-            if info.offset + info.length > size:
+        for key, end in entries:
+            if end > size:
                 raise InputError(f"truncated; {shown(key)} lies past its end", path=where)
 
 

@@ -1,0 +1,152 @@
+"""The records torch's pickler writes for each chunk of a DCP ``.metadata``: recognised whole, and summed in runs.
+
+A chunk is a ``ChunkStorageMetadata`` (its offsets and sizes, two ``torch.Size``), and its storage entry a
+``MetadataIndex`` and ``_StorageInfo`` pair: each pickled in the same few dozen bytes, with its class and field
+names fetched from the memo. The patterns here match exactly those bytes, built from the fetches of the memo
+entries that hold the names (``metadata_summary`` knows which), and a ``ChunkRun`` or ``StorageRun`` holds
+what consecutive records sum to.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+import struct
+from dataclasses import dataclass, field
+from functools import cache
+from math import prod
+
+_CHECKPOINT = "torch.distributed.checkpoint.metadata"
+CLASSES = {
+    "chunk": (_CHECKPOINT, "ChunkStorageMetadata"),
+    "index": (_CHECKPOINT, "MetadataIndex"),
+    "info": ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    "size": ("torch", "Size"),
+}
+MAX_NDIM = 3
+"""The dimensions a summarized chunk may have (torch's pickler writes TUPLE1 to TUPLE3 for them)."""
+CHUNK_MEMO = 8
+"""Memo entries a chunk record makes: the object, its state, and three for each ``torch.Size``."""
+PAIR_MEMO = 7
+"""Memo entries a storage pair makes (with a memoized ``fqn`` string of its own: one more)."""
+
+
+@dataclass(eq=False)
+class ChunkRun:
+    """Consecutive chunks of one tensor, of ``ndim`` dimensions each, summarized."""
+
+    ndim: int
+    count: int = 0
+    held: int = 0
+    """How many elements the chunks hold together."""
+    ends: list[int] = field(default_factory=list)
+    """For each dimension, the furthest a chunk reaches in it (offset plus size)."""
+
+    def add(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> None:
+        self.count += 1
+        self.held += prod(sizes)
+        self.ends = list(map(max, self.ends or offsets, map(operator.add, offsets, sizes)))
+
+    def outside(self, size: tuple[int, ...]) -> bool:
+        """Whether a chunk does not lie inside a tensor of ``size`` (offsets and sizes are never negative here: the
+        walk leaves a record with a negative one to be read whole)."""
+        return len(size) != self.ndim or any(end > whole for end, whole in zip(self.ends, size, strict=True))
+
+
+@dataclass(eq=False)
+class ShardEnds:
+    """What every storage run of one walk reaches: for each shard, the furthest byte of an entry, and its key
+    (one table for all of them, so that it grows with shards, not with runs)."""
+
+    runs: int = 0
+    ends: dict[str, tuple[int, str]] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class StorageRun:
+    """Consecutive storage entries of tensor chunks, summarized."""
+
+    shards: ShardEnds
+    count: int = 0
+    keys: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Global:
+    module: str
+    name: str
+
+
+_INT = rb"(K.|M..|J....)"
+_ANY_INT = rb"(?:K.|M..|J....)"
+_GET = rb"(h.|j....)"
+_SIGNED4 = struct.Struct("<i").unpack_from
+
+
+SMALL_INTS = {b"K" + bytes([value]): value for value in range(256)}
+"""Every BININT1, by its encoding."""
+
+
+def int_value(encoded: bytes) -> int:
+    """A BININT1, BININT2 or BININT argument."""
+    if encoded[0] == 0x4B:
+        return encoded[1]
+    if encoded[0] == 0x4D:
+        return encoded[1] | encoded[2] << 8
+    return int(_SIGNED4(encoded, 1)[0])
+
+
+def fetch(index: int) -> bytes:
+    """The opcode torch's pickler writes to fetch memo entry ``index``."""
+    return b"h" + bytes([index]) if index < 256 else b"j" + struct.pack("<I", index)
+
+
+def _record(get_class: bytes) -> bytes:
+    """An object of a memoized class made by ``NEWOBJ``, and its state dict opened: ``BUILD`` follows its items."""
+    return re.escape(get_class) + rb"\)\x81\x94}\x94\("
+
+
+def _size(get_size: bytes, ndim: int, integer: bytes = _INT) -> bytes:
+    """A ``torch.Size`` of ``ndim`` small integers, as ``REDUCE`` of the class with one tuple."""
+    return re.escape(get_size) + integer * ndim + bytes([0x84 + ndim]) + rb"\x94\x85\x94R\x94"
+
+
+@cache
+def chunk_pattern(gets: tuple[bytes, ...], ndim: int) -> re.Pattern[bytes]:
+    chunk, size, offsets, sizes = gets
+    escaped = [re.escape(get) for get in (offsets, sizes)]
+    body = _record(chunk) + escaped[0] + _size(size, ndim) + escaped[1] + _size(size, ndim) + b"ub"
+    return re.compile(body, re.DOTALL)
+
+
+@cache
+def index_pattern(gets: tuple[bytes, ...]) -> re.Pattern[bytes]:
+    """A ``MetadataIndex`` up to its ``fqn``: the groups are the fetch of a memoized string, or the length of one
+    written next (its bytes, and its MEMOIZE, follow the match)."""
+    index_class, fqn = gets
+    return re.compile(_record(index_class) + re.escape(fqn) + rb"(?:" + _GET + rb"|\x8c(.))", re.DOTALL)
+
+
+@cache
+def pair_pattern(gets: tuple[bytes, ...], ndim: int) -> re.Pattern[bytes]:
+    """The rest of a ``MetadataIndex`` after its ``fqn`` (``index``, ``offset``), and its ``_StorageInfo``: the
+    groups are the fetch of its shard's name, its offset and its length."""
+    size, info_class, index, offset, relative_path, length = gets
+    escaped = [re.escape(get) for get in (index, offset, relative_path, length)]
+    body = (
+        escaped[0] + rb"(?:" + _ANY_INT + rb"|N)" + escaped[1] + _size(size, ndim, _ANY_INT) + b"ub"
+        + _record(info_class) + escaped[2] + _GET + escaped[1] + _INT + escaped[3] + _INT + b"ub"
+    )  # fmt: skip
+    return re.compile(body, re.DOTALL)
+
+
+def safe_path(value: object) -> bool:
+    """Whether a shard's name is one the full read accepts without a word (else the record is read whole)."""
+    return (
+        isinstance(value, str)
+        and bool(value)
+        and "\x00" not in value
+        and "\\" not in value
+        and not value.startswith("/")
+        and ".." not in value.split("/")
+    )
