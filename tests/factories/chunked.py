@@ -66,7 +66,8 @@ def build_chunked(path: Path, ranks: int, params: int, missing_every: int = 33) 
         state[key] = TensorStorageMetadata(properties, torch.Size([ranks, WIDTH]), chunks)
         planner[key] = where
         for rank in range(ranks):
-            index = MetadataIndex(key, torch.Size([rank, 0]), rank)
+            # Each rank's write results name the key by a string of their own, as dcp.save's gathered ones do.
+            index = MetadataIndex(key.encode().decode(), torch.Size([rank, 0]), rank)
             storage[index] = _StorageInfo(files[rank], ends[rank], len(chunk))
             ends[rank] += len(chunk)
 
