@@ -9,12 +9,10 @@ what consecutive records sum to.
 
 from __future__ import annotations
 
-import operator
 import re
 import struct
 from dataclasses import dataclass, field
 from functools import cache
-from math import prod
 
 _CHECKPOINT = "torch.distributed.checkpoint.metadata"
 CLASSES = {
@@ -36,16 +34,11 @@ class ChunkRun:
     """Consecutive chunks of one tensor, of ``ndim`` dimensions each, summarized."""
 
     ndim: int
-    count: int = 0
-    held: int = 0
+    count: int
+    held: int
     """How many elements the chunks hold together."""
-    ends: list[int] = field(default_factory=list)
+    ends: list[int]
     """For each dimension, the furthest a chunk reaches in it (offset plus size)."""
-
-    def add(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> None:
-        self.count += 1
-        self.held += prod(sizes)
-        self.ends = list(map(max, self.ends or offsets, map(operator.add, offsets, sizes)))
 
     def outside(self, size: tuple[int, ...]) -> bool:
         """Whether a chunk does not lie inside a tensor of ``size`` (offsets and sizes are never negative here: the
@@ -120,22 +113,17 @@ def chunk_pattern(gets: tuple[bytes, ...], ndim: int) -> re.Pattern[bytes]:
 
 
 @cache
-def index_pattern(gets: tuple[bytes, ...]) -> re.Pattern[bytes]:
-    """A ``MetadataIndex`` up to its ``fqn``: the groups are the fetch of a memoized string, or the length of one
-    written next (its bytes, and its MEMOIZE, follow the match)."""
-    index_class, fqn = gets
-    return re.compile(_record(index_class) + re.escape(fqn) + rb"(?:" + _GET + rb"|\x8c(.))", re.DOTALL)
-
-
-@cache
-def pair_pattern(gets: tuple[bytes, ...], ndim: int) -> re.Pattern[bytes]:
-    """The rest of a ``MetadataIndex`` after its ``fqn`` (``index``, ``offset``), and its ``_StorageInfo``: the
-    groups are the fetch of its shard's name, its offset and its length."""
-    size, info_class, index, offset, relative_path, length = gets
-    escaped = [re.escape(get) for get in (index, offset, relative_path, length)]
+def pair_pattern(gets: tuple[bytes, ...], ndim: int, written: int | None) -> re.Pattern[bytes]:
+    """A ``MetadataIndex`` (``fqn``, ``index``, ``offset`` of ``ndim`` dimensions) and its ``_StorageInfo``, whose
+    ``fqn`` is fetched from the memo (``written`` None) or is a string of ``written`` bytes written there. The
+    groups: the fetch or the string; the fetch of the shard's name, the offset and the length."""
+    index_class, fqn, size, info_class, index, offset, relative_path, length = gets
+    escaped = [re.escape(get) for get in (fqn, index, offset, relative_path, length)]
+    named = _GET if written is None else b"\x8c" + re.escape(bytes([written])) + b"(.{%d})\x94" % written
     body = (
-        escaped[0] + rb"(?:" + _ANY_INT + rb"|N)" + escaped[1] + _size(size, ndim, _ANY_INT) + b"ub"
-        + _record(info_class) + escaped[2] + _GET + escaped[1] + _INT + escaped[3] + _INT + b"ub"
+        _record(index_class) + escaped[0] + named
+        + escaped[1] + rb"(?:" + _ANY_INT + rb"|N)" + escaped[2] + _size(size, ndim, _ANY_INT) + b"ub"
+        + _record(info_class) + escaped[3] + _GET + escaped[2] + _INT + escaped[4] + _INT + b"ub"
     )  # fmt: skip
     return re.compile(body, re.DOTALL)
 

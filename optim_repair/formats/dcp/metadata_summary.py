@@ -17,10 +17,13 @@ cheaper way to the same answer, never another judge.
 from __future__ import annotations
 
 import bisect
+import operator
+import re
 import secrets
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from math import prod
 from typing import Any
 
 from optim_repair.formats.dcp.metadata_records import (
@@ -35,7 +38,6 @@ from optim_repair.formats.dcp.metadata_records import (
     StorageRun,
     chunk_pattern,
     fetch,
-    index_pattern,
     int_value,
     pair_pattern,
     safe_path,
@@ -71,6 +73,7 @@ _OPAQUE = object()
 """What the walk knows of a value it does not follow: that it is there."""
 _U4 = struct.Struct("<I").unpack_from
 _U8 = struct.Struct("<Q").unpack_from
+_SIGNED4 = struct.Struct("<i").unpack_from
 
 
 class _Walk:
@@ -158,32 +161,37 @@ class _Walk:
         gets = self._gets(Global(*CLASSES["chunk"]), Global(*CLASSES["size"]), "offsets", "sizes")
         if gets is None:
             return pos
-        data, run, small = self.data, None, SMALL_INTS
+        data, small = self.data, SMALL_INTS
         ndim, pattern = 2, chunk_pattern(gets, 2)
-        while True:
+        count = held = 0
+        ends: list[int] = []
+        while True:  # the hot loop of a million-chunk .metadata: what a ChunkRun holds is summed here
             match = pattern.match(data, pos, end)
             if match is None:
-                for ndim in range(1, MAX_NDIM + 1):
-                    if (match := chunk_pattern(gets, ndim).match(data, pos, end)) is not None:
-                        pattern = chunk_pattern(gets, ndim)
+                for other in range(1, MAX_NDIM + 1):
+                    if (match := chunk_pattern(gets, other).match(data, pos, end)) is not None:
                         break
                 else:
                     break
+                if count:
+                    self._emit_run(ChunkRun(ndim, count, held, ends))
+                    count = held = 0
+                ndim, pattern = other, chunk_pattern(gets, other)
             groups = match.groups()
             try:
-                values = tuple(map(small.__getitem__, groups))
+                values = tuple(map(small.__getitem__, groups))  # BININT1: never negative
             except KeyError:
                 values = tuple(map(int_value, groups))
-            if min(values) < 0:
-                break
-            if run is None or run.ndim != ndim:
-                if run is not None:
-                    self._emit_run(run)
-                run = ChunkRun(ndim)
-            run.add(values[:ndim], values[ndim:])
+                if min(values) < 0:
+                    break
+            sizes = values[ndim:]
+            held += prod(sizes)
+            reach = map(operator.add, values, sizes)  # offset plus size, dimension by dimension
+            ends = list(map(max, ends, reach)) if count else list(reach)
+            count += 1
             pos = match.end()
-        if run is not None:
-            self._emit_run(run)
+        if count:
+            self._emit_run(ChunkRun(ndim, count, held, ends))
         return pos
 
     def _emit_run(self, run: ChunkRun | StorageRun) -> None:
@@ -199,56 +207,60 @@ class _Walk:
             self.out += self._stand_in(1, len(self.storage) - 1) + b"N"
 
     def _pairs(self, pos: int, end: int) -> int:
-        head = self._gets(Global(*CLASSES["index"]), "fqn")
-        tail = self._gets(
-            Global(*CLASSES["size"]), Global(*CLASSES["info"]), "index", "offset", "relative_path", "length"
-        )
-        if head is None or tail is None:
+        gets = self._gets(
+            Global(*CLASSES["index"]), "fqn", Global(*CLASSES["size"]), Global(*CLASSES["info"]),
+            "index", "offset", "relative_path", "length",
+        )  # fmt: skip
+        if gets is None:
             return pos
         data, string, run, memos = self.data, self._string, StorageRun(self.shards), 0
-        keys, ends, safe = run.keys, self.shards.ends, self.safe_paths
-        start, rest = index_pattern(head), pair_pattern(tail, 2)
-        while True:  # the hot loop of a million-chunk .metadata (what StorageRun holds is kept here)
-            match = start.match(data, pos, end)
+        keys, ends, safe, signed = run.keys, self.shards.ends, self.safe_paths, _SIGNED4
+        named_at = len(gets[0]) + 6 + len(gets[1])  # where the fqn's opcode is: after the class, NEWOBJ, "fqn"
+        patterns: dict[tuple[int, int | None], re.Pattern[bytes]] = {}
+        ndim = 2
+        while True:  # the hot loop of a million-chunk .metadata (what a StorageRun holds is kept here)
+            at = pos + named_at
+            written = data[at + 1] if at + 1 < end and data[at] == 0x8C else None
+            pattern = patterns.get((ndim, written))
+            if pattern is None:
+                pattern = patterns[ndim, written] = pair_pattern(gets, ndim, written)
+            match = pattern.match(data, pos, end)
             if match is None:
-                break
-            fetched, length = match.groups()
-            at = match.end()
-            if fetched is not None:
-                fqn = string(fetched)
-                if fqn is None:
-                    break
-            else:
-                after = at + length[0]
-                if after >= end or data[after] != 0x94:
-                    break
-                try:
-                    fqn = bytes(data[at:after]).decode("utf-8", "surrogatepass")
-                except UnicodeDecodeError:
-                    break
-                at = after + 1
-            match = rest.match(data, at, end)
-            if match is None:
-                for ndim in range(1, MAX_NDIM + 1):
-                    if (match := pair_pattern(tail, ndim).match(data, at, end)) is not None:
-                        rest = pair_pattern(tail, ndim)
+                for other in range(1, MAX_NDIM + 1):
+                    if other != ndim and (match := pair_pattern(gets, other, written).match(data, pos, end)):
+                        ndim = other
                         break
                 else:
                     break
-            fetched_path, offset, stored = match.groups()
+            named, fetched_path, offset, stored = match.groups()
+            if written is None:
+                fqn = string(named)
+                if fqn is None:
+                    break
+            else:
+                try:
+                    fqn = named.decode("utf-8", "surrogatepass")
+                except UnicodeDecodeError:
+                    break
             relative_path = string(fetched_path)
             if relative_path not in safe:
                 if relative_path is None or not safe_path(relative_path):
                     break
                 safe.add(relative_path)
-            first, last = int_value(offset), int_value(offset) + int_value(stored)
+            # BININT1, BININT2 or BININT, decoded inline: this runs once per chunk
+            kind, stored_kind = offset[0], stored[0]
+            first = offset[1] if kind == 0x4B else offset[1] | offset[2] << 8 if kind == 0x4D else signed(offset, 1)[0]
+            last = first + (
+                stored[1] if stored_kind == 0x4B else stored[1] | stored[2] << 8 if stored_kind == 0x4D
+                else signed(stored, 1)[0]
+            )  # fmt: skip
             if first < 0 or last < first:
                 break
             keys.add(fqn)
             if last > ends.get(relative_path, _NOWHERE)[0]:
                 ends[relative_path] = (last, fqn)
             run.count += 1
-            memos += PAIR_MEMO + (fetched is None)
+            memos += PAIR_MEMO if written is None else PAIR_MEMO + 1
             pos = match.end()
         if run.count:
             self._drop(memos)
