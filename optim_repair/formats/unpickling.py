@@ -93,15 +93,16 @@ class AllowlistUnpickler(pickle.Unpickler):
         """Where in its file the pickle read so far ends (just past its STOP, once loaded)."""
         return self._file.tell()
 
-    def load_safely(self, what: str, *, ours: bool = False) -> Any:
+    def load_safely(self, what: str, *, ours: bool = False, bounded: bool = False) -> Any:
         with collection_paused():
-            return self._load_safely(what, ours=ours)
+            return self._load_safely(what, ours=ours, bounded=bounded)
 
-    def _load_safely(self, what: str, *, ours: bool) -> Any:
+    def _load_safely(self, what: str, *, ours: bool, bounded: bool) -> Any:
         """Unpickle once ``check_pickle`` has bounded the work, translating every error of a damaged
         pickle into an ``InputError`` about ``what``. ``ours``: a pickle this run wrote (a copy read back
-        for verification), which needs no bounding; the allowlist applies all the same."""
-        if not ours:
+        for verification), which needs no bounding; ``bounded``: one whose work the caller has bounded
+        otherwise. The allowlist applies all the same."""
+        if not (ours or bounded):
             self.depth_unchecked = check_pickle(self._file, self.source, what)
         try:
             return self.load()
