@@ -7,6 +7,7 @@ saved by ``dcp.save`` and by the frontier-scale builder, and pickles made to tri
 
 from __future__ import annotations
 
+import functools
 import pickle
 import re
 import subprocess
@@ -243,3 +244,28 @@ def test_memory_does_not_grow_with_chunks(root: Path) -> None:
     build_chunked(many, 320, 200)
     assert chunk_count(320, 200) > 180_000
     assert _peak_kib(many) <= _peak_kib(few) + 8 * 1024
+
+
+def _laughs(depth: int) -> tuple[object, ...]:
+    value: tuple[object, ...] = ("lol",)
+    for _ in range(depth):
+        value = (value, value)  # pickled once, then fetched from the memo: 2**depth leaves
+    return value
+
+
+@pytest.mark.parametrize(
+    ("planned", "reason"),
+    [(_laughs(64), "billion-laughs"), (functools.reduce(lambda inner, _: (inner,), range(150), ()), "deep")],
+    ids=["billion-laughs", "deep"],
+)
+def test_what_the_pre_scan_refuses_beside_summarized_records_is_still_refused(
+    planned: object, reason: str, root: Path
+) -> None:
+    """The walk bounds fix's whole read in place of the pre-scan: beside records it summarizes, a structure that
+    the pre-scan refuses is refused all the same, by both reads, before anything is unpickled."""
+    path = _chunked(root)
+    _repickled(path, lambda metadata: metadata.planner_data.__setitem__("model.extra", planned))
+    summarize((path / METADATA_FILE).read_bytes())  # the walk follows it: it is the pre-scan that refuses it
+    with pytest.raises(InputError, match=reason):
+        read_metadata(path)
+    _same_answer(path)
