@@ -1,12 +1,13 @@
 """Measure optim-repair's speed and memory side by side with its yardsticks, on checkpoints built for it.
 
 Builds a UniRL-style ``checkpoint.pt`` (model weights + name-keyed AdamW state, a few entries missing)
-of about ``--gib`` GiB with ``--params`` parameters, the same state as a DCP directory, and a
-mixture-of-experts checkpoint of ``--moe-params`` small parameters (3% without state). Each command runs
+of about ``--gib`` GiB with ``--params`` parameters, the same state as a DCP directory, a mixture-of-experts
+checkpoint of each count of small parameters in ``--moe-params`` (3% without state), and a DCP checkpoint of
+each count of chunks in ``--chunks`` (``tests.factories.chunked``: one per rank per tensor). Each command runs
 ``--repeat`` times in a fresh process, interleaved with its yardstick, on a warm page cache; the table
 gives the median seconds, the peak RSS, and the ratio to the yardstick next to the goal:
 
-    python scripts/benchmark.py --gib 2 --params 1440 --moe-params 30000
+    python scripts/benchmark.py --gib 2 --params 1440 --moe-params 30000,300000 --chunks 1000000,5000000
 
 Absolute times drift on a shared machine; ratios measured side by side hold.
 """
@@ -48,7 +49,7 @@ print(f"elapsed={time.perf_counter() - start}", file=sys.stderr)
 it times itself, so that torch's import is not counted."""
 
 
-def build(root: Path, gib: float, params: int, moe_params: int) -> None:
+def build(root: Path, gib: float, params: int, moe_params: list[int]) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -69,14 +70,19 @@ def build(root: Path, gib: float, params: int, moe_params: int) -> None:
                 "step": 100}, root / "checkpoint-100" / "checkpoint.pt")  # fmt: skip
     dcp.save({"model": weights, "optim": {"state": state, "param_groups": groups}},
              checkpoint_id=root / "dcp-checkpoint-100")  # fmt: skip
-    experts, moe_state = {}, {}
-    for index in range(moe_params):
-        name = f"layers.{index // 384}.mlp.experts.{index // 3 % 128}.{('gate', 'up', 'down')[index % 3]}_proj.weight"
-        experts[name] = torch.zeros(4, 4)
-        if index % 33:  # about 3% of the experts got no tokens
-            moe_state[name] = {"step": torch.tensor(5.0), "exp_avg": torch.zeros(4, 4), "exp_avg_sq": torch.zeros(4, 4)}
-    moe_groups = [{**groups[0], "params": list(experts)}]
-    torch.save({"model": experts, "optimizer": {"state": moe_state, "param_groups": moe_groups}}, root / "moe.pt")
+    for count in moe_params:
+        experts, moe_state = {}, {}
+        for index in range(count):
+            name = (
+                f"layers.{index // 384}.mlp.experts.{index // 3 % 128}.{('gate', 'up', 'down')[index % 3]}_proj.weight"
+            )
+            experts[name] = torch.zeros(4, 4)
+            if index % 33:  # about 3% of the experts got no tokens
+                moe_state[name] = {"step": torch.tensor(5.0), "exp_avg": torch.zeros(4, 4),
+                                   "exp_avg_sq": torch.zeros(4, 4)}  # fmt: skip
+        moe_groups = [{**groups[0], "params": list(experts)}]
+        optimizer = {"state": moe_state, "param_groups": moe_groups}
+        torch.save({"model": experts, "optimizer": optimizer}, root / f"moe-{count}.pt")
 
 
 def params_for(chunks: int, ranks: int) -> int:
@@ -112,7 +118,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=2.0)
     parser.add_argument("--params", type=int, default=1440)
-    parser.add_argument("--moe-params", type=int, default=30000)
+    parser.add_argument(
+        "--moe-params",
+        default="30000",
+        help="mixture-of-experts checkpoints of this many parameters, comma-separated (30000,300000)",
+    )
     parser.add_argument(
         "--chunks",
         default="",
@@ -133,8 +143,9 @@ def main() -> int:
         ranks = 256 if args.build_chunks <= 2_000_000 else 512
         build_chunked(args.build_into, ranks, params_for(args.build_chunks, ranks))
         return 0
+    moe_counts = [int(text) for text in args.moe_params.split(",") if text]
     if args.build_into:
-        build(args.build_into, args.gib, args.params, args.moe_params)
+        build(args.build_into, args.gib, args.params, moe_counts)
         return 0
     tool = [sys.executable, "-m", "optim_repair"]
     python = sys.executable
@@ -142,9 +153,9 @@ def main() -> int:
         root = Path(tmp)
         # Built in a child process, so that no measured process inherits the builder's memory.
         builder = [python, __file__, "--gib", str(args.gib), "--params", str(args.params)]
-        subprocess.run([*builder, "--moe-params", str(args.moe_params), "--build-into", str(root)], check=True)
+        subprocess.run([*builder, "--moe-params", args.moe_params, "--build-into", str(root)], check=True)
         torch_file = root / "checkpoint-100" / "checkpoint.pt"
-        dcp_dir, moe = root / "dcp-checkpoint-100", root / "moe.pt"
+        dcp_dir = root / "dcp-checkpoint-100"
         out = root / "out"
         # (label, command, yardstick label, yardstick command, goal: at most this ratio)
         pairs = [
@@ -177,20 +188,6 @@ def main() -> int:
                 None,
             ),
             (
-                "inspect (MoE)",
-                [*tool, "inspect", moe],
-                "torch.load(mmap) script",
-                [python, "-c", NAIVE, moe, out, "optimizer"],
-                0.1,
-            ),
-            (
-                "fix --no-sync (MoE)",
-                [*tool, "fix", moe, "--out", out, "--no-sync"],
-                "torch.load(mmap) script",
-                [python, "-c", NAIVE, moe, out, "optimizer"],
-                0.35,
-            ),
-            (
                 "fix --no-sync (DCP)",
                 [*tool, "fix", dcp_dir, "--out", out, "--no-sync"],
                 "cp -r && diff -r",
@@ -205,6 +202,24 @@ def main() -> int:
                 3.0,
             ),
         ]
+        for count in moe_counts:
+            moe = root / f"moe-{count}.pt"
+            pairs += [
+                (
+                    f"inspect (MoE, {count:,} params)",
+                    [*tool, "inspect", moe],
+                    "torch.load(mmap) script",
+                    [python, "-c", NAIVE, moe, out, "optimizer"],
+                    0.1,
+                ),
+                (
+                    f"fix --no-sync (MoE, {count:,} params)",
+                    [*tool, "fix", moe, "--out", out, "--no-sync"],
+                    "torch.load(mmap) script",
+                    [python, "-c", NAIVE, moe, out, "optimizer"],
+                    0.35,
+                ),
+            ]
         for count in (int(text) for text in args.chunks.split(",") if text):
             chunked = root / f"chunks-{count}"
             subprocess.run([python, __file__, "--build-chunks", str(count), "--build-into", str(chunked)], check=True)
@@ -227,7 +242,8 @@ def main() -> int:
         size = torch_file.stat().st_size
         print(
             f"checkpoint: {size / 2**30:.2f} GiB, {args.params} params, {MISSING} missing; MoE: "
-            f"{args.moe_params} params; medians of {args.repeat}; python {sys.version.split()[0]}\n"
+            f"{args.moe_params} params; chunks: {args.chunks or '-'}; medians of {args.repeat}; "
+            f"python {sys.version.split()[0]}\n"
         )
         print("| command | s | peak RSS MiB | yardstick | s | ratio | goal |\n|---|---|---|---|---|---|---|")
         for label, command, yard_label, yard_command, goal in (p for p in pairs if args.only in p[0]):
