@@ -100,6 +100,8 @@ class _Walk:
         self.chunks: list[ChunkRun] = []
         self.storage: list[StorageRun] = []
         self.shards = ShardEnds()
+        self.ends: dict[str, tuple[int, str | bytes]] = {}
+        """What ``shards`` will hold, a key written in place kept as its bytes until the walk ends."""
         self.strings: dict[bytes, str | None] = {}
         """What each fetch of a string seen in a record fetches."""
         self.safe_paths: set[str] = set()
@@ -213,36 +215,35 @@ class _Walk:
         )  # fmt: skip
         if gets is None:
             return pos
-        data, string, run, memos = self.data, self._string, StorageRun(self.shards), 0
-        keys, ends, safe, signed = run.keys, self.shards.ends, self.safe_paths, _SIGNED4
+        data, string, strings = self.data, self._string, self.strings
+        run, count, written_count = StorageRun(self.shards), 0, 0
+        keys: set[str | bytes] = set()
+        ends, safe, signed = self.ends, self.safe_paths, _SIGNED4
         named_at = len(gets[0]) + 6 + len(gets[1])  # where the fqn's opcode is: after the class, NEWOBJ, "fqn"
-        patterns: dict[tuple[int, int | None], re.Pattern[bytes]] = {}
         ndim = 2
+        by_written: dict[int | None, re.Pattern[bytes]] = {}  # this ndim's, by a fqn's length (None: fetched)
         while True:  # the hot loop of a million-chunk .metadata (what a StorageRun holds is kept here)
             at = pos + named_at
             written = data[at + 1] if at + 1 < end and data[at] == 0x8C else None
-            pattern = patterns.get((ndim, written))
+            pattern = by_written.get(written)
             if pattern is None:
-                pattern = patterns[ndim, written] = pair_pattern(gets, ndim, written)
+                pattern = by_written[written] = pair_pattern(gets, ndim, written)
             match = pattern.match(data, pos, end)
             if match is None:
                 for other in range(1, MAX_NDIM + 1):
                     if other != ndim and (match := pair_pattern(gets, other, written).match(data, pos, end)):
-                        ndim = other
+                        ndim, by_written = other, {}
                         break
                 else:
                     break
             named, fetched_path, offset, stored = match.groups()
             if written is None:
-                fqn = string(named)
-                if fqn is None:
+                named = strings[named] if named in strings else string(named)
+                if named is None:
                     break
             else:
-                try:
-                    fqn = named.decode("utf-8", "surrogatepass")
-                except UnicodeDecodeError:
-                    break
-            relative_path = string(fetched_path)
+                written_count += 1  # its string is kept as bytes, decoded once per name below
+            relative_path = strings[fetched_path] if fetched_path in strings else string(fetched_path)
             if relative_path not in safe:
                 if relative_path is None or not safe_path(relative_path):
                     break
@@ -256,14 +257,15 @@ class _Walk:
             )  # fmt: skip
             if first < 0 or last < first:
                 break
-            keys.add(fqn)
+            keys.add(named)
             if last > ends.get(relative_path, _NOWHERE)[0]:
-                ends[relative_path] = (last, fqn)
-            run.count += 1
-            memos += PAIR_MEMO if written is None else PAIR_MEMO + 1
+                ends[relative_path] = (last, named)
+            count += 1
             pos = match.end()
-        if run.count:
-            self._drop(memos)
+        if count:
+            run.count = count
+            run.keys = {_decoded(key) for key in keys}
+            self._drop(PAIR_MEMO * count + written_count)
             self._emit_run(run)
         return pos
 
@@ -399,6 +401,16 @@ _SCALARS = {
 """What pushes one value the walk does not follow, by opcode: how many bytes its argument takes."""
 
 
+def _decoded(name: str | bytes) -> str:
+    """A key as the unpickler gives it: a string written in place is UTF-8 (with surrogates, as pickle allows)."""
+    if isinstance(name, str):
+        return name
+    try:
+        return name.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        raise NotSummarized from None
+
+
 def summarize(data: Any, release: Callable[[int], None] = lambda _: None) -> Summary:
     """Summarize the pickle at the start of ``data`` (bytes or an mmap); ``release`` is told, now and then, how
     far the walk has read, so that an mmap's pages behind it can be let go. Raises ``NotSummarized``."""
@@ -407,4 +419,5 @@ def summarize(data: Any, release: Callable[[int], None] = lambda _: None) -> Sum
         walk.run()
     except IndexError:
         raise NotSummarized from None
+    walk.shards.ends.update((shard, (end, _decoded(key))) for shard, (end, key) in walk.ends.items())
     return Summary(bytes(walk.out), walk.name, walk.chunks, walk.storage)
