@@ -134,7 +134,12 @@ def read_dcp(path: Path, rel: str, *, keep: dict[str, DcpMetadata] | None = None
     wanted = [
         slot.key for optimizer in optimizers for slot in optimizer.slots if isinstance(meta.items[slot.key], DcpBytes)
     ]
-    check_ranges(path, meta, rel)
+    try:
+        check_ranges(path, meta, rel)
+    except InputError:
+        if meta.summarized:  # the whole read names the entry it meets first, as every reader of it would
+            check_ranges(path, read_metadata(path, rel), rel)
+        raise
     values = read_bytes_entries(path, meta, wanted, rel)
     others = [key for key, item in meta.items.items() if isinstance(item, DcpBytes) and key not in values]
     check_bytes_entries(path, meta, others, rel)
