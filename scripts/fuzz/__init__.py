@@ -16,7 +16,8 @@ the original and the copy (``fuzz.oracle``):
 A case ends ``ok``, ``error-<exit code>`` (an ``OptimRepairError`` with a one-line message), or in
 findings: any other exception, a multi-line message, a signal, a hang, a memory blowup, a file outside
 the input read or written, the input changed, output left behind by a failed fix, a fix of what torch
-refuses, a copy torch refuses, a copy whose values torch reads differently. Each finding is
+refuses, a copy torch refuses, a copy whose values torch reads differently, an inspection of a DCP
+``.metadata`` (read summarized) that reading it whole contradicts. Each finding is
 saved under ``--out`` (the mutated input and a ``case.json``); ``--only INDEX`` replays one case,
 ``--corpus DIR`` keeps the seeds so that cases replay bit for bit in a later run. Exit status 0 without
 findings, 1 with. ``run()`` is the same, importable, for a fast slice in a test.

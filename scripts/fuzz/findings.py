@@ -94,6 +94,8 @@ def classify(case: Case, raw: Raw, changed: list[str], out_left: list[str], rss_
             found.append(Finding(event["kind"], event["event"], path, f"{event['where']} [{shown}]"))
         for kind, detail in response.get("torch", ()):
             found.append(Finding(kind, "fix", detail))
+        if response.get("summary"):
+            found.append(Finding("summary-disagrees", "inspect", response["summary"][:1000]))
         if response["leaked_fds"]:
             found.append(Finding("fd-leak", "inspect/fix", ", ".join(response["leaked_fds"])))
         if response["hwm_mib"] > rss_mib:

@@ -23,6 +23,7 @@ from typing import Any
 from fuzz import oracle
 from fuzz.audit import Auditor
 
+METADATA = ".metadata"
 EXIT_CODES = (2, 3, 4, 5)
 """The exit codes of documented errors (``optim_repair.errors.ExitCode``: usage, malformed, input, output)."""
 
@@ -179,6 +180,31 @@ def worker_main(conn: Connection, config: WorkerConfig) -> None:
         conn.send(run_request(request, auditor, package_dir))
 
 
+def _whole_read_disagrees(
+    path: str, dereference: bool, diagnosis: Any, inspected: BaseException | None, in_dir: str
+) -> str | None:
+    """What ``inspect``, which reads a DCP ``.metadata`` summarized, said that reading it whole does not say, for
+    an input holding one: a different diagnosis, or another outcome (each error as its exit code and message)."""
+    if not any(METADATA in files for _, _, files in os.walk(in_dir)):
+        return None
+    from optim_repair import api
+    from optim_repair.errors import OptimRepairError
+    from optim_repair.render import inspect_document
+
+    def whole() -> Any:
+        inventory, _ = api._read_unchanged(api.discover(Path(path), dereference=dereference), keep=True)
+        return api.diagnose(inventory)
+
+    def outcome(result: Any, error: BaseException | None) -> str:
+        if error is None:
+            return json.dumps(inspect_document(result), sort_keys=True)
+        code = int(error.exit_code) if isinstance(error, OptimRepairError) else None
+        return f"error {code}: {type(error).__name__}: {error}"
+
+    summarized, read_whole = outcome(diagnosis, inspected), outcome(*_guarded(whole))
+    return None if summarized == read_whole else f"summarized: {summarized[:240]} | whole: {read_whole[:240]}"
+
+
 def run_request(request: Mapping[str, Any], auditor: Auditor, package_dir: str) -> dict[str, Any]:
     """Run one case in this process: inspect, and maybe fix and inspect the copy; what happened, as plain data."""
     import optim_repair
@@ -197,6 +223,7 @@ def run_request(request: Mapping[str, Any], auditor: Auditor, package_dir: str) 
     rendered: BaseException | None = None
     if inspected is None:
         rendered = _guarded(lambda: json.dumps(inspect_document(diagnosis)))[1]
+    disagreement = _whole_read_disagrees(path, dereference, diagnosis, inspected, request["in_dir"])
     fixed = reinspected = None
     problems: list[tuple[str, str]] = []
     if request["fix"]:
@@ -220,6 +247,7 @@ def run_request(request: Mapping[str, Any], auditor: Auditor, package_dir: str) 
         "reinspect": _describe(reinspected, package_dir) if request["fix"] and fixed is None else None,
         "events": events,
         "torch": problems,
+        "summary": disagreement,
     }
     diagnosis = inspected = rendered = fixed = reinspected = None
     leaked = {fd: target for fd, target in _open_fds().items() if fd not in fds}
