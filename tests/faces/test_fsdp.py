@@ -1,5 +1,5 @@
 """optim-repair on what FSDP1 and verl's FSDP2 checkpoint manager write, resumed through their own loaders on two
-real gloo ranks (``tests.factories.fsdp``).
+real gloo ranks (``tests.factories.fsdp``), and on what ``dcp.save`` gathers from those ranks.
 
 FSDP1's ``FSDP.optim_state_dict`` file looks like ``get_optimizer_state_dict`` output: its loader resumes the
 original exactly, rejects the default ``{}`` copy, and resumes the ``--fill fresh`` copy exactly; the notice and the
@@ -18,6 +18,10 @@ import pytest
 import torch
 from torch import Tensor
 
+from optim_repair.checkpoint.discovery import discover
+from optim_repair.checkpoint.reading import read_parsed
+from optim_repair.formats.dcp import read_metadata
+from optim_repair.formats.dcp.metadata_reader import read_summary
 from tests.conftest import run_cli
 from tests.factories import fsdp
 
@@ -144,3 +148,16 @@ def test_fresh_state_for_sharded_dtensor_state_is_refused(saved: fsdp.Saved, tmp
     assert "holds DTensor state (FSDP2, saved per rank)" in result.stderr
     assert "pass --fill empty" in result.stderr
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_what_dcp_save_gathers_from_real_ranks_is_inspected_summarized(saved: fsdp.Saved) -> None:
+    """Gathered from the ranks, each storage key is a string of its own in the pickle: the summarized read
+    summarizes those records all the same, and finds what the whole read finds."""
+    whole, summary = read_metadata(saved.dcp), read_summary(saved.dcp)
+    assert summary.summarized and set(summary.storage) < set(whole.storage)
+    assert summary.items.keys() == whole.items.keys() and summary.planner_data == whole.planner_data
+    found = discover(saved.dcp)
+    assert read_parsed(found, keep=False)[0] == read_parsed(found, keep=True)[0]
+    document = json.loads(run_cli(["inspect", saved.dcp, "--json"], code=None).stdout)
+    (opt,) = document["optimizers"]
+    assert sorted(opt["missing"]) == sorted(fsdp.HEAD)

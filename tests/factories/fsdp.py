@@ -11,6 +11,7 @@ uninterrupted reference. ``save`` writes, in one spawn:
   as ``model_world_size_2_rank_R.pt`` and ``optimizer.state_dict()`` as ``optim_world_size_2_rank_R.pt``: DTensor
   state under index keys.
 * ``sharded/``: each rank's ``get_optimizer_state_dict`` (sharded DTensor state under names), saved per rank.
+* ``dcp/``: the same state through ``get_state_dict`` and ``dcp.save`` on both ranks, its plans gathered by DCP.
 
 ``resume`` loads each checkpoint as its trainer does, in one spawn: FSDP1 through ``FSDP.optim_state_dict_to_load``,
 verl through ``model.load_state_dict`` and ``optimizer.load_state_dict`` per rank, then trains ``POST_STEPS``.
@@ -86,7 +87,8 @@ def _verl_name(kind: str, rank: int) -> str:
 
 
 def _save(rank: int, root: Path) -> None:
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     dist.init_process_group("gloo", init_method=f"file://{root}/save.store", rank=rank, world_size=WORLD)
@@ -110,6 +112,8 @@ def _save(rank: int, root: Path) -> None:
         torch.save(model.state_dict(), root / "verl" / _verl_name("model", rank))
         torch.save(opt.state_dict(), root / "verl" / _verl_name("optim", rank))
         torch.save(get_optimizer_state_dict(model, opt), root / "sharded" / f"optimizer_rank_{rank}.pt")
+        model_state, optimizer_state = get_state_dict(model, opt)
+        dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=root / "dcp")
         _train(model, opt, rank, POST_STEPS, use_all=True)
         torch.save(_local(model), root / f"verl-uninterrupted-{rank}.pt")
         dist.barrier()  # no rank tears gloo down while the other still uses it (an abort on a loaded machine)
@@ -133,6 +137,10 @@ class Saved:
     def sharded(self) -> Path:
         return self.root / "sharded"
 
+    @property
+    def dcp(self) -> Path:
+        return self.root / "dcp"
+
     def fsdp1_uninterrupted(self) -> dict[str, Tensor]:
         loaded: dict[str, Tensor] = torch.load(self.root / "fsdp1-uninterrupted.pt", weights_only=True)
         return loaded
@@ -142,7 +150,7 @@ class Saved:
 
 
 def save(root: Path) -> Saved:
-    """Write the three checkpoints under ``root`` with two gloo ranks."""
+    """Write the four checkpoints under ``root`` with two gloo ranks."""
     mp.spawn(_save, args=(root,), nprocs=WORLD)
     return Saved(root)
 
