@@ -127,12 +127,13 @@ class _Walk:
             raise NotSummarized  # a reference into a summarized record
         return index - self.dropped_before[at] - (self.drop_ends[at] - self.drop_starts[at])
 
-    def _pop(self) -> object:
-        """The topmost item: never a run, which stands for many items in the original and one here."""
+    def _pop(self, single: type | None = None) -> object:
+        """The topmost item: never a run, which stands for many items in the original and one here, unless it is
+        a ``single`` run of one record (a list of one chunk is made by APPEND, a dict of one pair by SETITEM)."""
         if len(self.stack) <= (self.marks[-1] if self.marks else 0):
             raise NotSummarized
         item = self.stack.pop()
-        if isinstance(item, (ChunkRun, StorageRun)):
+        if isinstance(item, (ChunkRun, StorageRun)) and not (isinstance(item, single or ()) and item.count == 1):
             raise NotSummarized
         return item
 
@@ -207,6 +208,7 @@ class _Walk:
             self.storage.append(run)
             self.shards.runs += 1
             self.out += self._stand_in(1, len(self.storage) - 1) + b"N"
+            self.stack.append(_OPAQUE)  # the stand-in's value: a run of pairs stands as one pair
 
     def _pairs(self, pos: int, end: int) -> int:
         gets = self._gets(
@@ -378,9 +380,10 @@ class _Walk:
             self._pop_mark(StorageRun if op == 0x75 else ChunkRun)
             self._pop()
             stack.append(_OPAQUE)
-        elif op in (0x73, 0x61, 0x62):  # SETITEM, APPEND, BUILD
-            for _ in range(2 if op == 0x73 else 1):
+        elif op in (0x73, 0x61, 0x62):  # SETITEM (a value, then its key), APPEND, BUILD: into the item below
+            if op == 0x73:
                 self._pop()
+            self._pop(StorageRun if op == 0x73 else ChunkRun if op == 0x61 else None)
             self._pop()
             stack.append(_OPAQUE)
         elif op in (0x81, 0x52):  # NEWOBJ, REDUCE

@@ -93,10 +93,11 @@ def test_a_summary_says_what_the_whole_metadata_says(build: str, root: Path) -> 
     _assert_same(whole, summary)
     chunks = sum(len(item.chunks) for item in whole.items.values() if isinstance(item, DcpTensor))
     listed = sum(len(item.chunks) for item in summary.items.values() if isinstance(item, DcpTensor))
+    assert summary.summarized and listed < chunks  # what one process saves too: a list of one chunk is a run
     if build == "chunked":  # one chunk per rank: all but a few summarized
-        assert chunks == chunk_count(8, 40) and listed <= chunks // 20 and summary.summarized
+        assert chunks == chunk_count(8, 40) and listed <= chunks // 20
     if build in ("sharded", "flattened-sharded"):  # two ranks: the first record of each kind is read whole
-        assert listed <= chunks // 4 and summary.summarized
+        assert listed <= chunks // 4
 
 
 @pytest.mark.parametrize("build", sorted(CHECKPOINTS))
