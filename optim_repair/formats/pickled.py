@@ -213,12 +213,14 @@ def _allowed_global(module: str, name: str) -> Any:
 
 
 class _GraphUnpickler(AllowlistUnpickler):
-    def __init__(self, file: BinaryIO, source: str) -> None:
+    def __init__(self, file: BinaryIO, source: str, *, legacy: bool) -> None:
         super().__init__(file, source, _allowed_global)
         self.storages: dict[str, StorageRef] = {}
+        self._pid_length = 6 if legacy else 5
+        """What torch's loader unpacks: ("storage", type, key, location, numel), and the legacy format's view."""
 
     def persistent_load(self, pid: Any) -> StorageRef:
-        if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage"):
+        if not (isinstance(pid, tuple) and len(pid) == self._pid_length and pid[0] == "storage"):
             raise InputError(f"unexpected persistent id {shown(pid)}", path=self.source)
         key, location, numel = pid[2], pid[3], pid[4]
         if isinstance(key, bool) or not isinstance(key, (str, int)) or not isinstance(location, str):
@@ -273,10 +275,11 @@ def check_depth(root: Any, source: str) -> None:
             pending.extend((child, False) for child in _children(node) if _children(child) != ())
 
 
-def load_graph(data: bytes | BinaryIO, source: str, *, ours: bool = False) -> PickleGraph:
-    """Unpickle ``data`` safely into a graph of plain values and stand-ins; no tensor bytes are read."""
+def load_graph(data: bytes | BinaryIO, source: str, *, ours: bool = False, legacy: bool = False) -> PickleGraph:
+    """Unpickle ``data`` safely into a graph of plain values and stand-ins; no tensor bytes are read. ``legacy``:
+    a pickle of the legacy format, whose storages' persistent ids end in a view."""
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
-    unpickler = _GraphUnpickler(stream, source)
+    unpickler = _GraphUnpickler(stream, source, legacy=legacy)
     root = unpickler.load_safely("torch pickle", ours=ours)
     if unpickler.depth_unchecked:
         check_depth(root, source)

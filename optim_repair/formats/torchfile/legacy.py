@@ -62,7 +62,7 @@ def open_legacy(stream: BinaryIO, path: Path, source: str, *, ours: bool = False
         raise TorchRefuses(f"its protocol version is {shown(protocol)}, not {LEGACY_PROTOCOL}", path=source)
     load_graph(stream, source)  # the system it was saved on, which torch reads and ignores
     main_start = stream.tell()
-    graph = load_graph(stream, source, ours=ours)
+    graph = load_graph(stream, source, ours=ours, legacy=True)
     keys = load_graph(stream, source).root
     storage_start = stream.tell()
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):

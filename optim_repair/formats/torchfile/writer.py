@@ -100,8 +100,13 @@ def write_torch_file(
     root, created = edited_root(torch_file, additions, changes)
     data = dump_graph(root)
     replacing = any(addition.replaces for addition in additions) or any(c.new is None for c in changes)
+    legacy = isinstance(torch_file, LegacyTorchFile)
     # the storages only a replaced or dropped entry held are not copied: the new pickle names them no more
-    named = set(load_graph(data, source, ours=True).storages) if replacing else set(torch_file.graph.storages)
+    named = (
+        set(load_graph(data, source, ours=True, legacy=legacy).storages)
+        if replacing
+        else set(torch_file.graph.storages)
+    )
     dropped = frozenset(torch_file.graph.storages) - named
     # Opened without O_TRUNC: truncating a file and writing it anew makes ext4 flush it all at close.
     # An OSError (a full disk, ...) is the writer's to report: it names --out, not the temporary file.

@@ -228,3 +228,33 @@ def test_a_rebuild_function_called_with_the_wrong_count(tmp_path: Path) -> None:
     path = single_file(tmp_path, "checkpoint.pt", {"w": torch.zeros(2)})
     rewrite_pickle(path, _first(b"ccollections\nOrderedDict\n", b"ctorch._utils\n_rebuild_qtensor\n"))
     refused_as_torch_would(path, "a tensor is rebuilt by _rebuild_qtensor with 0 arguments")
+
+
+def _storage_ids(data: bytes) -> list[int]:
+    """Where each storage's persistent id ends in a pickle: its TUPLE (then a memo store, then BINPERSID)."""
+    return [
+        at
+        for at in range(len(data) - 3)
+        if data[at] == ord("t") and data[at + 1] == ord("q") and data[at + 3] == ord("Q")
+    ]
+
+
+def test_a_storage_id_of_the_other_format_is_refused(tmp_path: Path) -> None:
+    """torch's legacy loader unpacks five fields after "storage" (the last a view), its zip loader four: an id of
+    the other length makes either raise, so each is refused as damaged, exit 4 (found by the fuzzer)."""
+    legacy = trainers.unirl_torch(tmp_path / "legacy", legacy=True).path / "checkpoint.pt"
+    data = legacy.read_bytes()
+    view = _storage_ids(data)[0] - 1
+    assert data[view : view + 1] == b"N"  # no view
+    legacy.write_bytes(data[:view] + data[view + 1 :])
+    with pytest.raises(ValueError, match="not enough values to unpack"):
+        torch.load(legacy, weights_only=False)
+    assert "unexpected persistent id" in run_cli(["inspect", legacy], code=4).stderr
+
+    zipped = trainers.unirl_torch(tmp_path / "zip").path / "checkpoint.pt"
+    rewrite_pickle(
+        zipped, lambda pickled: pickled[: _storage_ids(pickled)[0]] + b"N" + pickled[_storage_ids(pickled)[0] :]
+    )
+    with pytest.raises(ValueError, match="too many values to unpack"):
+        torch.load(zipped, weights_only=True)
+    assert "unexpected persistent id" in run_cli(["inspect", zipped], code=4).stderr
