@@ -30,9 +30,9 @@ from optim_repair.formats.dcp.metadata import (
     StorageIndex,
     display_path,
 )
-from optim_repair.formats.dcp.metadata_records import ChunkRun, ShardEnds, StorageRun
-from optim_repair.formats.dcp.metadata_summary import MODULE as SUMMARY_MODULE
-from optim_repair.formats.dcp.metadata_summary import NotSummarized, Summary, summarize
+from optim_repair.formats.dcp.metadata_records import MODULE as SUMMARY_MODULE
+from optim_repair.formats.dcp.metadata_records import ChunkRun, NotSummarized, ShardEnds, StorageRun, Summary
+from optim_repair.formats.dcp.metadata_summary import summarize
 from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickle_limits import check_pickle
 from optim_repair.formats.unpickling import AllowlistUnpickler, collection_paused

@@ -4,7 +4,7 @@ A chunk is a ``ChunkStorageMetadata`` (its offsets and sizes, two ``torch.Size``
 ``MetadataIndex`` and ``_StorageInfo`` pair: each pickled in the same few dozen bytes, with its class and field
 names fetched from the memo. The patterns here match exactly those bytes, built from the fetches of the memo
 entries that hold the names (``metadata_summary`` knows which), and a ``ChunkRun`` or ``StorageRun`` holds
-what consecutive records sum to.
+what consecutive records sum to. A ``Summary`` is what a walk leaves: the pickle that remains, and its runs.
 """
 
 from __future__ import annotations
@@ -62,6 +62,29 @@ class StorageRun:
     shards: ShardEnds
     count: int = 0
     keys: set[str] = field(default_factory=set)
+
+
+MODULE = "optim_repair.summarized"
+"""The module of the stand-in global that takes a run's place in the summarized pickle."""
+
+
+class NotSummarized(Exception):
+    """The pickle is not one ``summarize`` follows exactly: read it whole."""
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A ``.metadata`` summarized: the pickle that remains, and the runs its stand-ins name."""
+
+    data: bytes
+    name: str
+    """The stand-in global's name (``MODULE.name``), drawn afresh for each walk so no file can name it."""
+    chunks: list[ChunkRun]
+    storage: list[StorageRun]
+
+    def stand_in(self, kind: int, index: int) -> ChunkRun | StorageRun:
+        """The run a stand-in names: ``REDUCE`` of the global with ``(kind, index)``."""
+        return self.chunks[index] if kind == 0 else self.storage[index]
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ import re
 import secrets
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 from math import prod
 from typing import Any
 
@@ -30,41 +29,21 @@ from optim_repair.formats.dcp.metadata_records import (
     CHUNK_MEMO,
     CLASSES,
     MAX_NDIM,
+    MODULE,
     PAIR_MEMO,
     SMALL_INTS,
     ChunkRun,
     Global,
+    NotSummarized,
     ShardEnds,
     StorageRun,
+    Summary,
     chunk_pattern,
     fetch,
     int_value,
     pair_pattern,
     safe_path,
 )
-
-MODULE = "optim_repair.summarized"
-"""The module of the stand-in global that takes a run's place in the summarized pickle."""
-
-
-class NotSummarized(Exception):
-    """The pickle is not one ``summarize`` follows exactly: read it whole."""
-
-
-@dataclass(frozen=True)
-class Summary:
-    """A ``.metadata`` summarized: the pickle that remains, and the runs its stand-ins name."""
-
-    data: bytes
-    name: str
-    """The stand-in global's name (``MODULE.name``), drawn afresh for each walk so no file can name it."""
-    chunks: list[ChunkRun]
-    storage: list[StorageRun]
-
-    def stand_in(self, kind: int, index: int) -> ChunkRun | StorageRun:
-        """The run a stand-in names: ``REDUCE`` of the global with ``(kind, index)``."""
-        return self.chunks[index] if kind == 0 else self.storage[index]
-
 
 _RELEASE_EVERY = 1 << 22
 """How far the walk goes before it lets go of the pages behind it (4 MiB: the walk's own memory stays flat)."""

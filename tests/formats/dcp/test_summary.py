@@ -25,7 +25,8 @@ from optim_repair.checkpoint.reading import read_parsed
 from optim_repair.errors import InputError, UnsafeInputError
 from optim_repair.formats.dcp import METADATA_FILE, DcpMetadata, DcpTensor, read_metadata
 from optim_repair.formats.dcp.metadata_reader import read_summary
-from optim_repair.formats.dcp.metadata_summary import NotSummarized, summarize
+from optim_repair.formats.dcp.metadata_records import NotSummarized
+from optim_repair.formats.dcp.metadata_summary import summarize
 from optim_repair.formats.dcp.storage import check_ranges
 from tests.factories import dcp
 from tests.factories.chunked import build_chunked, chunk_count
