@@ -16,9 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from click.testing import Result
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from typer.testing import Result
 
 from optim_repair.checkpoint.discovery import discover
 from optim_repair.checkpoint.reading import read_parsed
