@@ -31,7 +31,14 @@ from optim_repair.formats.dcp.metadata import (
     display_path,
 )
 from optim_repair.formats.dcp.metadata_records import MODULE as SUMMARY_MODULE
-from optim_repair.formats.dcp.metadata_records import ChunkRun, NotSummarized, ShardEnds, StorageRun, Summary
+from optim_repair.formats.dcp.metadata_records import (
+    ChunkRun,
+    NotSummarized,
+    ShardEnds,
+    StorageRun,
+    Summary,
+    path_fault,
+)
 from optim_repair.formats.dcp.metadata_summary import summarize
 from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickle_limits import check_pickle
@@ -210,14 +217,10 @@ def _tensor_item(value: Any, key: str, source: str) -> tuple[DcpTensor, int]:
 
 
 def _relative_path(value: Any, source: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise InputError(f"a storage entry names the file {shown(value)}", path=source)
-    pure = PurePosixPath(value)
-    if "\x00" in value:
-        raise InputError(f"a storage entry names the file {shown(value)}, which holds a NUL byte", path=source)
-    if pure.is_absolute() or ".." in pure.parts or "\\" in value:
-        raise InputError(f"a storage entry points outside the checkpoint directory ({shown(value)})", path=source)
-    return value
+    fault = path_fault(value)
+    if fault is not None:
+        raise InputError(fault, path=source)
+    return str(value)
 
 
 def _storage_entry(

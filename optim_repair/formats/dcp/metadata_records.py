@@ -13,6 +13,9 @@ import re
 import struct
 from dataclasses import dataclass, field
 from functools import cache
+from pathlib import PurePosixPath
+
+from optim_repair.errors import shown
 
 _CHECKPOINT = "torch.distributed.checkpoint.metadata"
 CLASSES = {
@@ -151,13 +154,14 @@ def pair_pattern(gets: tuple[bytes, ...], ndim: int, written: int | None) -> re.
     return re.compile(body, re.DOTALL)
 
 
-def safe_path(value: object) -> bool:
-    """Whether a shard's name is one the full read accepts without a word (else the record is read whole)."""
-    return (
-        isinstance(value, str)
-        and bool(value)
-        and "\x00" not in value
-        and "\\" not in value
-        and not value.startswith("/")
-        and ".." not in value.split("/")
-    )
+def path_fault(value: object) -> str | None:
+    """What is wrong with a storage entry's shard name, as its refusal says it; None for a name inside the
+    checkpoint directory (the one judge of both reads: the walk reads a record naming any other whole)."""
+    if not isinstance(value, str) or not value:
+        return f"a storage entry names the file {shown(value)}"
+    if "\x00" in value:
+        return f"a storage entry names the file {shown(value)}, which holds a NUL byte"
+    pure = PurePosixPath(value)
+    if pure.is_absolute() or ".." in pure.parts or "\\" in value:
+        return f"a storage entry points outside the checkpoint directory ({shown(value)})"
+    return None

@@ -42,7 +42,7 @@ from optim_repair.formats.dcp.metadata_records import (
     fetch,
     int_value,
     pair_pattern,
-    safe_path,
+    path_fault,
 )
 
 _RELEASE_EVERY = 1 << 22
@@ -226,7 +226,7 @@ class _Walk:
                 written_count += 1  # its string is kept as bytes, decoded once per name below
             relative_path = strings[fetched_path] if fetched_path in strings else string(fetched_path)
             if relative_path not in safe:
-                if relative_path is None or not safe_path(relative_path):
+                if relative_path is None or path_fault(relative_path) is not None:
                     break
                 safe.add(relative_path)
             # BININT1, BININT2 or BININT, decoded inline: this runs once per chunk
