@@ -83,6 +83,7 @@ def _check_end_record(stream: BinaryIO, start: int, records: list[zipfile.ZipInf
     end = zipfile._EndRecData(stream)  # type: ignore[attr-defined]  # stable since Python 2; zipfile's own parse
     if end is None:
         return  # zipfile has refused it already
+    _check_zip64_locator(stream, end[zipfile._ECD_LOCATION], source)  # type: ignore[attr-defined]
     disk, directory_disk = end[zipfile._ECD_DISK_NUMBER], end[zipfile._ECD_DISK_START]  # type: ignore[attr-defined]
     here, total = end[zipfile._ECD_ENTRIES_THIS_DISK], end[zipfile._ECD_ENTRIES_TOTAL]  # type: ignore[attr-defined]
     if (disk | directory_disk) > 1 or here != total:
@@ -98,6 +99,25 @@ def _check_end_record(stream: BinaryIO, start: int, records: list[zipfile.ZipInf
         at += _CENTRAL_ENTRY + sum(struct.unpack_from("<3H", directory, at + 28))
     if at != size:
         raise TorchRefuses("the entries of its directory run past the size its end record gives it", path=source)
+
+
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")
+"""The zip64 end locator before the end record: its signature, a disk, where the zip64 end record is, the disks."""
+_ZIP64_END = 56
+
+
+def _check_zip64_locator(stream: BinaryIO, end: int, source: str) -> None:
+    """Refuse a zip64 end locator that miniz, torch's zip reader, refuses: one that puts the zip64 end record past
+    the archive ("not a ZIP archive"). zipfile reads that record just before the locator, whatever it says."""
+    if end < _ZIP64_LOCATOR.size:
+        return
+    stream.seek(end - _ZIP64_LOCATOR.size)
+    signature, _, where, _ = _ZIP64_LOCATOR.unpack(stream.read(_ZIP64_LOCATOR.size))
+    if signature != b"PK\x06\x07":
+        return
+    size = stream.seek(0, io.SEEK_END)
+    if where > size - _ZIP64_END:
+        raise TorchRefuses(f"its zip64 end locator puts the zip64 end record at {where}, past its end", path=source)
 
 
 _CENTRAL_ENTRY = 46

@@ -258,3 +258,12 @@ def test_a_storage_id_of_the_other_format_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="too many values to unpack"):
         torch.load(zipped, weights_only=True)
     assert "unexpected persistent id" in run_cli(["inspect", zipped], code=4).stderr
+
+
+def test_a_zip64_end_locator_pointing_past_the_archive(tmp_path: Path) -> None:
+    """zipfile reads the zip64 end record just before the locator, miniz where the locator says (found by the
+    fuzzer, in a DCP bytes entry)."""
+    path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
+    locator = path.read_bytes().rindex(b"PK\x06\x07")
+    overwrite(path, locator + 8 + 4, b"\xff")  # the high half of the record's offset
+    refused_as_torch_would(path, "its zip64 end locator puts the zip64 end record at ")
