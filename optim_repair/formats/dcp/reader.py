@@ -14,7 +14,7 @@ from optim_repair.errors import InputError
 from optim_repair.formats.dcp.layout import DcpOptimizer, find_optimizers, longest_name, model_weights
 from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpBytes, DcpMetadata, DcpTensor, display_path
 from optim_repair.formats.dcp.metadata_reader import read_metadata, read_summary
-from optim_repair.formats.dcp.storage import check_bytes_entries, check_ranges, read_bytes_entries
+from optim_repair.formats.dcp.storage import LocalShards, ShardFiles, check_ranges, read_bytes_entries
 from optim_repair.formats.pickled import option_value, state_value
 from optim_repair.records.inventory import (
     FileInventory,
@@ -116,15 +116,19 @@ def _flattened_layout(
     return groups, _state_entries(meta, state, values)
 
 
-def read_dcp(path: Path, rel: str, *, keep: dict[str, DcpMetadata] | None = None) -> FileInventory:
+def read_dcp(
+    path: Path, rel: str, *, keep: dict[str, DcpMetadata] | None = None, shards: ShardFiles | None = None
+) -> FileInventory:
     """The optimizers (and model weights) of the DCP directory ``path``, from its metadata alone.
 
     ``rel`` is the directory relative to the user's argument ("" when it is the argument); ``keep``
     receives the metadata under ``rel``, read whole, for a writer to reuse instead of reading it again (without
     it, the metadata is summarized as it is read: ``read_summary``). Only the
     optimizers' bytes entries are read from the shards (the others are checked as archives, not unpickled);
-    no tensor bytes, and torch is not imported.
+    no tensor bytes, and torch is not imported. ``shards`` is where the shards are read: by default the files
+    beside ``.metadata``; for a checkpoint in object storage, its objects (``path`` then holds ``.metadata`` alone).
     """
+    shards = shards or LocalShards(path)
     if keep is None:
         meta = read_summary(path, rel)
     else:
@@ -135,14 +139,14 @@ def read_dcp(path: Path, rel: str, *, keep: dict[str, DcpMetadata] | None = None
         slot.key for optimizer in optimizers for slot in optimizer.slots if isinstance(meta.items[slot.key], DcpBytes)
     ]
     try:
-        check_ranges(path, meta, rel)
+        check_ranges(shards, meta, rel)
     except InputError:
         if meta.summarized:  # the whole read names the entry it meets first, as every reader of it would
-            check_ranges(path, read_metadata(path, rel), rel)
+            check_ranges(shards, read_metadata(path, rel), rel)
         raise
-    values = read_bytes_entries(path, meta, wanted, rel)
-    others = [key for key, item in meta.items.items() if isinstance(item, DcpBytes) and key not in values]
-    check_bytes_entries(path, meta, others, rel)
+    optimizer_keys = set(wanted)
+    others = [key for key, item in meta.items.items() if isinstance(item, DcpBytes) and key not in optimizer_keys]
+    values = read_bytes_entries(shards, meta, wanted, others, rel)
     weights = model_weights(meta, optimizers)
     known = {name for tensors in weights.values() for name in tensors}
     inventories = []

@@ -11,7 +11,7 @@ import io
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from optim_repair.errors import InputError, os_error_reason, shown
 from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpMetadata, DcpStorage, display_path
@@ -88,7 +88,37 @@ def read_saved_object(data: bytes, source: str) -> PickleGraph:
     return open_zip(_whole_archive(data, source), Path(source), source).graph
 
 
-def read_ranges(directory: Path, wanted: Mapping[str, DcpStorage], display: str) -> Iterator[tuple[str, bytes]]:
+class ShardFiles(Protocol):
+    """Where a DCP checkpoint's shards are read: files of a directory (``LocalShards``), or objects in a store."""
+
+    def size(self, relative: str, where: str) -> int:
+        """The size of the shard ``relative`` (named ``where`` in messages)."""
+
+    def read(self, relative: str, ranges: Sequence[tuple[int, int]], where: str) -> Iterator[bytes]:
+        """The bytes of each ``(offset, length)`` of the shard ``relative``, each inside it, in the order given."""
+
+
+class LocalShards:
+    """The shards of a DCP directory on a file system, each opened beneath it as a regular file."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def size(self, relative: str, where: str) -> int:
+        with open_beneath(self.directory, relative, where) as stream:
+            return size_of(stream)
+
+    def read(self, relative: str, ranges: Sequence[tuple[int, int]], where: str) -> Iterator[bytes]:
+        try:
+            with open_beneath(self.directory, relative, where) as stream:
+                for offset, length in ranges:  # one at a time: a shard's entries are never all held at once
+                    stream.seek(offset)
+                    yield stream.read(length)
+        except OSError as exc:
+            raise InputError(f"cannot read ({os_error_reason(exc)})", path=where) from exc
+
+
+def read_ranges(shards: ShardFiles, wanted: Mapping[str, DcpStorage], display: str) -> Iterator[tuple[str, bytes]]:
     """The bytes of each wanted bytes entry, reading each file once, in offset order; none longer than
     ``MAX_BYTES_ENTRY``."""
     by_file: dict[str, list[tuple[str, DcpStorage]]] = {}
@@ -96,22 +126,19 @@ def read_ranges(directory: Path, wanted: Mapping[str, DcpStorage], display: str)
         by_file.setdefault(info.relative_path, []).append((key, info))
     for relative, reads in by_file.items():
         where = display_path(display, relative)
-        try:
-            with open_beneath(directory, relative, where) as stream:
-                size = size_of(stream)
-                for key, info in sorted(reads, key=lambda read: read[1].offset):
-                    if info.offset + info.length > size:
-                        raise InputError(f"truncated; {shown(key)} lies past its end", path=where)
-                    if info.length > MAX_BYTES_ENTRY:
-                        too_long = f"{shown(key)} holds {info.length} bytes, more than {MAX_BYTES_ENTRY}"
-                        raise InputError(too_long, path=where)
-                    stream.seek(info.offset)
-                    yield key, stream.read(info.length)
-        except OSError as exc:
-            raise InputError(f"cannot read ({os_error_reason(exc)})", path=where) from exc
+        size = shards.size(relative, where)
+        reads.sort(key=lambda read: read[1].offset)
+        for key, info in reads:
+            if info.offset + info.length > size:
+                raise InputError(f"truncated; {shown(key)} lies past its end", path=where)
+            if info.length > MAX_BYTES_ENTRY:
+                too_long = f"{shown(key)} holds {info.length} bytes, more than {MAX_BYTES_ENTRY}"
+                raise InputError(too_long, path=where)
+        data = shards.read(relative, [(info.offset, info.length) for _, info in reads], where)
+        yield from zip((key for key, _ in reads), data, strict=True)
 
 
-def check_ranges(directory: Path, meta: DcpMetadata, display: str) -> None:
+def check_ranges(shards: ShardFiles, meta: DcpMetadata, display: str) -> None:
     """Every stored range lies inside its shard (each shard is opened once, as a regular file)."""
     by_file: dict[str, list[tuple[str, int]]] = {}
     for (key, _), info in meta.storage.items():
@@ -120,8 +147,7 @@ def check_ranges(directory: Path, meta: DcpMetadata, display: str) -> None:
         by_file.setdefault(relative, []).append((key, end))
     for relative, entries in by_file.items():
         where = display_path(display, relative)
-        with open_beneath(directory, relative, where) as stream:
-            size = size_of(stream)
+        size = shards.size(relative, where)
         for key, end in entries:
             if end > size:
                 raise InputError(f"truncated; {shown(key)} lies past its end", path=where)
@@ -134,32 +160,29 @@ def _bytes_entry_storage(meta: DcpMetadata, key: str, source: str) -> DcpStorage
     return info
 
 
-def read_bytes_entries(directory: Path, meta: DcpMetadata, keys: Sequence[str], rel: str) -> dict[str, Any]:
-    """The objects ``torch.save``'d in the bytes entries ``keys``, unpickled safely.
+def read_bytes_entries(
+    shards: ShardFiles, meta: DcpMetadata, keys: Sequence[str], others: Sequence[str], rel: str
+) -> dict[str, Any]:
+    """The objects ``torch.save``'d in the bytes entries ``keys``, unpickled safely; each of ``others`` (those no
+    optimizer holds: a scheduler's, a dataloader's) is checked as an archive ``dcp.load`` can open, as torch's
+    reader checks it, and its pickle, which ``dcp.load`` unpickles with ``weights_only=False``, is not read.
+    Each shard is read once for all of them.
 
     Entries with the same bytes (the flattened layout repeats each option for every parameter)
     are unpickled once.
     """
     source = display_path(rel, METADATA_FILE)
-    wanted = {key: _bytes_entry_storage(meta, key, source) for key in keys}
+    wanted = {key: _bytes_entry_storage(meta, key, source) for key in (*keys, *others)}
+    unpickle = set(keys)
     values = {}
     unpickled: dict[tuple[bytes, tuple[str, ...]], Any] = {}
-    for key, data in read_ranges(directory, wanted, rel):
-        info = wanted[key]
-        if (data, info.transforms) not in unpickled:
-            where = f"{display_path(rel, info.relative_path)}:{key}"
-            unpickled[data, info.transforms] = read_saved_object(untransform(data, info.transforms, where), where).root
-        values[key] = unpickled[data, info.transforms]
-    return values
-
-
-def check_bytes_entries(directory: Path, meta: DcpMetadata, keys: Sequence[str], rel: str) -> None:
-    """Check that each of the bytes entries ``keys`` (those no optimizer holds: a scheduler's, a dataloader's) is
-    an archive ``dcp.load`` can open, as torch's reader checks it; their pickles, which ``dcp.load`` unpickles
-    with ``weights_only=False``, are not read."""
-    source = display_path(rel, METADATA_FILE)
-    wanted = {key: _bytes_entry_storage(meta, key, source) for key in keys}
-    for key, data in read_ranges(directory, wanted, rel):
+    for key, data in read_ranges(shards, wanted, rel):
         info = wanted[key]
         where = f"{display_path(rel, info.relative_path)}:{key}"
-        check_archive(_whole_archive(untransform(data, info.transforms, where), where), where)
+        if key not in unpickle:
+            check_archive(_whole_archive(untransform(data, info.transforms, where), where), where)
+        elif (data, info.transforms) not in unpickled:
+            unpickled[data, info.transforms] = read_saved_object(untransform(data, info.transforms, where), where).root
+        if key in unpickle:
+            values[key] = unpickled[data, info.transforms]
+    return values

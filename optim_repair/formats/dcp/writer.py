@@ -8,6 +8,7 @@ which follows the discovery list), and gains one shard holding the new entries a
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from optim_repair.errors import InputError, OutputError, os_error_reason
@@ -22,9 +23,9 @@ from optim_repair.records.dtypes import numel
 from optim_repair.records.repair_plan import AddedValue, FreshTensor
 
 
-def _shard_name(src: Path) -> str:
+def _shard_name(taken: Callable[[str], bool]) -> str:
     number = 0
-    while (src / f"__optim_repair_{number}{SHARD_SUFFIX}").exists():
+    while taken(f"__optim_repair_{number}{SHARD_SUFFIX}"):
         number += 1
     return f"__optim_repair_{number}{SHARD_SUFFIX}"
 
@@ -57,9 +58,12 @@ def _write_value(target: int, base: int, value: AddedValue) -> int:
     return _write_archive(target, base, value, None)
 
 
-def write_planned_dcp(src: Path, planned: PlannedEntries, dest: Path) -> None:
+def write_planned_dcp(
+    src: Path, planned: PlannedEntries, dest: Path, *, taken: Callable[[str], bool] | None = None
+) -> None:
     """Write into the directory ``dest`` the shard and ``.metadata`` that ``planned`` holds for ``src``.
 
+    The new shard's name is one ``taken`` says no file of the checkpoint has (by default: none in ``src``).
     Writes nothing when there is nothing to change; every original file but ``.metadata`` is the caller's
     to copy: renames and drops rewrite no shard. The new ``.metadata`` is the original pickle, as the safe
     reader checked it, extended by the new entries, or (with changes) with its tables rebuilt from
@@ -67,15 +71,16 @@ def write_planned_dcp(src: Path, planned: PlannedEntries, dest: Path) -> None:
     one new shard. Syncing what it writes to the disk is the caller's.
     """
     if planned.rewrites_metadata:
-        _write_entries(src, planned, dest, display_path(str(src), METADATA_FILE))
+        source = display_path(str(src), METADATA_FILE)
+        _write_entries(planned, dest, source, taken or (lambda name: (src / name).exists()))
 
 
-def _write_entries(src: Path, planned: PlannedEntries, dest: Path, source: str) -> None:
+def _write_entries(planned: PlannedEntries, dest: Path, source: str, taken: Callable[[str], bool]) -> None:
     """Write the new shard, and the original metadata extended by the new entries."""
     extensible = planned.original.pickle
     if extensible is None:  # plan_dcp refused it
         raise InputError("its pickle does not keep the metadata tables where a repair can extend them", path=source)
-    shard = _shard_name(src)
+    shard = _shard_name(taken)
     placed: dict[str, Place] = {}
     rekeyed = planned.rekeyed
     values: list[tuple[str, AddedValue]] = [(entry.key, entry.value) for entry in planned.entries]

@@ -27,7 +27,7 @@ from optim_repair.formats.dcp import METADATA_FILE, DcpMetadata, DcpTensor, read
 from optim_repair.formats.dcp.metadata_reader import read_summary
 from optim_repair.formats.dcp.metadata_records import NotSummarized
 from optim_repair.formats.dcp.metadata_summary import summarize
-from optim_repair.formats.dcp.storage import check_ranges
+from optim_repair.formats.dcp.storage import LocalShards, check_ranges
 from tests.factories import dcp
 from tests.factories.chunked import build_chunked, chunk_count
 
@@ -220,7 +220,7 @@ def test_a_shard_shorter_than_a_summarized_chunk_needs_is_truncated(root: Path, 
     shard.write_bytes(data[: len(data) // 2])  # half its entries lie past its end: the first met is named
     result = cli(["inspect", path], code=4)
     with pytest.raises(InputError) as whole:
-        check_ranges(path, read_metadata(path), "")
+        check_ranges(LocalShards(path), read_metadata(path), "")
     assert "__3_0.distcp: truncated; " in str(whole.value)
     assert result.stderr == f"optim-repair: error: {whole.value}\n"  # the entry the whole read meets first
 
