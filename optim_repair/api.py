@@ -6,10 +6,11 @@ import functools
 import importlib.metadata
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
+from optim_repair.checkpoint import remote
 from optim_repair.checkpoint.discovery import Discovery, discover, latest_step
 from optim_repair.checkpoint.planning import FinishedPlan, finish_plan
 from optim_repair.checkpoint.reading import Parsed, read_model_weights, read_parsed
@@ -21,7 +22,9 @@ from optim_repair.progress import Notice, Progress, Reporter, ignore, silent
 from optim_repair.records.inventory import CheckpointInventory
 from optim_repair.records.repair_plan import Addition, Fill, PlanFill, RepairPlan
 from optim_repair.records.request import NO_OPERATIONS, CopyRequest, Operations, PlanRequest
+from optim_repair.records.traffic import Traffic
 from optim_repair.records.verification import Verification
+from optim_repair.storage.s3 import is_s3
 from optim_repair.version import __version__
 
 
@@ -44,7 +47,13 @@ def versions() -> Versions:
 
 
 def inspect(
-    path: str | Path, *, strict: bool = False, model: str | Path | None = None, dereference: bool = False
+    path: str | Path,
+    *,
+    strict: bool = False,
+    model: str | Path | None = None,
+    dereference: bool = False,
+    profile: str | None = None,
+    endpoint_url: str | None = None,
 ) -> Diagnosis:
     """Read ``path`` (a torch file, a checkpoint directory or a DCP directory) and diagnose it.
 
@@ -56,8 +65,16 @@ def inspect(
     unsafely. A symbolic link under ``path`` is read through when it reaches a regular file outside the
     checkpoint, and a linked directory is not walked; ``dereference`` follows every link (``cp -L``).
     Raises ``optim_repair.errors.InputError`` when there is nothing to inspect.
+
+    ``path`` may be a prefix in object storage, as a string (``"s3://bucket/step-1000/"``: the ``optim-repair[s3]``
+    extra), read with the AWS CLI's credentials and endpoint, or ``profile`` and ``endpoint_url``; of it, only each
+    DCP checkpoint's ``.metadata`` and bytes entries are read (``inventory.traffic`` counts the requests).
     """
     weights = read_model_weights(Path(model)) if model is not None else None
+    if is_s3(path):
+        with remote.opened(str(path), profile=profile, endpoint_url=endpoint_url) as stored:
+            inventory = stored.read(keep=False)[0]
+            return diagnose(replace(inventory, traffic=stored.store.traffic()), strict=strict, model=weights)
     found = discover(Path(path), dereference=dereference)
     inventory, _ = _read_unchanged(found, keep=False)
     return diagnose(inventory, strict=strict, model=weights)
@@ -104,7 +121,12 @@ def plan(
     for everything ``fix`` would refuse.
     """
     request = _request(fill, optimizer, model, reset_phantom_step, operations)
-    return _finished(_read(checkpoint, dereference), request).plan
+    read = _read(checkpoint, dereference)
+    return _finished(read.diagnosis, read.found.target, read.parsed, request).plan
+
+
+def _remote(checkpoint: str | Path | Diagnosis) -> bool:
+    return is_s3(checkpoint.path if isinstance(checkpoint, Diagnosis) else checkpoint)
 
 
 def _request(
@@ -137,14 +159,15 @@ def _read(checkpoint: str | Path | Diagnosis, dereference: bool) -> _Read:
     return _Read(diagnose(inventory), found, parsed)
 
 
-def _finished(read: _Read, request: PlanRequest) -> FinishedPlan:
-    """The repair plan ``request`` asks for, finished in every file's format (each refusal raised)."""
+def _finished(diagnosis: Diagnosis, target: Path, parsed: Parsed, request: PlanRequest) -> FinishedPlan:
+    """The repair plan ``request`` asks for, finished in every file's format (each refusal raised) as read under
+    ``target``."""
     weights = read_model_weights(request.model) if request.model is not None else ()
     repair = plan_repair(
-        read.diagnosis, request.fill, optimizer=request.optimizer, model_weights=weights,
+        diagnosis, request.fill, optimizer=request.optimizer, model_weights=weights,
         reset_phantom_step=request.reset_phantom_step, operations=request.operations,
     )  # fmt: skip
-    return finish_plan(read.found, read.diagnosis.inventory, repair, read.parsed)
+    return finish_plan(target, diagnosis.inventory, repair, parsed)
 
 
 def model_changes(
@@ -204,8 +227,12 @@ def dry_run(
     operations: Operations = NO_OPERATIONS,
 ) -> DryRun:
     """What ``fix`` with the same arguments would add and write, and the room there is for it; writes nothing."""
+    if _remote(checkpoint) or is_s3(out):
+        raise UsageError("a dry run reads local checkpoints only in this version")
     read = _read(checkpoint, dereference)
-    finished = _finished(read, _request(fill, optimizer, model, reset_phantom_step, operations))
+    finished = _finished(
+        read.diagnosis, read.found.target, read.parsed, _request(fill, optimizer, model, reset_phantom_step, operations)
+    )
     target = output_path(read.found.root, out)
     needed = space_needed(read.found, finished, link=link)
     return DryRun(read.diagnosis, finished.plan, target, needed, free_space(target))
@@ -217,8 +244,11 @@ class FixResult:
 
     diagnosis: Diagnosis
     plan: RepairPlan
-    out: Path
+    out: Path | str
+    """The copy: a path, or an ``s3://`` prefix."""
     verification: Verification
+    traffic: Traffic | None = None
+    """For a copy in object storage: the requests and bytes reading, copying and writing took."""
 
     @property
     def fill(self) -> PlanFill:
@@ -244,6 +274,9 @@ def fix(
     operations: Operations = NO_OPERATIONS,
     progress: Progress = ignore,
     notice: Notice = silent,
+    verify: Literal["store", "download"] = "store",
+    profile: str | None = None,
+    endpoint_url: str | None = None,
 ) -> FixResult:
     """Write a repaired copy of ``checkpoint`` to ``out``, verified as read back; the input is never modified.
 
@@ -262,9 +295,27 @@ def fix(
     state, once every byte of its moments is proven zero. ``operations`` (see ``model_changes()``) rename,
     drop and add parameters first, when the model changed. Refused up front when the file system holding
     ``out`` has too little room for the copy.
+
+    A checkpoint in object storage (``"s3://bucket/step-1000/"``, see ``inspect``) is written to an empty prefix
+    (``out``, ``"s3://..."``; ``force`` empties it first) by server-side copies and one new shard, each
+    ``.metadata`` last; the copies are proven by the store's checksums, or with ``verify="download"`` read back.
     """
+    request = _request(fill, optimizer, model, reset_phantom_step, operations)
+    if _remote(checkpoint):
+        path = checkpoint.path if isinstance(checkpoint, Diagnosis) else str(checkpoint)
+        with remote.opened(path, profile=profile, endpoint_url=endpoint_url) as stored:
+            inventory, parsed = stored.read(keep=True)
+            diagnosis = diagnose(inventory)
+            finished = _finished(diagnosis, stored.mirror, parsed, request)
+            reporter = Reporter(progress, notice)
+            verification, traffic = remote.write_remote(
+                stored, finished, os.fspath(out), force=force, read_back=verify == "download", reporter=reporter
+            )
+        return FixResult(diagnosis, finished.plan, os.fspath(out), verification, traffic)
+    if is_s3(out):
+        raise UsageError("a local checkpoint is written to a local path in this version")
     read = _read(checkpoint, dereference)
-    finished = _finished(read, _request(fill, optimizer, model, reset_phantom_step, operations))
+    finished = _finished(read.diagnosis, read.found.target, read.parsed, request)
     target = output_path(read.found.root, out)
     copy = CopyRequest(force=force, link=link, sync=sync)
     verification = write_copy(read.found, finished, target, copy, Reporter(progress, notice))

@@ -175,8 +175,8 @@ def _run_in(workdir: Path, progress: Callable[[str], None]) -> DemoReport:
     reference = _uninterrupted()
     empty, fresh = fixes
     outcomes = (
-        _resume(empty.out, "empty", STOCK, reference),
-        _resume(empty.out, "empty", LAZY, reference),
-        _resume(fresh.out, "fresh", STOCK, reference),
+        _resume(Path(empty.out), "empty", STOCK, reference),
+        _resume(Path(empty.out), "empty", LAZY, reference),
+        _resume(Path(fresh.out), "fresh", STOCK, reference),
     )
     return DemoReport(checkpoint, stock_error, diagnosis, fixes, outcomes)

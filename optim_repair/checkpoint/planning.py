@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from optim_repair.checkpoint.adapters import ADAPTERS, PlannedFile
-from optim_repair.checkpoint.discovery import Discovery, Role
+from optim_repair.checkpoint.discovery import Role
 from optim_repair.checkpoint.reading import Parsed
 from optim_repair.records.inventory import CheckpointInventory
 from optim_repair.records.repair_plan import RepairPlan
@@ -34,13 +35,14 @@ def _role(inventory_format: str) -> Role:
 
 
 def finish_plan(
-    found: Discovery, inventory: CheckpointInventory, plan: RepairPlan, parsed: Parsed | None = None
+    target: Path, inventory: CheckpointInventory, plan: RepairPlan, parsed: Parsed | None = None
 ) -> FinishedPlan:
-    """Plan every file of ``inventory`` in its format; raise ``RepairRefused`` (or ``InputError``) for the first
-    thing a writer could not do. ``parsed`` holds what reading parsed; what it lacks is read again."""
+    """Plan every file of ``inventory`` (read under ``target``) in its format; raise ``RepairRefused`` (or
+    ``InputError``) for the first thing a writer could not do. ``parsed`` holds what reading parsed; what it
+    lacks is read again."""
     parsed = parsed or Parsed()
     files = {}
     for file in inventory.files:
-        path = found.target / file.file if file.file else found.target
+        path = target / file.file if file.file else target
         files[file.file] = ADAPTERS[_role(file.format)](path, file, plan, parsed)
     return FinishedPlan(plan, files)

@@ -126,9 +126,21 @@ def rename_pair(text: str) -> tuple[str, str]:
 
 
 Checkpoint = Annotated[
-    Path,
+    str,
     typer.Argument(
-        metavar="CKPT", help="A torch file, a checkpoint directory, or a DCP directory.", show_default=False
+        metavar="CKPT",
+        help="A torch file, a checkpoint directory, or a DCP directory; or s3://BUCKET/PREFIX/ (DCP checkpoints).",
+        show_default=False,
+    ),
+]
+ProfileOption = Annotated[
+    str | None,
+    typer.Option("--profile", metavar="NAME", help="For s3://: the AWS profile (default: as the AWS CLI finds it)."),
+]
+EndpointOption = Annotated[
+    str | None,
+    typer.Option(
+        "--endpoint-url", metavar="URL", help="For s3://: an S3-compatible endpoint (default: AWS_ENDPOINT_URL)."
     ),
 ]
 JsonFlag = Annotated[

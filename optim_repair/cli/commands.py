@@ -15,9 +15,11 @@ from optim_repair.cli.boundary import (
     ColorOption,
     Command,
     DereferenceFlag,
+    EndpointOption,
     Group,
     JsonFlag,
     LatestFlag,
+    ProfileOption,
     QuietFlag,
     choice,
     exit_codes,
@@ -29,7 +31,8 @@ from optim_repair.cli.boundary import (
     writes_to,
 )
 from optim_repair.decisions.optimizers import OPTIMIZERS
-from optim_repair.errors import ClosedPipe, ExitCode, Stopped
+from optim_repair.errors import ClosedPipe, ExitCode, Stopped, UsageError
+from optim_repair.storage.s3 import is_s3
 
 app = typer.Typer(
     cls=Group,
@@ -58,10 +61,12 @@ def _main(
     """Find and repair missing optimizer state in PyTorch checkpoints, without touching the original."""
 
 
-def _step(checkpoint: Path, latest: bool, screen: render.Screen) -> Path:
+def _step(checkpoint: str, latest: bool, screen: render.Screen) -> str | Path:
     """The checkpoint a command works on: ``checkpoint``, or with ``--latest`` its run's newest complete step."""
     if not latest:
-        return checkpoint
+        return checkpoint if is_s3(checkpoint) else Path(checkpoint)
+    if is_s3(checkpoint):
+        raise UsageError("--latest finds steps of local run directories only; name the step's prefix")
     step = api.latest_checkpoint(checkpoint)
     on_stderr(render.message_printer(screen))(f"newest complete step: {step}")
     return step
@@ -99,6 +104,8 @@ def inspect(
     ] = False,
     latest: LatestFlag = False,
     dereference: DereferenceFlag = False,
+    profile: ProfileOption = None,
+    endpoint_url: EndpointOption = None,
     json: JsonFlag = False,
     quiet: QuietFlag = False,
     color: ColorOption = "auto",
@@ -107,7 +114,10 @@ def inspect(
     screen = make_screen(color, quiet)
 
     def command() -> int:
-        diagnosis = api.inspect(_step(checkpoint, latest, screen), strict=strict, model=model, dereference=dereference)
+        diagnosis = api.inspect(
+            _step(checkpoint, latest, screen), strict=strict, model=model, dereference=dereference,
+            profile=profile, endpoint_url=endpoint_url,
+        )  # fmt: skip
         with writes_to("stdout"):
             if json:
                 render.print_json(render.inspect_document(diagnosis))
@@ -207,6 +217,16 @@ def fix(
         bool,
         typer.Option("--dry-run", help="Show what would be added and written, and the free space; write nothing."),
     ] = False,
+    verify: Annotated[
+        str,
+        typer.Option(
+            metavar="store|download",
+            parser=choice("--verify", ["store", "download"]),
+            help="For s3://: prove server-side copies by the store's checksums (store), or read them back.",
+        ),
+    ] = "store",
+    profile: ProfileOption = None,
+    endpoint_url: EndpointOption = None,
     json: JsonFlag = False,
     quiet: QuietFlag = False,
     color: ColorOption = "auto",
@@ -257,6 +277,9 @@ def fix(
                 operations=changes,
                 progress=on_stderr(progress),
                 notice=on_stderr(render.message_printer(screen)),
+                verify="download" if verify == "download" else "store",
+                profile=profile,
+                endpoint_url=endpoint_url,
             )
         with writes_to("stdout"):
             if json:

@@ -13,6 +13,7 @@ from typing import Literal
 
 from optim_repair.records.dtypes import itemsize, numel
 from optim_repair.records.keys import unwrapped
+from optim_repair.records.traffic import Traffic
 
 ParamKey = str | int
 """A parameter's key in an optimizer state dict: its name, or its integer index."""
@@ -206,6 +207,8 @@ class CheckpointInventory:
     """The symbolic links, kept as links in a copy, that point outside the checkpoint."""
     dereference: bool = False
     """Whether every link under the argument was followed (``--dereference``) instead of kept."""
+    traffic: Traffic | None = None
+    """For a checkpoint in object storage: the requests and bytes reading it took."""
 
     @property
     def optimizers(self) -> tuple[OptimizerInventory, ...]:

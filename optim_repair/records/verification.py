@@ -13,9 +13,12 @@ class Verification:
     bytes: int
     linked: tuple[str, ...] = ()
     """Files hard-linked to the original's (``link``): the same bytes by construction, not compared."""
+    proof: str | None = None
+    """How copies made inside an object store were proven (``S3 CRC32``), or None where every byte was read."""
 
     def __add__(self, other: Verification) -> Verification:
-        return Verification(self.tensors + other.tensors, self.bytes + other.bytes, self.linked + other.linked)
+        linked = self.linked + other.linked
+        return Verification(self.tensors + other.tensors, self.bytes + other.bytes, linked, self.proof or other.proof)
 
 
 NOTHING = Verification(0, 0)

@@ -15,6 +15,8 @@ from optim_repair.decisions.comparison import ModelComparison
 from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis
 from optim_repair.decisions.notices import Notice
 from optim_repair.records.inventory import ParamKey
+from optim_repair.records.traffic import Traffic
+from optim_repair.records.verification import Verification
 
 SCHEMA_VERSION = 2
 
@@ -78,6 +80,13 @@ class VersionsDoc(TypedDict):
     torch: str | None
 
 
+class RemoteDoc(TypedDict):
+    requests: int
+    bytes_read: int
+    bytes_written: int
+    bytes_copied: int
+
+
 class InspectDoc(TypedDict):
     schema_version: int
     versions: VersionsDoc
@@ -88,6 +97,7 @@ class InspectDoc(TypedDict):
     optimizers: list[OptimizerDoc]
     notices: list[NoticeDoc]
     skipped: list[SkippedDoc]
+    remote: RemoteDoc | None
 
 
 class AddedDoc(TypedDict):
@@ -110,6 +120,7 @@ class VerificationDoc(TypedDict):
     tensors: int
     bytes: int
     linked: list[str]
+    proof: str
 
 
 class ErrorDetailDoc(TypedDict):
@@ -195,7 +206,17 @@ def inspect_document(diagnosis: Diagnosis) -> InspectDoc:
         "optimizers": [_optimizer_doc(opt) for opt in diagnosis.optimizers],
         "notices": _notice_docs(diagnosis.notices),
         "skipped": [{"file": s.file, "kind": s.kind, "reason": s.reason} for s in inventory.skipped],
+        "remote": _remote_doc(inventory.traffic),
     }
+
+
+def _remote_doc(traffic: Traffic | None) -> RemoteDoc | None:
+    if traffic is None:
+        return None
+    return {
+        "requests": traffic.requests, "bytes_read": traffic.read, "bytes_written": traffic.written,
+        "bytes_copied": traffic.copied,
+    }  # fmt: skip
 
 
 def _added_docs(result: FixResult | DryRun) -> list[AddedDoc]:
@@ -224,12 +245,23 @@ def _planned_document(result: FixResult | DryRun) -> PlannedDoc:
 def fix_document(result: FixResult) -> FixDoc:
     return {
         **_planned_document(result),
+        "remote": _remote_doc(result.traffic),
         "verification": {
             "tensors": result.verification.tensors,
             "bytes": result.verification.bytes,
             "linked": list(result.verification.linked),
+            "proof": proof(result.verification),
         },
     }
+
+
+def proof(verification: Verification) -> str:
+    """How the copy was proven, in words: every byte read back, or how a store's copies were."""
+    if verification.proof is None:
+        return "read back through the file system"
+    if verification.proof == "read back":
+        return "read back from the store"
+    return f"verified by {verification.proof}, not read back"
 
 
 def dry_run_document(planned: DryRun) -> DryRunDoc:

@@ -26,6 +26,8 @@ from optim_repair.demo import DemoReport
 from optim_repair.errors import shown_name
 from optim_repair.records.inventory import ParamKey
 from optim_repair.records.repair_plan import RepairPlan
+from optim_repair.records.traffic import Traffic
+from optim_repair.render.documents import proof
 
 _SHOWN = 8
 
@@ -245,6 +247,8 @@ def print_inspect(diagnosis: Diagnosis, screen: Screen) -> None:
     _print_line(console, Shown.assemble((path, "bold"), f" ({fmt}): ", (verdict, _VERDICT_STYLE[verdict])), indent=0)
     _print_optimizer_table(console, diagnosis)
     _print_details(console, diagnosis)
+    if diagnosis.inventory.traffic is not None:
+        _print_line(console, Shown(_traffic(diagnosis.inventory.traffic)), indent=0)
 
 
 def _human_bytes(count: int) -> str:
@@ -322,6 +326,13 @@ def _print_changes(console: Console, plan: RepairPlan) -> None:
         _print_line(console, Shown(added), indent=0)
 
 
+def _traffic(traffic: Traffic) -> str:
+    return (
+        f"object storage: {traffic.requests} requests, {_human_bytes(traffic.read)} read, "
+        f"{_human_bytes(traffic.written)} written, {_human_bytes(traffic.copied)} copied inside the store"
+    )
+
+
 def print_fix(result: FixResult, screen: Screen) -> None:
     console = screen.stdout()
     title = Shown.assemble(
@@ -335,10 +346,12 @@ def print_fix(result: FixResult, screen: Screen) -> None:
     v = result.verification
     verified = Shown.assemble(
         ("verified", "bold green"),
-        f": {v.tensors} existing tensors and {_human_bytes(v.bytes)} read back through the file system, "
+        f": {v.tensors} existing tensors and {_human_bytes(v.bytes)} {proof(v)}, "
         f"bit-identical; the only changes are the {_changes(result.plan)}",
     )
     _print_line(console, verified, indent=0)
+    if result.traffic is not None:
+        _print_line(console, Shown(_traffic(result.traffic)), indent=0)
     if v.linked:
         _print_line(console, Shown(f"hard-linked to the original's, not copied: {_shown_names(v.linked)}"), indent=0)
 

@@ -235,7 +235,8 @@ def test_fix_json_document(petrainer_checkpoint: Built, tmp_path: Path) -> None:
     for added in document["added"]:
         assert set(added) >= {"file", "location", "param"}
     verification = document["verification"]
-    assert set(verification) == {"tensors", "bytes", "linked"}
+    assert set(verification) == {"tensors", "bytes", "linked", "proof"}
+    assert verification["proof"] == "read back through the file system"
     assert verification["tensors"] == 36 and verification["bytes"] > 0
     assert "writing" in result.stderr, "progress goes to stderr"
     assert_fixed_copy(built, out)

@@ -383,7 +383,7 @@ def repaired(built: Built, kinds: dict[str, str], dest: Path, *, link: bool = Fa
     returns the additions."""
     additions = additions_for(read_dcp(built.path, ""), kinds)
     found = discover(built.path)
-    finished = finish_plan(found, read_checkpoint(built.path), RepairPlan("fresh", additions))
+    finished = finish_plan(found.target, read_checkpoint(built.path), RepairPlan("fresh", additions))
     write_copy(found, finished, dest, CopyRequest(link=link))
     return additions
 

@@ -234,6 +234,6 @@ def test_no_additions_copy_everything_as_is(tmp_path: Path) -> None:
     built = dk.unirl_dcp(tmp_path / "in")
     dest = tmp_path / "out"
     found = discover(built.path)
-    write_copy(found, finish_plan(found, read_checkpoint(built.path), RepairPlan("fresh", ())), dest)
+    write_copy(found, finish_plan(found.target, read_checkpoint(built.path), RepairPlan("fresh", ())), dest)
     assert files(dest) == files(built.path)
     assert verify_dcp(built.path, dest, []).bytes > 0

@@ -1,0 +1,278 @@
+"""Checkpoints in object storage (``s3://``): found by one listing, read by range, repaired by server-side copies.
+
+A prefix is a checkpoint directory, and each prefix under it that holds ``.metadata`` is a DCP checkpoint. Its
+``.metadata`` is read whole (one GET, into a temporary directory, where the DCP reader reads it as it reads any),
+and of its shards only the bytes entries, by one ranged GET per shard (``dcp.save`` writes them at a shard's
+head). No tensor byte is read.
+
+A repair writes into an empty prefix, as torch's own writer commits: a marker first, then a server-side copy of
+every object the repair does not change, then the new shard, and each ``.metadata`` last. Until that last
+write no DCP reader accepts the prefix; on any failure or ending signal the run deletes what it wrote, and a run
+stopped harder (SIGKILL, a lost machine) leaves its marker, so that the next run into that prefix removes what
+it left. Copies are proven by the store's CRC32 of the whole object (or its MD5 ETag) against the original's;
+what this run uploads is checked against the CRC32 the store computed on receipt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path, PurePosixPath
+
+from optim_repair import signals
+from optim_repair.checkpoint.adapters import PlannedDcp
+from optim_repair.checkpoint.planning import FinishedPlan
+from optim_repair.checkpoint.reading import Parsed
+from optim_repair.errors import InputError, OutputError, Remedy, UsageError, VerificationError
+from optim_repair.formats.dcp import METADATA_FILE, DcpMetadata, read_dcp
+from optim_repair.formats.dcp.verifier import verify_planned_dcp
+from optim_repair.formats.dcp.writer import write_planned_dcp
+from optim_repair.formats.torchfile import TORCH_SUFFIXES
+from optim_repair.progress import Meter, Reporter
+from optim_repair.records.inventory import CheckpointInventory, FileInventory, Skipped
+from optim_repair.records.traffic import Traffic
+from optim_repair.records.verification import Verification
+from optim_repair.storage.s3 import Copied, S3Store, S3Url, StoredObject, crc32_of, parse_url
+
+MARKER = ".optim-repair-incomplete"
+"""The object a repair writes first into its output prefix and deletes last: a prefix holding it was left by a
+run that did not finish."""
+
+
+class RemoteShards:
+    """The shards of one DCP checkpoint in a store, as its listing gave them."""
+
+    def __init__(self, store: S3Store, url: S3Url, members: Mapping[str, StoredObject]) -> None:
+        self._store, self._url, self._members = store, url, members
+
+    def _stored(self, relative: str, where: str) -> StoredObject:
+        stored = self._members.get(relative)
+        if stored is None:
+            raise InputError("cannot read (no such object)", path=where)
+        return stored
+
+    def size(self, relative: str, where: str) -> int:
+        return self._stored(relative, where).size
+
+    def read(self, relative: str, ranges: Sequence[tuple[int, int]], where: str) -> Iterator[bytes]:
+        stored = self._stored(relative, where)
+        return iter(self._store.ranges(self._url.object(relative), stored, ranges))
+
+
+def _members(listing: Mapping[str, StoredObject], rel: str) -> dict[str, StoredObject]:
+    if not rel:
+        return dict(listing)
+    return {name[len(rel) + 1 :]: stored for name, stored in listing.items() if name.startswith(f"{rel}/")}
+
+
+@dataclass
+class RemoteCheckpoint:
+    """A checkpoint prefix in a store: what one listing found under it, and a local directory holding the
+    ``.metadata`` of each DCP checkpoint in it."""
+
+    url: S3Url
+    store: S3Store
+    listing: Mapping[str, StoredObject]
+    dcp: tuple[str, ...]
+    """The DCP checkpoints under the prefix, each by its path relative to it (``""``: the prefix itself)."""
+    mirror: Path
+
+    def read(self, *, keep: bool) -> tuple[CheckpointInventory, Parsed]:
+        """The inventory of every DCP checkpoint under the prefix (``keep``: with its metadata read whole, for a
+        writer); other torch files are listed as not read."""
+        kept: dict[str, DcpMetadata] = {}
+        files: list[FileInventory] = []
+        for rel in self.dcp:
+            directory = self.mirror / rel if rel else self.mirror
+            directory.mkdir(parents=True, exist_ok=True)
+            metadata = f"{rel}/{METADATA_FILE}" if rel else METADATA_FILE
+            with (directory / METADATA_FILE).open("wb") as target:
+                self.store.download(self.url.object(metadata), self.listing[metadata], target)
+            shards = RemoteShards(self.store, self.url, _members(self.listing, rel))
+            files.append(read_dcp(directory, rel, keep=kept if keep else None, shards=shards))
+        if not any(file.optimizers for file in files):
+            raise InputError(
+                "holds no optimizer state (no DCP checkpoint under it holds an optimizer)", path=str(self.url)
+            )
+        inside = tuple(f"{rel}/" for rel in self.dcp if rel)
+        skipped = tuple(
+            Skipped(name, "a torch file in object storage, not read: only DCP checkpoints are read there")
+            for name in self.listing
+            if PurePosixPath(name).suffix in TORCH_SUFFIXES and not ("" in self.dcp or name.startswith(inside))
+        )
+        inventory = CheckpointInventory(str(self.url), "dcp", True, tuple(files), skipped)
+        return inventory, Parsed(dcp=kept)
+
+
+@contextlib.contextmanager
+def opened(text: str, *, profile: str | None, endpoint_url: str | None) -> Iterator[RemoteCheckpoint]:
+    """The checkpoint prefix ``text`` (``s3://bucket/prefix/``), listed once; its local directory is removed
+    on the way out."""
+    url = parse_url(text)
+    if PurePosixPath(url.key).suffix in TORCH_SUFFIXES:
+        raise UsageError(f"{url}: a torch file in object storage is not read in this version; only DCP checkpoints")
+    store = S3Store(url.bucket, profile=profile, endpoint_url=endpoint_url)
+    listing = store.listing(url.prefix)
+    if not listing:
+        raise InputError("holds no objects", path=str(url))
+    dcp = tuple(sorted(str(PurePosixPath(name).parent).strip(".") for name in listing if _is_metadata(name)))
+    if not dcp:
+        raise InputError(f"holds no DCP checkpoint (no {METADATA_FILE} under it)", path=str(url))
+    with tempfile.TemporaryDirectory(prefix="optim-repair-remote-") as mirror:
+        yield RemoteCheckpoint(url, store, listing, dcp, Path(mirror))
+
+
+def _is_metadata(name: str) -> bool:
+    return PurePosixPath(name).name == METADATA_FILE
+
+
+class _Written:
+    """The objects this run has written into the output prefix, which it deletes if it does not finish."""
+
+    def __init__(self, store: S3Store, url: S3Url) -> None:
+        self.store, self.url = store, url
+        self.keys: list[str] = []
+
+    def put(self, name: str, path: Path) -> Copied:
+        key = self.url.object(name)
+        with signals.held():  # recorded as soon as it exists, so that an ending signal deletes it
+            written = self.store.put_file(key, path, path.stat().st_size)
+            self.keys.append(key)
+        return written
+
+    def copy(self, source: S3Url, name: str, stored: StoredObject) -> Copied:
+        key = self.url.object(name)
+        with signals.held():
+            copied = self.store.copy(source.object(name), stored, key, source_bucket=source.bucket)
+            self.keys.append(key)
+        return copied
+
+
+def _clear(store: S3Store, url: S3Url, force: bool, notice: Callable[[str], None]) -> None:
+    """Make sure the output prefix is empty: what a stopped run left there (its marker, and no metadata beside
+    it) is deleted; anything else is refused, or with ``force`` deleted first (a store cannot rename a copy
+    into place: the old one is gone before the new one is whole)."""
+    existing = store.listing(url.prefix)
+    if not existing:
+        return
+    left = MARKER in existing and not any(_is_metadata(name) for name in existing)
+    if not (left or force):
+        raise OutputError("already holds objects", path=str(url), remedy=Remedy("force", note=" to replace them"))
+    if left:
+        notice(f"removing the {len(existing)} objects a stopped run left at {url}")
+    store.delete(url.object(name) for name in existing)
+
+
+def write_remote(
+    remote: RemoteCheckpoint,
+    finished: FinishedPlan,
+    out: str,
+    *,
+    force: bool,
+    read_back: bool,
+    reporter: Reporter,
+) -> tuple[Verification, Traffic]:
+    """Write the repaired copy of ``remote`` to the prefix ``out`` of a store, proven as the module says; with
+    ``read_back``, every copy is also read back and compared byte for byte."""
+    if not out.startswith("s3://"):
+        raise UsageError("a checkpoint in object storage is written to object storage (s3://...) in this version")
+    target_url = parse_url(out)
+    if target_url.prefix == remote.url.prefix and target_url.bucket == remote.url.bucket:
+        raise UsageError(f"{out} is the checkpoint itself; write the copy to a new prefix")
+    target = remote.store.sibling(target_url.bucket)
+    _clear(target, target_url, force, reporter.notice)
+    written = _Written(target, target_url)
+    with tempfile.TemporaryDirectory(prefix="optim-repair-staged-") as staging:
+        try:
+            verification = _write(remote, finished, Path(staging), written, read_back, reporter)
+        except BaseException:
+            with signals.held():
+                target.delete(written.keys)
+            raise
+    return verification, remote.store.traffic()
+
+
+def _write(
+    remote: RemoteCheckpoint,
+    finished: FinishedPlan,
+    staging: Path,
+    written: _Written,
+    read_back: bool,
+    reporter: Reporter,
+) -> Verification:
+    marker = staging / MARKER
+    marker.write_text(f"optim-repair is writing a repaired copy of {remote.url} here\n")
+    written.put(MARKER, marker)
+    verification, staged = _stage(remote, finished, staging / "copy")
+    copies = [(name, stored) for name, stored in remote.listing.items() if name not in staged and name != MARKER]
+    total = sum(stored.size for _, stored in copies) + sum(path.stat().st_size for path in staged.values())
+    meter = Meter(reporter.progress, total)
+
+    def copy(item: tuple[str, StoredObject]) -> tuple[str, int]:
+        name, stored = item
+        copied = written.copy(remote.url, name, stored)
+        return _prove(remote, written, name, stored, copied, read_back), stored.size
+
+    proofs = set()
+    with contextlib.closing(remote.store.each(copy, copies)) as done:
+        for proof, size in done:
+            proofs.add(proof)
+            meter.writing(size)
+    last = sorted(staged, key=_is_metadata)  # every .metadata after every shard: the commit, as torch's writer
+    for name in last:
+        path = staged[name]
+        answer = written.put(name, path)
+        if answer.crc32 is not None and answer.crc32 != crc32_of(path):
+            raise VerificationError("the store holds other bytes than were sent", path=written.url.named(name))
+        meter.writing(path.stat().st_size)
+    written.store.delete([written.url.object(MARKER)])
+    return replace(verification, proof=" and ".join(sorted(proofs)) or None)
+
+
+def _stage(remote: RemoteCheckpoint, finished: FinishedPlan, staging: Path) -> tuple[Verification, dict[str, Path]]:
+    """Write what the repair changes into ``staging`` and prove it there against the original's metadata (every
+    original byte, found through the new metadata, must lie where it lay, in the copy of its own shard)."""
+    proven = Verification(0, 0)
+    staged: dict[str, Path] = {}
+    for rel, planned in finished.files.items():
+        if not isinstance(planned, PlannedDcp):
+            raise UsageError("only DCP checkpoints are repaired in object storage in this version")
+        src = remote.mirror / rel if rel else remote.mirror
+        dest = staging / rel if rel else staging
+        dest.mkdir(parents=True, exist_ok=True)
+        members = _members(remote.listing, rel)
+        write_planned_dcp(src, planned.planned, dest, taken=lambda name, members=members: name in members)  # type: ignore[misc]
+        if not planned.changes_anything:
+            continue
+        proven += verify_planned_dcp(src, dest, planned.planned, whole=True)
+        for path in dest.iterdir():
+            staged[f"{rel}/{path.name}" if rel else path.name] = path
+    return proven, staged
+
+
+def _prove(
+    remote: RemoteCheckpoint, written: _Written, name: str, stored: StoredObject, copied: Copied, read_back: bool
+) -> str:
+    """How the copy of ``name`` is proven the original's: read back, or the store's CRC32 of the whole object (or
+    its MD5 ETag, for an object stored in one part) against the original's. Raises ``VerificationError``."""
+    where = written.url.named(name)
+    if read_back:
+        if not written.store.identical(remote.url.object(name), stored, written.url.object(name), remote.store):
+            raise VerificationError(f"differs from {remote.url.named(name)}", path=where)
+        return "read back"
+    original = remote.store.checksum(remote.url.object(name))
+    if original.etag != stored.etag:
+        raise InputError("changed while being read (is a run still saving it?)", path=remote.url.named(name))
+    if original.crc32 is not None and copied.crc32 is not None:
+        if original.crc32 != copied.crc32:
+            raise VerificationError(f"its CRC32 differs from that of {remote.url.named(name)}", path=where)
+        return "S3 CRC32"
+    if "-" not in stored.etag and copied.etag == stored.etag:
+        return "S3 ETag (MD5)"
+    raise VerificationError(
+        "the store gives no checksum to prove the copy by",
+        path=where,
+        remedy=Remedy("verify", "download", note=", to read it back"),
+    )

@@ -1,0 +1,193 @@
+"""``s3://`` checkpoints against a real S3-compatible server on 127.0.0.1: inspect by ranges, fix by server-side
+copies, each result loaded by torch's own ``dcp.load`` and resumed bit-identically, interruptions left unloadable."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from optim_repair import api
+from optim_repair.errors import InputError, OutputError, UsageError
+from optim_repair.formats.dcp import METADATA_FILE, read_metadata
+from optim_repair.render import fix_document, inspect_document
+from tests.conftest import run_cli
+from tests.factories import dcp as dk
+from tests.factories import s3server
+from tests.factories.built import Built
+
+PREFIX = "run/step-2/"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3server.Server]:
+    started = s3server.start(tmp_path_factory.mktemp("s3") / "requests.log")
+    yield started
+    s3server.stop(started)
+
+
+@pytest.fixture(autouse=True)
+def environment(server: s3server.Server) -> Iterator[None]:
+    yield from s3server.environment(server)
+
+
+@pytest.fixture
+def stored(server: s3server.Server, tmp_path: Path) -> tuple[str, Built]:
+    """A two-rank FSDP checkpoint, as ``dcp.save`` wrote it, uploaded under ``PREFIX`` of a new bucket."""
+    built = dk.sharded_dcp(tmp_path / "in")
+    bucket = s3server.new_bucket(server)
+    s3server.upload(server, built.path, bucket, PREFIX)
+    return bucket, built
+
+
+def _shards(built: Built) -> list[Path]:
+    return sorted(built.path.glob("*.distcp"))
+
+
+def test_inspect_reads_the_metadata_and_one_range_a_shard(server: s3server.Server, stored: tuple[str, Built]) -> None:
+    bucket, built = stored
+    before = len(server.requests(bucket))
+    diagnosis = api.inspect(f"s3://{bucket}/{PREFIX}")
+    made = server.requests(bucket)[before:]
+    shards = _shards(built)
+    holding = {info.relative_path for key, info in read_metadata(built.path).storage.items() if key[1] is None}
+    assert made[0].startswith(f"GET /{bucket}?list-type=2")  # the listing, .metadata, one ranged GET a shard
+    assert made[1:] == [f"GET /{bucket}/{PREFIX}{name}" for name in (METADATA_FILE, *sorted(holding))]
+    assert len(made) <= 2 + len(shards)  # counted at the server
+    traffic = diagnosis.inventory.traffic
+    assert traffic is not None and traffic.requests == len(made)
+    metadata = (built.path / METADATA_FILE).stat().st_size
+    assert metadata < traffic.read <= metadata + 64 * 1024  # never the tensors' bytes
+    assert traffic.read < metadata + min(path.stat().st_size for path in shards)
+    assert traffic.written == traffic.copied == 0
+
+    local = inspect_document(api.inspect(built.path))
+    remote = inspect_document(diagnosis)
+    assert remote["verdict"] == "repairable" and remote["remote"] is not None
+    assert {**remote, "path": local["path"], "remote": None} == local
+
+
+def test_fix_copies_inside_the_store_and_the_copy_resumes_bit_identically(
+    server: s3server.Server, stored: tuple[str, Built], tmp_path: Path
+) -> None:
+    bucket, built = stored
+    before = {path.name: path.read_bytes() for path in built.path.iterdir()}
+    result = api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/fixed/")
+    traffic = result.traffic
+    assert traffic is not None
+    shards = _shards(built)
+    assert traffic.copied == sum(path.stat().st_size for path in built.path.iterdir() if path.name != METADATA_FILE)
+    metadata = (built.path / METADATA_FILE).stat().st_size
+    assert traffic.read <= metadata + 64 * 1024  # no shard's bytes pass through the client
+    assert traffic.read < metadata + min(path.stat().st_size for path in shards)
+    assert result.verification.proof == "S3 CRC32" and result.verification.tensors > 0
+    assert fix_document(result)["verification"]["proof"] == "verified by S3 CRC32, not read back"
+
+    copied = s3server.keys(server, bucket, "fixed/")
+    assert copied == set(before) | {"__optim_repair_0.distcp"}  # no marker left
+    assert s3server.keys(server, bucket, PREFIX) == set(before)
+    local = s3server.download(server, bucket, "fixed/", tmp_path / "fixed")
+    assert all(local.joinpath(name).read_bytes() == data for name, data in before.items() if name != METADATA_FILE)
+    resumed = dk.resume(local, "adamw", "optim", False)
+    reference = dk.uninterrupted("adamw")
+    assert all(torch.equal(resumed[name], reference[name]) for name in reference)
+    assert api.inspect(f"s3://{bucket}/fixed/").verdict == "healthy"
+
+
+def test_read_back_compares_every_copied_byte(stored: tuple[str, Built]) -> None:
+    bucket, built = stored
+    result = api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/fixed/", verify="download")
+    assert result.verification.proof == "read back"
+    assert result.traffic is not None
+    assert result.traffic.read >= 2 * sum(path.stat().st_size for path in _shards(built))
+
+
+def test_the_cli_reports_requests_and_bytes(stored: tuple[str, Built]) -> None:
+    bucket, _ = stored
+    inspected = json.loads(run_cli(["inspect", f"s3://{bucket}/{PREFIX}", "--json"], code=1).stdout)
+    assert inspected["remote"]["requests"] == 3 and inspected["remote"]["bytes_copied"] == 0
+    text = run_cli(["fix", f"s3://{bucket}/{PREFIX}", "--out", f"s3://{bucket}/fixed/"]).stdout
+    assert "verified by S3 CRC32, not read back" in text and "copied inside the store" in text
+
+
+def test_a_prefix_that_holds_objects_is_refused_unless_forced(
+    server: s3server.Server, stored: tuple[str, Built]
+) -> None:
+    bucket, _ = stored
+    server.client().put_object(Bucket=bucket, Key="fixed/notes.txt", Body=b"keep me")
+    with pytest.raises(OutputError, match="already holds objects; pass force=True to replace them"):
+        api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/fixed/")
+    assert s3server.keys(server, bucket, "fixed/") == {"notes.txt"}
+    api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/fixed/", force=True)
+    assert "notes.txt" not in s3server.keys(server, bucket, "fixed/")
+
+
+def test_errors_name_the_bucket_and_key(stored: tuple[str, Built]) -> None:
+    bucket, _ = stored
+    with pytest.raises(InputError, match=r"^s3://no-such-bucket-here/x/: no such bucket$"):
+        api.inspect("s3://no-such-bucket-here/x/")
+    with pytest.raises(InputError, match="holds no objects"):
+        api.inspect(f"s3://{bucket}/nothing-here/")
+    with pytest.raises(UsageError, match="only DCP checkpoints"):
+        api.inspect(f"s3://{bucket}/{PREFIX}optimizer.pt")
+    result = run_cli(["inspect", "s3://no-such-bucket-here/x/"], code=4)
+    assert result.stderr.strip() == "optim-repair: error: s3://no-such-bucket-here/x/: no such bucket"
+
+
+def test_without_boto3_the_error_names_the_extra(stored: tuple[str, Built]) -> None:
+    bucket, _ = stored
+    code = "import sys; sys.modules['boto3'] = None; from optim_repair.console import main; main()"
+    ran = subprocess.run(
+        [sys.executable, "-c", code, "inspect", f"s3://{bucket}/{PREFIX}"], capture_output=True, text=True
+    )
+    assert ran.returncode == 2
+    assert "pip install 'optim-repair[s3]'" in ran.stderr and "Traceback" not in ran.stderr
+
+
+def _loadable(local: Path) -> bool:
+    """Whether torch's own ``dcp.load`` accepts ``local`` as a whole checkpoint."""
+    try:
+        dk.resume(local, "adamw", "optim", False, steps=0)
+    except CheckpointException:  # a BaseException: what dcp.load raises for a checkpoint it cannot load
+        return False
+    return True
+
+
+def test_a_killed_fix_never_leaves_a_loadable_prefix_and_the_next_run_cleans_up(
+    server: s3server.Server, stored: tuple[str, Built], tmp_path: Path
+) -> None:
+    bucket, _ = stored
+    command = [sys.executable, "-m", "optim_repair", "fix", f"s3://{bucket}/{PREFIX}", "--out"]
+    started = time.monotonic()
+    subprocess.run([*command, f"s3://{bucket}/timed/"], check=True, capture_output=True, env=os.environ)
+    whole = time.monotonic() - started
+    chance = random.Random(19)
+    for trial in range(20):
+        out = f"killed-{trial}/"
+        running = subprocess.Popen(
+            [*command, f"s3://{bucket}/{out}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        time.sleep(chance.uniform(0.2, whole))
+        running.send_signal(signal.SIGKILL if trial % 2 else signal.SIGTERM)
+        running.wait()
+        left = s3server.keys(server, bucket, out)
+        if METADATA_FILE in left:  # it got as far as its commit: the copy is whole
+            assert _loadable(s3server.download(server, bucket, out, tmp_path / f"whole-{trial}"))
+            continue
+        if left:
+            assert not _loadable(s3server.download(server, bucket, out, tmp_path / f"left-{trial}"))
+            assert running.returncode == -signal.SIGKILL, left  # a SIGTERM deletes what it wrote
+        again = subprocess.run([*command, f"s3://{bucket}/{out}"], capture_output=True, text=True, env=os.environ)
+        assert again.returncode == 0, again.stderr
+        assert ("a stopped run left" in again.stderr) == bool(left)
+        assert _loadable(s3server.download(server, bucket, out, tmp_path / f"again-{trial}"))
