@@ -179,8 +179,11 @@ def write_remote(
     if not out.startswith("s3://"):
         raise UsageError("a checkpoint in object storage is written to object storage (s3://...) in this version")
     target_url = parse_url(out)
-    if target_url.prefix == remote.url.prefix and target_url.bucket == remote.url.bucket:
-        raise UsageError(f"{out} is the checkpoint itself; write the copy to a new prefix")
+    source = remote.url.prefix
+    if target_url.bucket == remote.url.bucket and (
+        target_url.prefix.startswith(source) or source.startswith(target_url.prefix)
+    ):
+        raise UsageError(f"{out} holds the checkpoint or lies inside it; write the copy to a prefix beside it")
     target = remote.store.sibling(target_url.bucket)
     _clear(target, target_url, force, reporter.notice)
     written = _Written(target, target_url)

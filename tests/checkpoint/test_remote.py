@@ -132,6 +132,14 @@ def test_a_prefix_that_holds_objects_is_refused_unless_forced(
     assert "notes.txt" not in s3server.keys(server, bucket, "fixed/")
 
 
+def test_the_copy_is_refused_over_or_inside_the_checkpoint(server: s3server.Server, stored: tuple[str, Built]) -> None:
+    bucket, built = stored
+    for out in ("run/", PREFIX, f"{PREFIX}fixed/", ""):
+        with pytest.raises(UsageError, match="holds the checkpoint or lies inside it"):
+            api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/{out}", force=True)
+    assert s3server.keys(server, bucket, PREFIX) == {path.name for path in built.path.iterdir()}
+
+
 def test_errors_name_the_bucket_and_key(stored: tuple[str, Built]) -> None:
     bucket, _ = stored
     with pytest.raises(InputError, match=r"^s3://no-such-bucket-here/x/: no such bucket$"):
