@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-from optim_repair.checkpoint import remote
+from optim_repair.checkpoint import remote_reading, remote_writing
 from optim_repair.checkpoint.discovery import Discovery, discover, latest_step
 from optim_repair.checkpoint.planning import FinishedPlan, finish_plan
 from optim_repair.checkpoint.reading import Parsed, read_model_weights, read_parsed
@@ -72,7 +72,7 @@ def inspect(
     """
     weights = read_model_weights(Path(model)) if model is not None else None
     if is_s3(path):
-        with remote.opened(str(path), profile=profile, endpoint_url=endpoint_url) as stored:
+        with remote_reading.opened(str(path), profile=profile, endpoint_url=endpoint_url) as stored:
             inventory = stored.read(keep=False)[0]
             return diagnose(replace(inventory, traffic=stored.store.traffic()), strict=strict, model=weights)
     found = discover(Path(path), dereference=dereference)
@@ -303,12 +303,12 @@ def fix(
     request = _request(fill, optimizer, model, reset_phantom_step, operations)
     if _remote(checkpoint):
         path = checkpoint.path if isinstance(checkpoint, Diagnosis) else str(checkpoint)
-        with remote.opened(path, profile=profile, endpoint_url=endpoint_url) as stored:
+        with remote_reading.opened(path, profile=profile, endpoint_url=endpoint_url) as stored:
             inventory, parsed = stored.read(keep=True)
             diagnosis = diagnose(inventory)
             finished = _finished(diagnosis, stored.mirror, parsed, request)
             reporter = Reporter(progress, notice)
-            verification, traffic = remote.write_remote(
+            verification, traffic = remote_writing.write_remote(
                 stored, finished, os.fspath(out), force=force, read_back=verify == "download", reporter=reporter
             )
         return FixResult(diagnosis, finished.plan, os.fspath(out), verification, traffic)

@@ -253,9 +253,11 @@ def _short(path: Path, limit: int = 160) -> str:
     return text if len(text) <= limit else f"{text[: limit // 2]}…{text[-limit // 2 :]}"
 
 
-def model_only(path: Path) -> str:
-    """Why the model file ``path`` is no checkpoint to inspect, and where its optimizer state usually is."""
-    beside = sorted(p.name for p in path.parent.glob("optimizer*") if p.suffix in TORCH_SUFFIXES and p.is_file())
+def model_only(path: Path, beside: list[str] | None = None) -> str:
+    """Why the model file ``path`` is no checkpoint to inspect, and where its optimizer state usually is (among
+    the files ``beside`` it: by default, those in its directory)."""
+    if beside is None:
+        beside = sorted(p.name for p in path.parent.glob("optimizer*") if p.suffix in TORCH_SUFFIXES and p.is_file())
     if beside:
         where = f"is in {', '.join(beside)} beside it: pass that, or the directory {path.parent}"
     else:

@@ -69,7 +69,7 @@ def _weights_beside(neighbours: tuple[Path, ...]) -> tuple[WeightMap, ...]:
 _DEEPSPEED = "deepspeed."
 
 
-def _skipped(rel: str, exc: InputError) -> Skipped:
+def skipped_file(rel: str, exc: InputError) -> Skipped:
     """A file not read: one that names DeepSpeed's classes is ZeRO state, reported as such; one that names
     other code is unsafe; one that is no torch file at all is just skipped."""
     if not isinstance(exc, UnsafeInputError):
@@ -104,7 +104,7 @@ def _read_directory(
             try:
                 inventory = read_inventory(found.path(entry), entry.rel, entry.rel, keep=torch_files)
             except (UnsafeInputError, NotATorchFile) as exc:
-                skipped.append(_skipped(entry.rel, exc))
+                skipped.append(skipped_file(entry.rel, exc))
                 continue
             except InputError as exc:
                 raise InputError(

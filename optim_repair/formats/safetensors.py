@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import json
 import struct
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, os_error_reason, shown
-from optim_repair.formats.inputs import open_regular, size_of
+from optim_repair.formats.inputs import open_regular
 from optim_repair.records.dtypes import DTYPES, SAFETENSORS_NAMES, contiguous_strides, itemsize, numel
 from optim_repair.records.inventory import TensorMeta, WeightMap
 
@@ -32,10 +35,10 @@ def _header_text(stream: BinaryIO, length: int, source: str) -> str:
     return raw.decode("utf-8")
 
 
-def _parsed_header(path: Path, source: str) -> tuple[dict[str, Any], int]:
+def _parsed_header(path: Path, source: str, opener: Callable[[], BinaryIO] | None) -> tuple[dict[str, Any], int]:
     """The header as parsed JSON, and how many bytes of tensor data follow it."""
     try:
-        with open_regular(path, source) as stream:
+        with (opener or partial(open_regular, path, source))() as stream:
             head = stream.read(8)
             if len(head) != 8:
                 raise InputError("not a safetensors file (too short)", path=source)
@@ -43,7 +46,7 @@ def _parsed_header(path: Path, source: str) -> tuple[dict[str, Any], int]:
             if length > _MAX_HEADER:
                 raise InputError(f"not a safetensors file (header of {length} bytes)", path=source)
             header = json.loads(_header_text(stream, length, source))
-            data_size = size_of(stream) - 8 - length
+            data_size = stream.seek(0, io.SEEK_END) - 8 - length
     except OSError as exc:
         raise InputError(f"cannot read ({os_error_reason(exc)})", path=source) from exc
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
@@ -53,9 +56,10 @@ def _parsed_header(path: Path, source: str) -> tuple[dict[str, Any], int]:
     return header, data_size
 
 
-def read_weights(path: Path, source: str) -> WeightMap:
-    """The tensors a safetensors file describes, from its JSON header alone."""
-    header, data_size = _parsed_header(path, source)
+def read_weights(path: Path, source: str, *, opener: Callable[[], BinaryIO] | None = None) -> WeightMap:
+    """The tensors a safetensors file describes, from its JSON header alone (read from ``path``, or from what
+    ``opener`` opens: an object in a store)."""
+    header, data_size = _parsed_header(path, source, opener)
     header.pop("__metadata__", None)
     tensors = []
     for name in list(header):

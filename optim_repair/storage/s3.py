@@ -180,29 +180,30 @@ class S3Store:
                 self._count.add(read=len(chunk))
                 target.write(chunk)
 
-    def ranges(self, key: str, stored: StoredObject, wanted: Sequence[tuple[int, int]]) -> list[bytes]:
-        """The bytes of each ``(offset, length)`` of ``key``, in the order asked: ranges closer than
-        ``COALESCE_GAP`` are read by one GET."""
+    def ranges(
+        self, key: str, stored: StoredObject, wanted: Sequence[tuple[int, int]], *, gap: int = COALESCE_GAP
+    ) -> list[bytes]:
+        """The bytes of each ``(offset, length)`` of ``key``, in the order asked: ranges closer than ``gap`` are
+        read by one GET, the GETs ``WORKERS`` at a time."""
         order = sorted(range(len(wanted)), key=lambda index: wanted[index][0])
         groups: list[list[int]] = []
         for index in order:
             offset, _ = wanted[index]
-            if groups and offset - _end(wanted, groups[-1]) <= COALESCE_GAP:
+            if groups and offset - _end(wanted, groups[-1]) <= gap:
                 groups[-1].append(index)
             else:
                 groups.append([index])
         found: list[bytes] = [b""] * len(wanted)
-        for group in groups:
-            start, end = wanted[group[0]][0], _end(wanted, group)
-            if end == start:
-                continue
-            data = self._get(key, stored, start, end)
+        spans = [(wanted[group[0]][0], _end(wanted, group)) for group in groups]
+        fetched = self.each(lambda span: self.get_range(key, stored, *span) if span[1] > span[0] else b"", spans)
+        for group, (start, _), data in zip(groups, spans, fetched, strict=True):
             for index in group:
                 offset, length = wanted[index]
                 found[index] = data[offset - start : offset - start + length]
         return found
 
-    def _get(self, key: str, stored: StoredObject, start: int, end: int) -> bytes:
+    def get_range(self, key: str, stored: StoredObject, start: int, end: int) -> bytes:
+        """Bytes ``start`` to ``end`` of ``key``, as listed, by one GET."""
         answer = self._call("get_object", key, Key=key, IfMatch=stored.etag, Range=f"bytes={start}-{end - 1}")
         with answer["Body"] as body:
             data: bytes = body.read()
@@ -219,9 +220,19 @@ class S3Store:
             return False
         for start in range(0, stored.size, _CHUNK):
             end = min(start + _CHUNK, stored.size)
-            if source._get(key, stored, start, end) != self._get(other, copy, start, end):
+            if source.get_range(key, stored, start, end) != self.get_range(other, copy, start, end):
                 return False
         return True
+
+    def tail(self, key: str, length: int) -> tuple[StoredObject, bytes]:
+        """The last ``length`` bytes of ``key`` (all of it, if shorter) by one GET, with the object's size and ETag,
+        which later reads name."""
+        answer = self._call("get_object", key, Key=key, Range=f"bytes=-{length}")
+        with answer["Body"] as body:
+            data: bytes = body.read()
+        self._count.add(read=len(data))
+        total = int(str(answer.get("ContentRange", "")).rpartition("/")[2] or len(data))
+        return StoredObject(total, answer["ETag"]), data
 
     def head(self, key: str) -> StoredObject:
         answer = self._call("head_object", key, Key=key)

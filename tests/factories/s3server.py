@@ -23,6 +23,8 @@ import boto3
 
 _REQUEST = re.compile(r'"(?:\x1b\[[0-9;]*m)*(GET|PUT|POST|DELETE|HEAD) (\S+) HTTP/')
 """A request line of the server's log (a partial answer's is coloured)."""
+PREFIX = "run/step-2/"
+"""Where the tests' checkpoints are uploaded."""
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import BinaryIO
 
 from optim_repair.errors import InputError, os_error_reason
 from optim_repair.formats.inputs import open_regular
@@ -16,13 +19,17 @@ TorchFile = ZipTorchFile | LegacyTorchFile
 """A parsed torch file: ``graph``, ``kind``, ``path`` and ``storage_range(key)`` in both formats."""
 
 
-def open_torch_file(path: Path, source: str, *, ours: bool = False) -> TorchFile:
-    """Parse ``path`` without reading tensor bytes. Raises InputError / UnsafeInputError.
+Opener = Callable[[], BinaryIO]
+"""Opens a torch file for reading: a local file (``open_regular``), or an object of a store read by ranges."""
+
+
+def open_torch_file(path: Path, source: str, *, ours: bool = False, opener: Opener | None = None) -> TorchFile:
+    """Parse ``path`` (or what ``opener`` opens) without reading tensor bytes. Raises InputError / UnsafeInputError.
 
     ``ours``: a file this run wrote, read back for verification (its pickle needs no bounding).
     """
     try:
-        with open_regular(path, source) as stream:
+        with (opener or partial(open_regular, path, source))() as stream:
             if stream.read(len(ZIP_MAGIC)) == ZIP_MAGIC:
                 return open_zip(stream, path, source, ours=ours)
             stream.seek(0)

@@ -7,13 +7,14 @@ candidate, the first ``PHANTOM_PROBE_BYTES`` of each moment.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, shown
 from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickled import describe_address, is_tensor, option_value, state_value, tensor_meta, walk
-from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
+from optim_repair.formats.torchfile.files import Opener, TorchFile, open_torch_file
 from optim_repair.records import keys
 from optim_repair.records.dtypes import decode_element, itemsize
 from optim_repair.records.inventory import (
@@ -210,15 +211,18 @@ def find_optimizers(root: Any) -> list[tuple[tuple[Any, ...], dict[Any, Any]]]:
     return found
 
 
-def read_inventory(path: Path, file: str, source: str, *, keep: dict[str, TorchFile] | None = None) -> FileInventory:
+def read_inventory(
+    path: Path, file: str, source: str, *, keep: dict[str, TorchFile] | None = None, opener: Opener | None = None
+) -> FileInventory:
     """Everything inspect needs from one torch file, reading no tensor bytes but ``step`` values.
 
     With ``keep``, the parsed file is kept there under ``file`` when it holds an optimizer, for a
-    writer to reuse instead of parsing it again.
+    writer to reuse instead of parsing it again. ``opener`` opens it (by default ``path``, as a regular file).
     """
-    torch_file = open_torch_file(path, source)
+    opener = opener or partial(open_regular, path, source)
+    torch_file = open_torch_file(path, source, opener=opener)
     found = find_optimizers(torch_file.graph.root)
-    with open_regular(path, source) as stream:
+    with opener() as stream:
         reads = _SmallReads(torch_file, stream)
         optimizers = tuple(_optimizer_inventory(node, file, address, reads, source) for address, node in found)
     weights = []

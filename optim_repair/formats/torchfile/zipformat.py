@@ -249,6 +249,29 @@ def _framing(archive: zipfile.ZipFile, stream: BinaryIO, source: str) -> tuple[z
     return pickles[0], prefix, starts
 
 
+_LOCAL_EXTRA = 128
+"""What a reading plan allows a record's local extra field: torch pads it to align the data to 64 bytes."""
+SMALL_RECORD = 64
+"""A record this small (a ``step``) is planned whole, with its local header."""
+
+
+def reading_plan(stream: BinaryIO) -> list[tuple[int, int]]:
+    """The byte ranges ``open_zip`` and inspect will read of the archive in ``stream``, found from its central
+    directory alone: each record's local header, and the whole of the pickle, the framing records and every
+    record of ``SMALL_RECORD`` bytes or fewer; the file's head (legacy format) when it is no zip archive."""
+    try:
+        with zipfile.ZipFile(stream) as archive:
+            records = archive.infolist()
+    except ZIP_ERRORS:
+        return [(0, MIN_PICKLE_LIMIT)]
+    plan = []
+    for info in records:
+        whole = "/data/" not in info.filename or info.compress_size <= SMALL_RECORD  # all but large storages
+        header = _LOCAL_HEADER.size + len(info.orig_filename.encode()) + _LOCAL_EXTRA
+        plan.append((info.header_offset, header + (info.compress_size if whole else 0)))
+    return plan
+
+
 def check_archive(stream: BinaryIO, source: str) -> None:
     """Check a ``torch.save`` archive's layout and framing as torch's reader would, without reading its pickle
     (a DCP bytes entry ``dcp.load`` unpickles with ``weights_only=False``, which optim-repair never does)."""

@@ -1,9 +1,4 @@
-"""Checkpoints in object storage (``s3://``): found by one listing, read by range, repaired by server-side copies.
-
-A prefix is a checkpoint directory, and each prefix under it that holds ``.metadata`` is a DCP checkpoint. Its
-``.metadata`` is read whole (one GET, into a temporary directory, where the DCP reader reads it as it reads any),
-and of its shards only the bytes entries, by one ranged GET per shard (``dcp.save`` writes them at a shard's
-head). No tensor byte is read.
+"""Repairing checkpoints in object storage (``s3://``) where they are, by server-side copies.
 
 A repair writes into an empty prefix, as torch's own writer commits: a marker first, then a server-side copy of
 every object the repair does not change, then the new shard, and each ``.metadata`` last. Until that last
@@ -17,21 +12,18 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path, PurePosixPath
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 
 from optim_repair import signals
 from optim_repair.checkpoint.adapters import PlannedDcp
 from optim_repair.checkpoint.planning import FinishedPlan
-from optim_repair.checkpoint.reading import Parsed
+from optim_repair.checkpoint.remote_reading import RemoteCheckpoint, is_metadata, members
 from optim_repair.errors import InputError, OutputError, Remedy, UsageError, VerificationError
-from optim_repair.formats.dcp import METADATA_FILE, DcpMetadata, read_dcp
 from optim_repair.formats.dcp.verifier import verify_planned_dcp
 from optim_repair.formats.dcp.writer import write_planned_dcp
-from optim_repair.formats.torchfile import TORCH_SUFFIXES
 from optim_repair.progress import Meter, Reporter
-from optim_repair.records.inventory import CheckpointInventory, FileInventory, Skipped
 from optim_repair.records.traffic import Traffic
 from optim_repair.records.verification import Verification
 from optim_repair.storage.s3 import Copied, S3Store, S3Url, StoredObject, crc32_of, parse_url
@@ -39,93 +31,6 @@ from optim_repair.storage.s3 import Copied, S3Store, S3Url, StoredObject, crc32_
 MARKER = ".optim-repair-incomplete"
 """The object a repair writes first into its output prefix and deletes last: a prefix holding it was left by a
 run that did not finish."""
-
-
-class RemoteShards:
-    """The shards of one DCP checkpoint in a store, as its listing gave them."""
-
-    def __init__(self, store: S3Store, url: S3Url, members: Mapping[str, StoredObject]) -> None:
-        self._store, self._url, self._members = store, url, members
-
-    def _stored(self, relative: str, where: str) -> StoredObject:
-        stored = self._members.get(relative)
-        if stored is None:
-            raise InputError("cannot read (no such object)", path=where)
-        return stored
-
-    def size(self, relative: str, where: str) -> int:
-        return self._stored(relative, where).size
-
-    def read(self, relative: str, ranges: Sequence[tuple[int, int]], where: str) -> Iterator[bytes]:
-        stored = self._stored(relative, where)
-        return iter(self._store.ranges(self._url.object(relative), stored, ranges))
-
-
-def _members(listing: Mapping[str, StoredObject], rel: str) -> dict[str, StoredObject]:
-    if not rel:
-        return dict(listing)
-    return {name[len(rel) + 1 :]: stored for name, stored in listing.items() if name.startswith(f"{rel}/")}
-
-
-@dataclass
-class RemoteCheckpoint:
-    """A checkpoint prefix in a store: what one listing found under it, and a local directory holding the
-    ``.metadata`` of each DCP checkpoint in it."""
-
-    url: S3Url
-    store: S3Store
-    listing: Mapping[str, StoredObject]
-    dcp: tuple[str, ...]
-    """The DCP checkpoints under the prefix, each by its path relative to it (``""``: the prefix itself)."""
-    mirror: Path
-
-    def read(self, *, keep: bool) -> tuple[CheckpointInventory, Parsed]:
-        """The inventory of every DCP checkpoint under the prefix (``keep``: with its metadata read whole, for a
-        writer); other torch files are listed as not read."""
-        kept: dict[str, DcpMetadata] = {}
-        files: list[FileInventory] = []
-        for rel in self.dcp:
-            directory = self.mirror / rel if rel else self.mirror
-            directory.mkdir(parents=True, exist_ok=True)
-            metadata = f"{rel}/{METADATA_FILE}" if rel else METADATA_FILE
-            with (directory / METADATA_FILE).open("wb") as target:
-                self.store.download(self.url.object(metadata), self.listing[metadata], target)
-            shards = RemoteShards(self.store, self.url, _members(self.listing, rel))
-            files.append(read_dcp(directory, rel, keep=kept if keep else None, shards=shards))
-        if not any(file.optimizers for file in files):
-            raise InputError(
-                "holds no optimizer state (no DCP checkpoint under it holds an optimizer)", path=str(self.url)
-            )
-        inside = tuple(f"{rel}/" for rel in self.dcp if rel)
-        skipped = tuple(
-            Skipped(name, "a torch file in object storage, not read: only DCP checkpoints are read there")
-            for name in self.listing
-            if PurePosixPath(name).suffix in TORCH_SUFFIXES and not ("" in self.dcp or name.startswith(inside))
-        )
-        inventory = CheckpointInventory(str(self.url), "dcp", True, tuple(files), skipped)
-        return inventory, Parsed(dcp=kept)
-
-
-@contextlib.contextmanager
-def opened(text: str, *, profile: str | None, endpoint_url: str | None) -> Iterator[RemoteCheckpoint]:
-    """The checkpoint prefix ``text`` (``s3://bucket/prefix/``), listed once; its local directory is removed
-    on the way out."""
-    url = parse_url(text)
-    if PurePosixPath(url.key).suffix in TORCH_SUFFIXES:
-        raise UsageError(f"{url}: a torch file in object storage is not read in this version; only DCP checkpoints")
-    store = S3Store(url.bucket, profile=profile, endpoint_url=endpoint_url)
-    listing = store.listing(url.prefix)
-    if not listing:
-        raise InputError("holds no objects", path=str(url))
-    dcp = tuple(sorted(str(PurePosixPath(name).parent).strip(".") for name in listing if _is_metadata(name)))
-    if not dcp:
-        raise InputError(f"holds no DCP checkpoint (no {METADATA_FILE} under it)", path=str(url))
-    with tempfile.TemporaryDirectory(prefix="optim-repair-remote-") as mirror:
-        yield RemoteCheckpoint(url, store, listing, dcp, Path(mirror))
-
-
-def _is_metadata(name: str) -> bool:
-    return PurePosixPath(name).name == METADATA_FILE
 
 
 class _Written:
@@ -157,7 +62,7 @@ def _clear(store: S3Store, url: S3Url, force: bool, notice: Callable[[str], None
     existing = store.listing(url.prefix)
     if not existing:
         return
-    left = MARKER in existing and not any(_is_metadata(name) for name in existing)
+    left = MARKER in existing and not any(is_metadata(name) for name in existing)
     if not (left or force):
         raise OutputError("already holds objects", path=str(url), remedy=Remedy("force", note=" to replace them"))
     if left:
@@ -223,7 +128,7 @@ def _write(
         for proof, size in done:
             proofs.add(proof)
             meter.writing(size)
-    last = sorted(staged, key=_is_metadata)  # every .metadata after every shard: the commit, as torch's writer
+    last = sorted(staged, key=is_metadata)  # every .metadata after every shard: the commit, as torch's writer
     for name in last:
         path = staged[name]
         answer = written.put(name, path)
@@ -245,8 +150,8 @@ def _stage(remote: RemoteCheckpoint, finished: FinishedPlan, staging: Path) -> t
         src = remote.mirror / rel if rel else remote.mirror
         dest = staging / rel if rel else staging
         dest.mkdir(parents=True, exist_ok=True)
-        members = _members(remote.listing, rel)
-        write_planned_dcp(src, planned.planned, dest, taken=lambda name, members=members: name in members)  # type: ignore[misc]
+        taken = members(remote.listing, rel).keys()
+        write_planned_dcp(src, planned.planned, dest, taken=taken.__contains__)
         if not planned.changes_anything:
             continue
         proven += verify_planned_dcp(src, dest, planned.planned, whole=True)

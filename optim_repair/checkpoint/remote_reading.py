@@ -1,0 +1,185 @@
+"""Reading checkpoints in object storage (``s3://``): found by one listing, read by range, never downloaded.
+
+A key with a torch file's suffix is a torch file; anything else is a prefix, read as a checkpoint directory: each
+prefix under it that holds ``.metadata`` is a DCP checkpoint, and each other object with a torch file's suffix is a
+torch file. A DCP checkpoint's ``.metadata`` is read whole (one GET, into a temporary directory, where the DCP
+reader reads it as it reads any); of its shards, only the bytes entries, by one ranged GET a shard (``dcp.save``
+writes them at a shard's head). A torch file is read as a local one is, from a ``RangedObject`` that first fetches
+its end (the end records and central directory: one GET from the end), then its pickle and framing records and
+the local header of every record, in as few GETs as lie apart (``zipformat.reading_plan``). No tensor bytes but
+``step`` values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO, Literal, cast
+
+from optim_repair.checkpoint.discovery import model_only
+from optim_repair.checkpoint.reading import Parsed, skipped_file
+from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError
+from optim_repair.formats.dcp import METADATA_FILE, DcpMetadata, read_dcp
+from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX, read_weights
+from optim_repair.formats.torchfile import TORCH_SUFFIXES, TorchFile, read_inventory
+from optim_repair.formats.torchfile.zipformat import reading_plan
+from optim_repair.records.inventory import CheckpointInventory, FileInventory, Skipped, WeightMap
+from optim_repair.storage.ranged import RangedObject
+from optim_repair.storage.s3 import S3Store, S3Url, StoredObject, parse_url
+
+TAIL = 256 << 10
+"""What the first GET of a torch file reads from its end: the end records and a central directory of about three
+thousand records (a larger one is one more GET)."""
+HEADER_GAP = 64 << 10
+"""The local headers of records closer than this are read by one GET: it may carry the bytes of small tensors
+between them, never of large ones."""
+
+
+class RemoteShards:
+    """The shards of one DCP checkpoint in a store, as its listing gave them."""
+
+    def __init__(self, store: S3Store, url: S3Url, members: Mapping[str, StoredObject]) -> None:
+        self._store, self._url, self._members = store, url, members
+
+    def _stored(self, relative: str, where: str) -> StoredObject:
+        stored = self._members.get(relative)
+        if stored is None:
+            raise InputError("cannot read (no such object)", path=where)
+        return stored
+
+    def size(self, relative: str, where: str) -> int:
+        return self._stored(relative, where).size
+
+    def read(self, relative: str, ranges: Sequence[tuple[int, int]], where: str) -> Iterator[bytes]:
+        stored = self._stored(relative, where)
+        return iter(self._store.ranges(self._url.object(relative), stored, ranges))
+
+
+def members(listing: Mapping[str, StoredObject], rel: str) -> dict[str, StoredObject]:
+    """The objects of ``listing`` under ``rel``, by their names relative to it."""
+    if not rel:
+        return dict(listing)
+    return {name[len(rel) + 1 :]: stored for name, stored in listing.items() if name.startswith(f"{rel}/")}
+
+
+def is_metadata(name: str) -> bool:
+    return PurePosixPath(name).name == METADATA_FILE
+
+
+def is_torch_file(name: str) -> bool:
+    return PurePosixPath(name).suffix in TORCH_SUFFIXES
+
+
+@dataclass
+class RemoteCheckpoint:
+    """A checkpoint in a store: one torch file, or a prefix and what one listing found under it; and a local
+    directory holding the ``.metadata`` of each DCP checkpoint in it."""
+
+    url: S3Url
+    store: S3Store
+    listing: Mapping[str, StoredObject]
+    """Every object, by its name relative to the prefix (for a torch file: the file alone, named ``""``)."""
+    dcp: tuple[str, ...]
+    """The DCP checkpoints under the prefix, each by its path relative to it (``""``: the prefix itself)."""
+    mirror: Path
+    tails: dict[str, list[tuple[int, bytes]]]
+    """What was read of a torch file already: the end of the file argument, read to find its size."""
+
+    @property
+    def is_file(self) -> bool:
+        return "" in self.listing
+
+    def read(self, *, keep: bool) -> tuple[CheckpointInventory, Parsed]:
+        """The inventory of every optimizer in it (``keep``: with each DCP ``.metadata`` read whole and each torch
+        file parsed, for a writer)."""
+        kept: dict[str, DcpMetadata] = {}
+        torch_files: dict[str, TorchFile] = {}
+        if self.is_file:
+            file = self._torch_file("", torch_files)
+            if not file.optimizers:
+                reason = model_only(Path(self.url.key), []) if file.weights else "holds no optimizer state"
+                raise InputError(reason, path=str(self.url))
+            return CheckpointInventory(str(self.url), "torch", False, (file,)), Parsed(torch_files)
+        files = [self._dcp(rel, kept if keep else None) for rel in self.dcp]
+        skipped: list[Skipped] = []
+        weights: list[WeightMap] = []
+        inside = tuple(f"{rel}/" for rel in self.dcp if rel)
+        for name in self.listing:
+            if "" in self.dcp or name.startswith(inside):
+                continue
+            if name.endswith(SAFETENSORS_SUFFIX):
+                try:
+                    weights.append(read_weights(Path(name), name, opener=self._opener(name, [(0, TAIL)])))
+                except InputError as exc:
+                    skipped.append(Skipped(name, exc.reason))
+            if not is_torch_file(name):
+                continue
+            try:
+                found = self._torch_file(name, torch_files)
+            except (UnsafeInputError, NotATorchFile) as exc:
+                skipped.append(skipped_file(name, exc))
+                continue
+            if found.optimizers:
+                files.append(found)
+            else:
+                skipped.append(Skipped(name, "holds no optimizer state"))
+        if not any(file.optimizers for file in files) and not any(skip.kind == "deepspeed-zero" for skip in skipped):
+            raise InputError(f"no optimizer state found in any file ({len(skipped)} skipped)", path=str(self.url))
+        fmt: Literal["torch", "dcp"] = "dcp" if self.dcp and all(file.format == "dcp" for file in files) else "torch"
+        inventory = CheckpointInventory(str(self.url), fmt, True, tuple(files), tuple(skipped), tuple(weights))
+        return inventory, Parsed(torch_files, kept)
+
+    def _dcp(self, rel: str, keep: dict[str, DcpMetadata] | None) -> FileInventory:
+        directory = self.mirror / rel if rel else self.mirror
+        directory.mkdir(parents=True, exist_ok=True)
+        metadata = f"{rel}/{METADATA_FILE}" if rel else METADATA_FILE
+        with (directory / METADATA_FILE).open("wb") as target:
+            self.store.download(self.url.object(metadata), self.listing[metadata], target)
+        shards = RemoteShards(self.store, self.url, members(self.listing, rel))
+        return read_dcp(directory, rel, keep=keep, shards=shards)
+
+    def _opener(self, name: str, first: Sequence[tuple[int, int]]) -> Callable[[], BinaryIO]:
+        """Opens the object ``name`` by ranges, every one it opens sharing what was fetched, ``first`` the moment
+        it is first opened."""
+        key, stored = self.url.object(name) if name else self.url.key, self.listing[name]
+        spans = self.tails.get(name, [])
+
+        def opener() -> BinaryIO:
+            opened = RangedObject(self.store, key, stored, spans)
+            if not spans:
+                opened.prefetch(first, gap=0)
+            return cast(BinaryIO, opened)
+
+        return opener
+
+    def _torch_file(self, name: str, keep: dict[str, TorchFile]) -> FileInventory:
+        size = self.listing[name].size
+        opener = self._opener(name, [(max(size - TAIL, 0), TAIL)])
+        with opener() as stream:
+            cast(RangedObject, stream).prefetch(reading_plan(stream), gap=HEADER_GAP)
+        source = name or str(self.url)
+        return read_inventory(Path(name or self.url.key), name, source, keep=keep, opener=opener)
+
+
+@contextlib.contextmanager
+def opened(text: str, *, profile: str | None, endpoint_url: str | None) -> Iterator[RemoteCheckpoint]:
+    """The checkpoint ``text`` (``s3://bucket/prefix/``, or a torch file's key), listed once; its local directory
+    is removed on the way out."""
+    url = parse_url(text)
+    store = S3Store(url.bucket, profile=profile, endpoint_url=endpoint_url)
+    tails: dict[str, list[tuple[int, bytes]]] = {}
+    if is_torch_file(url.key):
+        stored, tail = store.tail(url.key, TAIL)  # its size, ETag and end in one request
+        listing, tails[""] = {"": stored}, [(stored.size - len(tail), tail)]
+        dcp: tuple[str, ...] = ()
+    else:
+        listing = store.listing(url.prefix)
+        if not listing:
+            raise InputError("holds no objects", path=str(url))
+        parents = (PurePosixPath(name).parent.as_posix() for name in listing if is_metadata(name))
+        dcp = tuple(sorted("" if parent == "." else parent for parent in parents))
+    with tempfile.TemporaryDirectory(prefix="optim-repair-remote-") as mirror:
+        yield RemoteCheckpoint(url, store, listing, dcp, Path(mirror), tails)

@@ -1,0 +1,144 @@
+"""Reading ``s3://`` checkpoints from a real S3-compatible server on 127.0.0.1: DCP checkpoints and torch files
+inspected by ranges, the requests counted at the server, the answers those of the same checkpoint read locally."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+from optim_repair import api
+from optim_repair.errors import InputError, UsageError
+from optim_repair.formats.dcp import METADATA_FILE, read_metadata
+from optim_repair.render import inspect_document
+from tests.conftest import run_cli
+from tests.factories import s3server, trainers
+from tests.factories.built import Built
+from tests.factories.s3server import PREFIX
+
+pytestmark = pytest.mark.usefixtures("environment")
+
+
+def _shards(built: Built) -> list[Path]:
+    return sorted(built.path.glob("*.distcp"))
+
+
+def test_inspect_reads_the_metadata_and_one_range_a_shard(server: s3server.Server, stored: tuple[str, Built]) -> None:
+    bucket, built = stored
+    before = len(server.requests(bucket))
+    diagnosis = api.inspect(f"s3://{bucket}/{PREFIX}")
+    made = server.requests(bucket)[before:]
+    shards = _shards(built)
+    holding = {info.relative_path for key, info in read_metadata(built.path).storage.items() if key[1] is None}
+    assert made[0].startswith(f"GET /{bucket}?list-type=2")  # the listing, .metadata, one ranged GET a shard
+    assert made[1:] == [f"GET /{bucket}/{PREFIX}{name}" for name in (METADATA_FILE, *sorted(holding))]
+    assert len(made) <= 2 + len(shards)  # counted at the server
+    traffic = diagnosis.inventory.traffic
+    assert traffic is not None and traffic.requests == len(made)
+    metadata = (built.path / METADATA_FILE).stat().st_size
+    assert metadata < traffic.read <= metadata + 64 * 1024  # never the tensors' bytes
+    assert traffic.read < metadata + min(path.stat().st_size for path in shards)
+    assert traffic.written == traffic.copied == 0
+
+    local = inspect_document(api.inspect(built.path))
+    remote = inspect_document(diagnosis)
+    assert remote["verdict"] == "repairable" and remote["remote"] is not None
+    assert {**remote, "path": local["path"], "remote": None} == local
+
+
+def test_errors_name_the_bucket_and_key(stored: tuple[str, Built]) -> None:
+    bucket, _ = stored
+    with pytest.raises(InputError, match=r"^s3://no-such-bucket-here/x/: no such bucket$"):
+        api.inspect("s3://no-such-bucket-here/x/")
+    with pytest.raises(InputError, match="holds no objects"):
+        api.inspect(f"s3://{bucket}/nothing-here/")
+    with pytest.raises(InputError, match=rf"^s3://{bucket}/{PREFIX}optimizer.pt: no such object"):
+        api.inspect(f"s3://{bucket}/{PREFIX}optimizer.pt")
+    result = run_cli(["inspect", "s3://no-such-bucket-here/x/"], code=4)
+    assert result.stderr.strip() == "optim-repair: error: s3://no-such-bucket-here/x/: no such bucket"
+
+
+def test_without_boto3_the_error_names_the_extra(stored: tuple[str, Built]) -> None:
+    bucket, _ = stored
+    code = "import sys; sys.modules['boto3'] = None; from optim_repair.console import main; main()"
+    ran = subprocess.run(
+        [sys.executable, "-c", code, "inspect", f"s3://{bucket}/{PREFIX}"], capture_output=True, text=True
+    )
+    assert ran.returncode == 2
+    assert "pip install 'optim-repair[s3]'" in ran.stderr and "Traceback" not in ran.stderr
+
+
+def _local_view(document: Mapping[str, object], path: Path) -> object:
+    """The document of a remote checkpoint as that of its local copy at ``path`` reads: its URL is that path."""
+    named = json.dumps({**document, "remote": None}).replace(json.dumps(str(document["path"]))[1:-1], str(path))
+    return json.loads(named)
+
+
+@pytest.mark.parametrize(
+    "factory", [trainers.hf_trainer, trainers.accelerate, trainers.lightning], ids=lambda f: f.__name__
+)
+def test_a_torch_checkpoint_directory_reads_as_it_does_locally(
+    server: s3server.Server, tmp_path: Path, factory: Callable[[Path], Built]
+) -> None:
+    built = factory(tmp_path / "in")
+    bucket = s3server.new_bucket(server)
+    directory = built.path if built.path.is_dir() else built.path.parent
+    s3server.upload(server, directory, bucket, PREFIX)
+    target = f"s3://{bucket}/{PREFIX}" + ("" if built.path.is_dir() else built.path.name)
+    remote = inspect_document(api.inspect(target))
+    local = inspect_document(api.inspect(built.path))
+    assert remote["remote"] is not None and remote["path"] == target
+    assert _local_view(remote, built.path) == local
+
+
+def _large_optimizer(path: Path, width: int = 600) -> Path:
+    """An AdamW state of moments over a MiB, by name (as torch's full-state getter writes it), one layer never used."""
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(width, 600), "unused": torch.nn.Linear(width, 600)})
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        model["used"](torch.randn(2, width)).sum().backward()
+        optimizer.step()
+    path.mkdir(parents=True)
+    torch.save({"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, optimizer)}, path / "run.pt")
+    return path / "run.pt"
+
+
+def test_a_torch_file_is_read_by_its_end_its_head_and_its_record_headers(
+    server: s3server.Server, tmp_path: Path
+) -> None:
+    optimizer = _large_optimizer(tmp_path / "in")
+    bucket = s3server.new_bucket(server)
+    s3server.upload(server, optimizer.parent, bucket, PREFIX)
+    before = len(server.requests(bucket))
+    diagnosis = api.inspect(f"s3://{bucket}/{PREFIX}run.pt")
+    made = server.requests(bucket)[before:]
+    assert all(request == f"GET /{bucket}/{PREFIX}run.pt" for request in made)
+    with zipfile.ZipFile(optimizer) as archive:
+        storages = [info for info in archive.infolist() if "/data/" in info.filename]
+    assert 2 < len(made) <= 2 + len(storages)  # its end, its head, then local headers with the step values
+    traffic = diagnosis.inventory.traffic
+    assert traffic is not None and traffic.requests == len(made)
+    assert diagnosis.verdict == "repairable"
+    assert _local_view(inspect_document(diagnosis), optimizer) == inspect_document(api.inspect(optimizer))
+
+    wider = _large_optimizer(tmp_path / "wider", width=1200)  # the same records, twice the bytes of each weight
+    s3server.upload(server, wider.parent, bucket, "wider/")
+    read = api.inspect(f"s3://{bucket}/wider/run.pt").inventory.traffic
+    assert read is not None and read.requests == traffic.requests
+    assert abs(read.read - traffic.read) < 1024  # the bytes read grow with records, not with tensor bytes
+
+
+def test_a_torch_checkpoint_is_not_repaired_in_object_storage_yet(server: s3server.Server, tmp_path: Path) -> None:
+    built = trainers.hf_trainer(tmp_path / "in")
+    bucket = s3server.new_bucket(server)
+    s3server.upload(server, built.path, bucket, PREFIX)
+    with pytest.raises(UsageError, match="only DCP checkpoints are repaired in object storage"):
+        api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/fixed/")
+    assert s3server.keys(server, bucket, "fixed/") == set()
