@@ -5,9 +5,10 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Literal, NamedTuple
 
 from optim_repair.checkpoint import remote_reading, remote_writing
@@ -17,8 +18,8 @@ from optim_repair.checkpoint.reading import Parsed, read_model_weights, read_par
 from optim_repair.checkpoint.writing import free_space, space_needed, write_copy
 from optim_repair.decisions.diagnose import Diagnosis, diagnose
 from optim_repair.decisions.repair import plan_repair
-from optim_repair.errors import InputError, Remedy, UsageError
-from optim_repair.progress import Notice, Progress, Reporter, ignore, silent
+from optim_repair.errors import InputError, OutputError, Remedy, UsageError
+from optim_repair.progress import Meter, Notice, Progress, Reporter, ignore, silent
 from optim_repair.records.inventory import CheckpointInventory
 from optim_repair.records.repair_plan import Addition, Fill, PlanFill, RepairPlan
 from optim_repair.records.request import NO_OPERATIONS, CopyRequest, Operations, PlanRequest
@@ -192,6 +193,69 @@ def model_changes(
     return Operations(tuple(rename), tuple(drop), drop_not_in_model, add_from_model, to_group)
 
 
+@dataclass(frozen=True)
+class RemoteOptions:
+    """How to reach object storage: an AWS profile and an endpoint, each None for the AWS CLI's own choice."""
+
+    profile: str | None = None
+    endpoint_url: str | None = None
+
+
+def _fixed_downloaded(
+    stored: remote_reading.RemoteCheckpoint,
+    diagnosis: Diagnosis,
+    out: str | Path,
+    request: PlanRequest,
+    copy: CopyRequest,
+    reporter: Reporter,
+) -> FixResult:
+    """``fix`` of a checkpoint in a store into a local ``out``: it is downloaded (each object's CRC32 checked) into
+    a temporary directory beside ``out``, repaired from there as a local checkpoint, every unchanged file
+    hard-linked, and the download removed."""
+    name = PurePosixPath(stored.url.key).name or stored.url.bucket
+    text = os.fspath(out)
+    target = Path(text) / name if stored.is_file and text.endswith(("/", os.sep)) else Path(text)
+    total = sum(item.size for item in stored.listing.values())
+    if (target.exists() or target.is_symlink()) and not copy.force:  # refused before the download, not after
+        raise OutputError("already exists", path=str(target), remedy=Remedy("force", note=" to replace it"))
+    if Path(os.path.abspath(target)).parent.is_dir() and total > free_space(target):
+        raise OutputError(f"has {free_space(target):,} bytes free, too few to download {total:,}", path=target.parent)
+    with tempfile.TemporaryDirectory(dir=Path(os.path.abspath(target)).parent, prefix=f".{target.name}.") as tmp:
+        local = Path(tmp) / name
+        reporter.notice(f"downloading {len(stored.listing)} objects ({total:,} bytes) beside {target}")
+        stored.download(local, Meter(reporter.progress, total).writing)
+        read = _read(local, False)
+        finished = _finished(read.diagnosis, read.found.target, read.parsed, request)
+        verification = write_copy(read.found, finished, target, copy, reporter)
+    return FixResult(diagnosis, finished.plan, target, verification, stored.store.traffic())
+
+
+def _fixed_uploaded(
+    checkpoint: str | Path | Diagnosis,
+    out: str,
+    request: PlanRequest,
+    force: bool,
+    dereference: bool,
+    remote: RemoteOptions,
+    reporter: Reporter,
+) -> FixResult:
+    """``fix`` of a local checkpoint into a store: repaired into a temporary directory beside it (unchanged files
+    hard-linked, not synced), proven there, then uploaded (each object checked by the CRC32 the store computes on
+    receipt) with every ``.metadata`` last, and the temporary copy removed."""
+    read = _read(checkpoint, dereference)
+    finished = _finished(read.diagnosis, read.found.target, read.parsed, request)
+    name = read.found.root.name
+    key = f"{out}{name}" if out.endswith("/") and not read.found.is_directory else out
+    parent = Path(os.path.abspath(read.found.root)).parent
+    with tempfile.TemporaryDirectory(dir=parent, prefix=f".{name}.optim-repair-") as tmp:
+        staged = Path(tmp) / name
+        verification = write_copy(read.found, finished, staged, CopyRequest(link=True, sync=False), reporter)
+        traffic = remote_writing.upload_copy(
+            staged, key, force=force, profile=remote.profile, endpoint_url=remote.endpoint_url, reporter=reporter
+        )
+    return FixResult(read.diagnosis, finished.plan, key, replace(verification, proof="upload"), traffic)
+
+
 def output_path(checkpoint: Path, out: str | Path) -> Path:
     """Where ``fix`` writes: ``out``, or, for a file and an ``out`` ending in a slash, the file's name inside
     that directory, as ``cp`` does."""
@@ -301,19 +365,23 @@ def fix(
     ``.metadata`` last; the copies are proven by the store's checksums, or with ``verify="download"`` read back.
     """
     request = _request(fill, optimizer, model, reset_phantom_step, operations)
+    reporter = Reporter(progress, notice)
+    remote = RemoteOptions(profile, endpoint_url)
     if _remote(checkpoint):
         path = checkpoint.path if isinstance(checkpoint, Diagnosis) else str(checkpoint)
         with remote_reading.opened(path, profile=profile, endpoint_url=endpoint_url) as stored:
             inventory, parsed = stored.read(keep=True)
             diagnosis = diagnose(inventory)
-            finished = _finished(diagnosis, stored.mirror, parsed, request)
-            reporter = Reporter(progress, notice)
+            finished = _finished(diagnosis, stored.mirror, parsed, request)  # every refusal before a byte moves
+            if not is_s3(out):
+                local = CopyRequest(force=force, link=True, sync=sync)
+                return _fixed_downloaded(stored, diagnosis, out, request, local, reporter)
             verification, traffic = remote_writing.write_remote(
                 stored, finished, os.fspath(out), force=force, read_back=verify == "download", reporter=reporter
             )
         return FixResult(diagnosis, finished.plan, os.fspath(out), verification, traffic)
     if is_s3(out):
-        raise UsageError("a local checkpoint is written to a local path in this version")
+        return _fixed_uploaded(checkpoint, os.fspath(out), request, force, dereference, remote, reporter)
     read = _read(checkpoint, dereference)
     finished = _finished(read.diagnosis, read.found.target, read.parsed, request)
     target = output_path(read.found.root, out)

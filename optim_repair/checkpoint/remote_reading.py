@@ -21,7 +21,7 @@ from typing import BinaryIO, Literal, cast
 
 from optim_repair.checkpoint.discovery import model_only
 from optim_repair.checkpoint.reading import Parsed, skipped_file
-from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError
+from optim_repair.errors import InputError, NotATorchFile, OutputError, UnsafeInputError, os_error_reason
 from optim_repair.formats.dcp import METADATA_FILE, DcpMetadata, read_dcp
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX, read_weights
 from optim_repair.formats.torchfile import TORCH_SUFFIXES, TorchFile, read_inventory
@@ -131,6 +131,28 @@ class RemoteCheckpoint:
         fmt: Literal["torch", "dcp"] = "dcp" if self.dcp and all(file.format == "dcp" for file in files) else "torch"
         inventory = CheckpointInventory(str(self.url), fmt, True, tuple(files), tuple(skipped), tuple(weights))
         return inventory, Parsed(torch_files, kept)
+
+    def download(self, into: Path, progress: Callable[[int], None]) -> None:
+        """Every object into the new directory ``into`` (for a torch file: into that file), ``WORKERS`` at a time,
+        each checked against the CRC32 the store keeps of it; ``progress`` hears of each object's bytes."""
+        for name in self.listing:
+            parts = PurePosixPath(name).parts
+            if name.startswith("/") or any(part in ("", ".", "..") for part in parts):
+                raise InputError("names a path outside its prefix; it is not downloaded", path=self.url.named(name))
+
+        def fetch(name: str) -> int:
+            target = into / name if name else into
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with target.open("xb") as stream:
+                    self.store.download(self.url.object(name) if name else self.url.key, self.listing[name], stream)
+            except OSError as exc:
+                raise OutputError(f"cannot write ({os_error_reason(exc)})", path=str(target)) from exc
+            return self.listing[name].size
+
+        with contextlib.closing(self.store.each(fetch, list(self.listing))) as done:
+            for size in done:
+                progress(size)
 
     def _dcp(self, rel: str, keep: dict[str, DcpMetadata] | None) -> FileInventory:
         directory = self.mirror / rel if rel else self.mirror

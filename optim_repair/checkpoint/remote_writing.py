@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -128,15 +128,65 @@ def _write(
         for proof, size in done:
             proofs.add(proof)
             meter.writing(size)
-    last = sorted(staged, key=is_metadata)  # every .metadata after every shard: the commit, as torch's writer
-    for name in last:
-        path = staged[name]
+    _upload(written, staged, meter)
+    return replace(verification, proof=" and ".join(sorted(proofs)) or None)
+
+
+def _upload(written: _Written, files: Mapping[str, Path], meter: Meter) -> None:
+    """Upload ``files`` (by their names under the output prefix), every ``.metadata`` after every other file (the
+    commit, as torch's writer makes it), each checked against the CRC32 the store computed on receipt; then
+    delete the marker."""
+
+    def put(name: str) -> int:
+        path = files[name]
         answer = written.put(name, path)
         if answer.crc32 is not None and answer.crc32 != crc32_of(path):
             raise VerificationError("the store holds other bytes than were sent", path=written.url.named(name))
-        meter.writing(path.stat().st_size)
+        return path.stat().st_size
+
+    names = sorted(files, key=is_metadata)
+    commits = [name for name in names if is_metadata(name)]
+    with contextlib.closing(written.store.each(put, [name for name in names if not is_metadata(name)])) as done:
+        for size in done:
+            meter.writing(size)
+    for name in commits:
+        meter.writing(put(name))
     written.store.delete([written.url.object(MARKER)])
-    return replace(verification, proof=" and ".join(sorted(proofs)) or None)
+
+
+def upload_copy(
+    copy: Path, out: str, *, force: bool, profile: str | None, endpoint_url: str | None, reporter: Reporter
+) -> Traffic:
+    """Upload ``copy`` (a verified repaired copy: a file, or a directory) to ``out`` in a store: a file to that
+    key, never over one that exists; a directory into an empty prefix, as ``write_remote`` commits one."""
+    url = parse_url(out)
+    store = S3Store(url.bucket, profile=profile, endpoint_url=endpoint_url)
+    if copy.is_file():
+        existing = store.listing(url.key)
+        if "" in existing and not force:
+            raise OutputError("already exists", path=out, remedy=Remedy("force", note=" to replace it"))
+        if "" in existing:
+            store.delete([url.key])
+        answer = store.put_file(url.key, copy, copy.stat().st_size)
+        if answer.crc32 is not None and answer.crc32 != crc32_of(copy):
+            store.delete([url.key])
+            raise VerificationError("the store holds other bytes than were sent", path=out)
+        return store.traffic()
+    _clear(store, url, force, reporter.notice)
+    written = _Written(store, url)
+    files = {path.relative_to(copy).as_posix(): path for path in sorted(copy.rglob("*")) if path.is_file()}
+    marker = copy.parent / f"{copy.name}{MARKER}"
+    try:
+        marker.write_text("optim-repair is writing a repaired copy here\n")
+        written.put(MARKER, marker)
+        _upload(written, files, Meter(reporter.progress, sum(path.stat().st_size for path in files.values())))
+    except BaseException:
+        with signals.held():
+            store.delete(written.keys)
+        raise
+    finally:
+        marker.unlink(missing_ok=True)
+    return store.traffic()
 
 
 def _stage(remote: RemoteCheckpoint, finished: FinishedPlan, staging: Path) -> tuple[Verification, dict[str, Path]]:

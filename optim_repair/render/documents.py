@@ -261,6 +261,8 @@ def proof(verification: Verification) -> str:
         return "read back through the file system"
     if verification.proof == "read back":
         return "read back from the store"
+    if verification.proof == "upload":
+        return "read back through the file system, then uploaded, each object checked by S3 CRC32 on receipt"
     return f"verified by {verification.proof}, not read back"
 
 

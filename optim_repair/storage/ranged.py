@@ -13,7 +13,7 @@ from typing import Any
 
 from optim_repair.storage.s3 import S3Store, StoredObject
 
-READAHEAD = 64 << 10
+READAHEAD = 8 << 10
 """What a read that nothing prefetched fetches beyond what it asks for."""
 
 

@@ -28,6 +28,9 @@ COALESCE_GAP = 1 << 20
 COPY_LIMIT = 5 << 30
 """The largest object one ``CopyObject`` copies; a larger one is copied in parts of ``COPY_PART``."""
 COPY_PART = 1 << 30
+PUT_LIMIT = 5 << 30
+"""The largest object one ``PutObject`` writes; a larger file is uploaded in parts of at least ``PUT_PART``."""
+PUT_PART = 64 << 20
 CHANGED = "changed while being read (is a run still saving it?)"
 WORKERS = 8
 """Requests in flight at once."""
@@ -173,12 +176,16 @@ class S3Store:
             token = {"ContinuationToken": page["NextContinuationToken"]}
 
     def download(self, key: str, stored: StoredObject, target: BinaryIO) -> None:
-        """The whole object ``key``, as listed, into ``target``."""
-        body = self._call("get_object", key, Key=key, IfMatch=stored.etag)["Body"]
-        with body:
-            while chunk := body.read(_CHUNK):
-                self._count.add(read=len(chunk))
-                target.write(chunk)
+        """The whole object ``key``, as listed, into ``target``; the client checks the CRC32 the store keeps of
+        it, where it keeps one, as the body arrives."""
+        body = self._call("get_object", key, Key=key, IfMatch=stored.etag, ChecksumMode="ENABLED")["Body"]
+        try:
+            with body:
+                while chunk := body.read(_CHUNK):
+                    self._count.add(read=len(chunk))
+                    target.write(chunk)
+        except self._botocore.BotoCoreError as exc:  # a CRC32 that does not match, a connection lost
+            raise InputError(f"cannot be read whole ({exc})", path=self.where(key)) from exc
 
     def ranges(
         self, key: str, stored: StoredObject, wanted: Sequence[tuple[int, int]], *, gap: int = COALESCE_GAP
@@ -205,8 +212,11 @@ class S3Store:
     def get_range(self, key: str, stored: StoredObject, start: int, end: int) -> bytes:
         """Bytes ``start`` to ``end`` of ``key``, as listed, by one GET."""
         answer = self._call("get_object", key, Key=key, IfMatch=stored.etag, Range=f"bytes={start}-{end - 1}")
-        with answer["Body"] as body:
-            data: bytes = body.read()
+        try:
+            with answer["Body"] as body:
+                data: bytes = body.read()
+        except self._botocore.BotoCoreError as exc:
+            raise InputError(f"cannot be read ({exc})", path=self.where(key)) from exc
         self._count.add(read=len(data))
         if len(data) != end - start:
             raise InputError(f"gave {len(data)} bytes for a range of {end - start}", path=self.where(key))
@@ -246,13 +256,45 @@ class S3Store:
 
     def put_file(self, key: str, path: Path, size: int) -> Copied:
         """Write the file ``path`` as the new object ``key``, never over one that exists; the store checks the
-        CRC32 sent with it on receipt."""
+        CRC32 sent with it (or with each part, over ``PUT_LIMIT``) on receipt."""
+        if size > PUT_LIMIT:
+            return self._put_in_parts(key, path, size)
         with path.open("rb") as stream:
             answer = self._call(
                 "put_object", key, writing=True, Key=key, Body=stream, ContentLength=size,
                 IfNoneMatch="*", ChecksumAlgorithm="CRC32",
             )  # fmt: skip
         self._count.add(written=size)
+        return Copied(answer.get("ChecksumCRC32"), answer["ETag"])
+
+    def _put_in_parts(self, key: str, path: Path, size: int) -> Copied:
+        part = max(PUT_PART, -(-size // 10_000))  # S3 takes at most 10,000 parts
+        upload = self._call(
+            "create_multipart_upload", key, writing=True, Key=key, ChecksumAlgorithm="CRC32",
+            ChecksumType="FULL_OBJECT",
+        )["UploadId"]  # fmt: skip
+
+        def send(number: int) -> dict[str, Any]:
+            with path.open("rb") as stream:
+                stream.seek((number - 1) * part)
+                data = stream.read(part)
+            answer = self._call(
+                "upload_part", key, writing=True, Key=key, UploadId=upload, PartNumber=number, Body=data,
+                ChecksumAlgorithm="CRC32",
+            )  # fmt: skip
+            self._count.add(written=len(data))
+            return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32": answer.get("ChecksumCRC32")}
+
+        try:
+            parts = list(self.each(send, range(1, -(-size // part) + 1)))
+            answer = self._call(
+                "complete_multipart_upload", key, writing=True, Key=key, UploadId=upload,
+                MultipartUpload={"Parts": [{k: v for k, v in p.items() if v is not None} for p in parts]},
+                ChecksumType="FULL_OBJECT", ChecksumCRC32=crc32_of(path), IfNoneMatch="*",
+            )  # fmt: skip
+        except BaseException:
+            self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
+            raise
         return Copied(answer.get("ChecksumCRC32"), answer["ETag"])
 
     def copy(self, source: str, stored: StoredObject, target: str, *, source_bucket: str) -> Copied:

@@ -14,15 +14,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from optim_repair import api
 from optim_repair.errors import OutputError, UsageError
 from optim_repair.formats.dcp import METADATA_FILE
 from optim_repair.render import fix_document
+from optim_repair.storage import s3
 from tests.conftest import run_cli
 from tests.factories import dcp as dk
-from tests.factories import s3server
+from tests.factories import s3server, trainers
 from tests.factories.built import Built
 from tests.factories.s3server import PREFIX
 
@@ -133,3 +136,85 @@ def test_a_killed_fix_never_leaves_a_loadable_prefix_and_the_next_run_cleans_up(
         assert again.returncode == 0, again.stderr
         assert ("a stopped run left" in again.stderr) == bool(left)
         assert _loadable(s3server.download(server, bucket, out, tmp_path / f"again-{trial}"))
+
+
+def test_a_remote_checkpoint_is_repaired_into_a_local_copy(
+    server: s3server.Server, stored: tuple[str, Built], tmp_path: Path
+) -> None:
+    bucket, built = stored
+    out = tmp_path / "fixed"
+    result = api.fix(f"s3://{bucket}/{PREFIX}", out)
+    assert result.out == out and result.verification.proof is None and result.verification.tensors > 0
+    assert result.traffic is not None and result.traffic.read >= sum(p.stat().st_size for p in built.path.iterdir())
+    assert {path.name for path in tmp_path.iterdir()} == {"in", "fixed"}  # the download is gone
+    resumed = dk.resume(out, "adamw", "optim", False)
+    reference = dk.uninterrupted("adamw")
+    assert all(torch.equal(resumed[name], reference[name]) for name in reference)
+    with pytest.raises(OutputError, match="already exists"):
+        api.fix(f"s3://{bucket}/{PREFIX}", out)
+
+
+def test_a_local_checkpoint_is_repaired_into_a_store(
+    server: s3server.Server, stored: tuple[str, Built], tmp_path: Path
+) -> None:
+    bucket, built = stored
+    result = api.fix(built.path, f"s3://{bucket}/uploaded/")
+    assert result.verification.proof == "upload"
+    assert fix_document(result)["verification"]["proof"].endswith("each object checked by S3 CRC32 on receipt")
+    assert result.traffic is not None and result.traffic.read == 0 and result.traffic.copied == 0
+    names = {path.name for path in built.path.iterdir()}
+    assert server.requests(bucket)[-2:] == [
+        f"PUT /{bucket}/uploaded/{METADATA_FILE}",  # the commit, after every shard
+        f"POST /{bucket}?delete",  # then the marker is deleted
+    ]
+    assert s3server.keys(server, bucket, "uploaded/") == names | {"__optim_repair_0.distcp"}
+    assert {path.name for path in built.path.parent.iterdir()} == {built.path.name}  # the staged copy is gone
+    local = s3server.download(server, bucket, "uploaded/", tmp_path / "back")
+    resumed = dk.resume(local, "adamw", "optim", False)
+    reference = dk.uninterrupted("adamw")
+    assert all(torch.equal(resumed[name], reference[name]) for name in reference)
+
+
+def test_a_torch_file_is_repaired_from_a_store_and_into_one(server: s3server.Server, tmp_path: Path) -> None:
+    built = trainers.hf_trainer(tmp_path / "in", steps=2)
+    bucket = s3server.new_bucket(server)
+    s3server.upload(server, built.path, bucket, PREFIX)
+    (tmp_path / "out").mkdir()
+    local = api.fix(f"s3://{bucket}/{PREFIX}optimizer.pt", f"{tmp_path}/out/")
+    assert local.out == tmp_path / "out" / "optimizer.pt"
+    uploaded = api.fix(built.path / "optimizer.pt", f"s3://{bucket}/fixed/")
+    assert uploaded.out == f"s3://{bucket}/fixed/optimizer.pt"
+    back = s3server.download(server, bucket, "fixed/", tmp_path / "back") / "optimizer.pt"
+    assert back.read_bytes() == Path(local.out).read_bytes()
+    with pytest.raises(OutputError, match="already exists"):
+        api.fix(built.path / "optimizer.pt", f"s3://{bucket}/fixed/optimizer.pt")
+
+
+def test_large_objects_are_copied_and_uploaded_in_parts(
+    server: s3server.Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Objects over S3's single-request limits (5 GiB) go in parts; the limits are lowered here to 5 MiB, S3's
+    smallest part, so that a 12 MiB shard takes three."""
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(1800, 1800), "unused": torch.nn.Linear(4, 4)})
+    for name, value in (("COPY_LIMIT", 5 << 20), ("COPY_PART", 5 << 20), ("PUT_LIMIT", 5 << 20), ("PUT_PART", 5 << 20)):
+        monkeypatch.setattr(s3, name, value)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model["used"](torch.randn(2, 1800)).sum().backward()
+    optimizer.step()
+    path = tmp_path / "in"
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path)
+    bucket = s3server.new_bucket(server)
+    s3server.upload(server, path, bucket, "large/")
+    copied = api.fix(f"s3://{bucket}/large/", f"s3://{bucket}/copied/")
+    assert copied.verification.proof == "S3 CRC32" and copied.plan.additions
+    uploaded = api.fix(path, f"s3://{bucket}/uploaded/")
+    for prefix in ("copied/", "uploaded/"):
+        back = s3server.download(server, bucket, prefix, tmp_path / prefix)
+        assert all(
+            back.joinpath(p.name).read_bytes() == p.read_bytes() for p in path.iterdir() if p.suffix == ".distcp"
+        )
+    assert any(
+        request.startswith(f"PUT /{bucket}/copied/") and "partNumber=3" in request
+        for request in server.requests(bucket)
+    )
+    assert uploaded.verification.tensors == copied.verification.tensors
