@@ -5,21 +5,21 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Literal, NamedTuple
 
 from optim_repair.checkpoint import remote_reading, remote_writing
 from optim_repair.checkpoint.discovery import Discovery, discover, latest_step
 from optim_repair.checkpoint.planning import FinishedPlan, finish_plan
 from optim_repair.checkpoint.reading import Parsed, read_model_weights, read_parsed
+from optim_repair.checkpoint.staging import remove_stale, temporary_sibling
 from optim_repair.checkpoint.writing import free_space, space_needed, write_copy
 from optim_repair.decisions.diagnose import Diagnosis, diagnose
 from optim_repair.decisions.repair import plan_repair
-from optim_repair.errors import InputError, OutputError, Remedy, UsageError
-from optim_repair.progress import Meter, Notice, Progress, Reporter, ignore, silent
+from optim_repair.errors import InputError, Remedy, UsageError
+from optim_repair.progress import Notice, Progress, Reporter, ignore, silent
 from optim_repair.records.inventory import CheckpointInventory
 from optim_repair.records.repair_plan import Addition, Fill, PlanFill, RepairPlan
 from optim_repair.records.request import NO_OPERATIONS, CopyRequest, Operations, PlanRequest
@@ -209,21 +209,10 @@ def _fixed_downloaded(
     copy: CopyRequest,
     reporter: Reporter,
 ) -> FixResult:
-    """``fix`` of a checkpoint in a store into a local ``out``: it is downloaded (each object's CRC32 checked) into
-    a temporary directory beside ``out``, repaired from there as a local checkpoint, every unchanged file
-    hard-linked, and the download removed."""
-    name = PurePosixPath(stored.url.key).name or stored.url.bucket
-    text = os.fspath(out)
-    target = Path(text) / name if stored.is_file and text.endswith(("/", os.sep)) else Path(text)
-    total = sum(item.size for item in stored.listing.values())
-    if (target.exists() or target.is_symlink()) and not copy.force:  # refused before the download, not after
-        raise OutputError("already exists", path=str(target), remedy=Remedy("force", note=" to replace it"))
-    if Path(os.path.abspath(target)).parent.is_dir() and total > free_space(target):
-        raise OutputError(f"has {free_space(target):,} bytes free, too few to download {total:,}", path=target.parent)
-    with tempfile.TemporaryDirectory(dir=Path(os.path.abspath(target)).parent, prefix=f".{target.name}.") as tmp:
-        local = Path(tmp) / name
-        reporter.notice(f"downloading {len(stored.listing)} objects ({total:,} bytes) beside {target}")
-        stored.download(local, Meter(reporter.progress, total).writing)
+    """``fix`` of a checkpoint in a store into a local ``out``: downloaded beside it (``remote_reading.downloaded``)
+    and repaired from there as a local checkpoint, every unchanged file hard-linked."""
+    target = stored.local_target(out)
+    with stored.downloaded(target, force=copy.force, reporter=reporter) as local:
         read = _read(local, False)
         finished = _finished(read.diagnosis, read.found.target, read.parsed, request)
         verification = write_copy(read.found, finished, target, copy, reporter)
@@ -240,15 +229,13 @@ def _fixed_uploaded(
     reporter: Reporter,
 ) -> FixResult:
     """``fix`` of a local checkpoint into a store: repaired into a temporary directory beside it (unchanged files
-    hard-linked, not synced), proven there, then uploaded (each object checked by the CRC32 the store computes on
-    receipt) with every ``.metadata`` last, and the temporary copy removed."""
+    hard-linked, not synced), proven there, then uploaded (``remote_writing.upload_copy``)."""
     read = _read(checkpoint, dereference)
     finished = _finished(read.diagnosis, read.found.target, read.parsed, request)
-    name = read.found.root.name
-    key = f"{out}{name}" if out.endswith("/") and not read.found.is_directory else out
-    parent = Path(os.path.abspath(read.found.root)).parent
-    with tempfile.TemporaryDirectory(dir=parent, prefix=f".{name}.optim-repair-") as tmp:
-        staged = Path(tmp) / name
+    key = f"{out}{read.found.root.name}" if out.endswith("/") and not read.found.is_directory else out
+    remove_stale(read.found.root, reporter.notice)  # what a killed upload left beside it
+    with temporary_sibling(read.found.root, directory=True) as tmp:
+        staged = tmp / read.found.root.name
         verification = write_copy(read.found, finished, staged, CopyRequest(link=True, sync=False), reporter)
         traffic = remote_writing.upload_copy(
             staged, key, force=force, profile=remote.profile, endpoint_url=remote.endpoint_url, reporter=reporter

@@ -13,6 +13,7 @@ the local header of every record, in as few GETs as lie apart (``zipformat.readi
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,11 +22,14 @@ from typing import BinaryIO, Literal, cast
 
 from optim_repair.checkpoint.discovery import model_only
 from optim_repair.checkpoint.reading import Parsed, skipped_file
-from optim_repair.errors import InputError, NotATorchFile, OutputError, UnsafeInputError, os_error_reason
+from optim_repair.checkpoint.staging import remove_stale, temporary_sibling
+from optim_repair.checkpoint.writing import free_space
+from optim_repair.errors import InputError, NotATorchFile, OutputError, Remedy, UnsafeInputError, os_error_reason
 from optim_repair.formats.dcp import METADATA_FILE, DcpMetadata, read_dcp
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX, read_weights
 from optim_repair.formats.torchfile import TORCH_SUFFIXES, TorchFile, read_inventory
 from optim_repair.formats.torchfile.zipformat import reading_plan
+from optim_repair.progress import Meter, Reporter
 from optim_repair.records.inventory import CheckpointInventory, FileInventory, Skipped, WeightMap
 from optim_repair.storage.ranged import RangedObject
 from optim_repair.storage.s3 import S3Store, S3Url, StoredObject, parse_url
@@ -131,6 +135,31 @@ class RemoteCheckpoint:
         fmt: Literal["torch", "dcp"] = "dcp" if self.dcp and all(file.format == "dcp" for file in files) else "torch"
         inventory = CheckpointInventory(str(self.url), fmt, True, tuple(files), tuple(skipped), tuple(weights))
         return inventory, Parsed(torch_files, kept)
+
+    def local_target(self, out: str | os.PathLike[str]) -> Path:
+        """Where a local copy of it goes: ``out``, or for a torch file and an ``out`` ending in a slash, the file's
+        name inside that directory, as ``cp`` does."""
+        text = os.fspath(out)
+        name = PurePosixPath(self.url.key).name
+        return Path(text) / name if self.is_file and text.endswith(("/", os.sep)) else Path(text)
+
+    @contextlib.contextmanager
+    def downloaded(self, target: Path, *, force: bool, reporter: Reporter) -> Iterator[Path]:
+        """All of it, downloaded into a temporary directory beside ``target`` (where a copy of it is to go), locked
+        while the run lives and removed after it (or by the next run, after a kill): the checkpoint's path in it.
+        Refused before a byte moves when ``target`` exists (without ``force``) or its file system lacks room."""
+        total = sum(item.size for item in self.listing.values())
+        if (target.exists() or target.is_symlink()) and not force:
+            raise OutputError("already exists", path=str(target), remedy=Remedy("force", note=" to replace it"))
+        if Path(os.path.abspath(target)).parent.is_dir() and total > free_space(target):
+            reason = f"has {free_space(target):,} bytes free, too few to download {total:,}"
+            raise OutputError(reason, path=str(target.parent))
+        remove_stale(target, reporter.notice)
+        with temporary_sibling(target, directory=True) as tmp:
+            local = tmp / (PurePosixPath(self.url.key).name or self.url.bucket)
+            reporter.notice(f"downloading {len(self.listing)} objects ({total:,} bytes) beside {target}")
+            self.download(local, Meter(reporter.progress, total).writing)
+            yield local
 
     def download(self, into: Path, progress: Callable[[int], None]) -> None:
         """Every object into the new directory ``into`` (for a torch file: into that file), ``WORKERS`` at a time,

@@ -142,3 +142,23 @@ def test_a_torch_checkpoint_is_not_repaired_in_object_storage_yet(server: s3serv
     with pytest.raises(UsageError, match="only DCP checkpoints are repaired in object storage"):
         api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/fixed/")
     assert s3server.keys(server, bucket, "fixed/") == set()
+
+
+def test_access_denied_is_exit_4_naming_the_bucket_and_key(tmp_path: Path) -> None:
+    """A server that checks IAM after the four requests that set it up: a bucket, its object, a user, its keys."""
+    server = s3server.start(tmp_path / "requests.log", checked_after=4)
+    try:
+        client = server.client()
+        client.create_bucket(Bucket="locked-bucket")
+        client.put_object(Bucket="locked-bucket", Key=f"{PREFIX}{METADATA_FILE}", Body=b"")
+        keys = s3server.iam_user_keys(server)
+        result = run_cli(
+            ["inspect", f"s3://locked-bucket/{PREFIX}", "--endpoint-url", server.endpoint, "--json"],
+            code=4,
+            env={**s3server.CREDENTIALS, **keys},
+        )
+        error = json.loads(result.stdout)["error"]
+        assert error["message"] == f"s3://locked-bucket/{PREFIX}: access denied (AccessDenied)"
+        assert error["path"] == f"s3://locked-bucket/{PREFIX}"
+    finally:
+        s3server.stop(server)

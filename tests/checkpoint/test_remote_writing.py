@@ -218,3 +218,36 @@ def test_large_objects_are_copied_and_uploaded_in_parts(
         for request in server.requests(bucket)
     )
     assert uploaded.verification.tensors == copied.verification.tensors
+
+
+@pytest.mark.parametrize("direction", ["upload", "download"])
+def test_a_stopped_copy_between_a_store_and_a_disk_leaves_nothing_loadable(
+    server: s3server.Server, stored: tuple[str, Built], tmp_path: Path, direction: str
+) -> None:
+    bucket, built = stored
+    chance = random.Random(direction)
+    for trial in range(6):
+        if direction == "upload":
+            source, out = str(built.path), f"s3://{bucket}/up-{trial}/"
+        else:
+            source, out = f"s3://{bucket}/{PREFIX}", str(tmp_path / f"down-{trial}")
+        command = [sys.executable, "-m", "optim_repair", "fix", source, "--out", out]
+        running = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(chance.uniform(0.3, 2.0))
+        running.send_signal(signal.SIGKILL if trial % 2 else signal.SIGTERM)
+        running.wait()
+        if direction == "upload":
+            left = s3server.keys(server, bucket, f"up-{trial}/")
+            whole = METADATA_FILE in left
+            if left and not whole:
+                assert not _loadable(s3server.download(server, bucket, f"up-{trial}/", tmp_path / f"left-{trial}"))
+        else:
+            whole = Path(out).exists()
+            if whole:
+                assert _loadable(Path(out))
+        if running.returncode == -signal.SIGTERM or running.returncode == 128 + signal.SIGTERM:
+            beside = built.path.parent if direction == "upload" else tmp_path
+            assert not [path for path in beside.iterdir() if ".optim-repair-tmp-" in path.name]  # nothing left
+        if not whole:
+            again = subprocess.run(command, capture_output=True, text=True)
+            assert again.returncode == 0, again.stderr

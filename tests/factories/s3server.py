@@ -56,14 +56,17 @@ def _keys() -> dict[str, str]:
     }
 
 
-def start(log: Path) -> Server:
+def start(log: Path, *, checked_after: int | None = None) -> Server:
+    """Start a server; with ``checked_after``, every request past that many is checked against IAM (moto's
+    ``INITIAL_NO_AUTH_ACTION_COUNT``), so that the keys of a user without a policy are denied."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     with log.open("wb") as written:
+        checked = {} if checked_after is None else {"INITIAL_NO_AUTH_ACTION_COUNT": str(checked_after)}
         process = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=written, stderr=written,
+            stdout=written, stderr=written, env={**os.environ, **checked},
         )  # fmt: skip
     deadline = time.monotonic() + 30
     while True:
@@ -81,6 +84,14 @@ def start(log: Path) -> Server:
 def stop(server: Server) -> None:
     server.process.terminate()
     server.process.wait(timeout=10)
+
+
+def iam_user_keys(server: Server) -> dict[str, str]:
+    """The access keys of a new IAM user with no policy: every request made with them is denied."""
+    iam = boto3.client("iam", endpoint_url=server.endpoint, **_keys())
+    iam.create_user(UserName="nobody")
+    key = iam.create_access_key(UserName="nobody")["AccessKey"]
+    return {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
 
 
 def new_bucket(server: Server) -> str:
