@@ -354,6 +354,8 @@ def fix(
     request = _request(fill, optimizer, model, reset_phantom_step, operations)
     reporter = Reporter(progress, notice)
     remote = RemoteOptions(profile, endpoint_url)
+    if verify == "download" and not (_remote(checkpoint) and is_s3(out)):
+        raise UsageError("{argument} is for copies made inside a store (s3:// to s3://)", argument="verify")
     if _remote(checkpoint):
         path = checkpoint.path if isinstance(checkpoint, Diagnosis) else str(checkpoint)
         with remote_reading.opened(path, profile=profile, endpoint_url=endpoint_url) as stored:

@@ -71,6 +71,15 @@ def test_read_back_compares_every_copied_byte(stored: tuple[str, Built]) -> None
     assert result.traffic.read >= 2 * sum(path.stat().st_size for path in _shards(built))
 
 
+def test_reading_back_is_for_copies_made_inside_a_store(stored: tuple[str, Built], tmp_path: Path) -> None:
+    bucket, built = stored
+    with pytest.raises(UsageError, match=r"^verify is for copies made inside a store"):
+        api.fix(f"s3://{bucket}/{PREFIX}", tmp_path / "local", verify="download")
+    result = run_cli(["fix", built.path, "--out", tmp_path / "copy", "--verify", "download"], code=2)
+    assert "--verify is for copies made inside a store" in result.stderr
+    assert not (tmp_path / "local").exists() and not (tmp_path / "copy").exists()
+
+
 def test_the_cli_reports_requests_and_bytes(stored: tuple[str, Built]) -> None:
     bucket, _ = stored
     inspected = json.loads(run_cli(["inspect", f"s3://{bucket}/{PREFIX}", "--json"], code=1).stdout)
