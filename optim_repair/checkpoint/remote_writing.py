@@ -26,7 +26,7 @@ from optim_repair.formats.dcp.writer import write_planned_dcp
 from optim_repair.progress import Meter, Reporter
 from optim_repair.records.traffic import Traffic
 from optim_repair.records.verification import Verification
-from optim_repair.storage.s3 import Copied, S3Store, S3Url, StoredObject, crc32_of, parse_url
+from optim_repair.storage.s3 import CHANGED, Copied, S3Store, S3Url, StoredObject, crc32_of, parse_url
 
 MARKER = ".optim-repair-incomplete"
 """The object a repair writes first into its output prefix and deletes last: a prefix holding it was left by a
@@ -89,6 +89,8 @@ def write_remote(
         target_url.prefix.startswith(source) or source.startswith(target_url.prefix)
     ):
         raise UsageError(f"{out} holds the checkpoint or lies inside it; write the copy to a prefix beside it")
+    if not all(isinstance(planned, PlannedDcp) for planned in finished.files.values()):
+        raise UsageError("only DCP checkpoints are repaired from a store into a store in this version")
     target = remote.store.sibling(target_url.bucket)
     _clear(target, target_url, force, reporter.notice)
     written = _Written(target, target_url)
@@ -195,8 +197,7 @@ def _stage(remote: RemoteCheckpoint, finished: FinishedPlan, staging: Path) -> t
     proven = Verification(0, 0)
     staged: dict[str, Path] = {}
     for rel, planned in finished.files.items():
-        if not isinstance(planned, PlannedDcp):
-            raise UsageError("only DCP checkpoints are repaired in object storage in this version")
+        assert isinstance(planned, PlannedDcp)  # write_remote refused the rest
         src = remote.mirror / rel if rel else remote.mirror
         dest = staging / rel if rel else staging
         dest.mkdir(parents=True, exist_ok=True)
@@ -222,7 +223,7 @@ def _prove(
         return "read back"
     original = remote.store.checksum(remote.url.object(name))
     if original.etag != stored.etag:
-        raise InputError("changed while being read (is a run still saving it?)", path=remote.url.named(name))
+        raise InputError(CHANGED, path=remote.url.named(name))
     if original.crc32 is not None and copied.crc32 is not None:
         if original.crc32 != copied.crc32:
             raise VerificationError(f"its CRC32 differs from that of {remote.url.named(name)}", path=where)

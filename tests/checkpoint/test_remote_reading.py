@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from optim_repair import api
-from optim_repair.errors import InputError, UsageError
+from optim_repair.errors import InputError
 from optim_repair.formats.dcp import METADATA_FILE, read_metadata
 from optim_repair.render import inspect_document
 from tests.conftest import run_cli
@@ -133,15 +133,6 @@ def test_a_torch_file_is_read_by_its_end_its_head_and_its_record_headers(
     read = api.inspect(f"s3://{bucket}/wider/run.pt").inventory.traffic
     assert read is not None and read.requests == traffic.requests
     assert abs(read.read - traffic.read) < 1024  # the bytes read grow with records, not with tensor bytes
-
-
-def test_a_torch_checkpoint_is_not_repaired_in_object_storage_yet(server: s3server.Server, tmp_path: Path) -> None:
-    built = trainers.hf_trainer(tmp_path / "in")
-    bucket = s3server.new_bucket(server)
-    s3server.upload(server, built.path, bucket, PREFIX)
-    with pytest.raises(UsageError, match="only DCP checkpoints are repaired in object storage"):
-        api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/fixed/")
-    assert s3server.keys(server, bucket, "fixed/") == set()
 
 
 def test_access_denied_is_exit_4_naming_the_bucket_and_key(tmp_path: Path) -> None:

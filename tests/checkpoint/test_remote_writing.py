@@ -260,3 +260,15 @@ def test_a_stopped_copy_between_a_store_and_a_disk_leaves_nothing_loadable(
         if not whole:
             again = subprocess.run(command, capture_output=True, text=True)
             assert again.returncode == 0, again.stderr
+
+
+def test_a_torch_checkpoint_is_not_repaired_from_a_store_into_a_store_yet(
+    server: s3server.Server, tmp_path: Path
+) -> None:
+    built = trainers.hf_trainer(tmp_path / "in")
+    bucket = s3server.new_bucket(server)
+    s3server.upload(server, built.path, bucket, PREFIX)
+    server.client().put_object(Bucket=bucket, Key="fixed/notes.txt", Body=b"keep me")
+    with pytest.raises(UsageError, match="only DCP checkpoints are repaired from a store into a store"):
+        api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/fixed/", force=True)
+    assert s3server.keys(server, bucket, "fixed/") == {"notes.txt"}  # refused before anything was touched
