@@ -357,6 +357,13 @@ def _remote_pairs(root: Path, torch_file: Path, dcp_dir: Path, tool: list[str]) 
             [*download, f"torch/{torch_file.name}"],
             [*tool, "inspect", torch],
         ),
+        (
+            "fix --fill empty s3:// → s3:// (torch file)",
+            shell(f"{tool_text} fix {torch} --fill empty --out {fresh_out}"),
+            "boto3 download",
+            [*download, f"torch/{torch_file.name}"],
+            shell(f"{tool_text} fix {torch} --fill empty --out {fresh_out} --json"),
+        ),
     ]
 
 

@@ -24,7 +24,15 @@ from optim_repair.checkpoint.discovery import model_only
 from optim_repair.checkpoint.reading import Parsed, skipped_file
 from optim_repair.checkpoint.staging import remove_stale, temporary_sibling
 from optim_repair.checkpoint.writing import free_space
-from optim_repair.errors import InputError, NotATorchFile, OutputError, Remedy, UnsafeInputError, os_error_reason
+from optim_repair.errors import (
+    InputError,
+    NotATorchFile,
+    OutputError,
+    Remedy,
+    UnsafeInputError,
+    UsageError,
+    os_error_reason,
+)
 from optim_repair.formats.dcp import METADATA_FILE, DcpMetadata, read_dcp
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX, read_weights
 from optim_repair.formats.torchfile import TORCH_SUFFIXES, TorchFile, read_inventory
@@ -123,6 +131,9 @@ class RemoteCheckpoint:
                 continue
             try:
                 found = self._torch_file(name, torch_files)
+            except UsageError as exc:
+                skipped.append(Skipped(name, exc.reason))
+                continue
             except (UnsafeInputError, NotATorchFile) as exc:
                 skipped.append(skipped_file(name, exc))
                 continue
@@ -210,7 +221,11 @@ class RemoteCheckpoint:
         size = self.listing[name].size
         opener = self._opener(name, [(max(size - TAIL, 0), TAIL)])
         with opener() as stream:
-            cast(RangedObject, stream).prefetch(reading_plan(stream), gap=HEADER_GAP)
+            plan = reading_plan(stream)
+            if plan is None:  # its pickle is bounded by reading it through, as a local file is mapped
+                reason = "is no zip archive (a legacy-format torch file?): not read in object storage yet"
+                raise UsageError(reason, path=name or str(self.url))
+            cast(RangedObject, stream).prefetch(plan, gap=HEADER_GAP)
         source = name or str(self.url)
         return read_inventory(Path(name or self.url.key), name, source, keep=keep, opener=opener)
 

@@ -14,12 +14,13 @@ import contextlib
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from optim_repair import signals
-from optim_repair.checkpoint.adapters import PlannedDcp
+from optim_repair.checkpoint.adapters import PlannedDcp, PlannedTorchFile
 from optim_repair.checkpoint.planning import FinishedPlan
 from optim_repair.checkpoint.remote_reading import RemoteCheckpoint, is_metadata, members
+from optim_repair.checkpoint.remote_torch import spliced_copy
 from optim_repair.errors import InputError, OutputError, Remedy, UsageError, VerificationError
 from optim_repair.formats.dcp.verifier import verify_planned_dcp
 from optim_repair.formats.dcp.writer import write_planned_dcp
@@ -89,9 +90,9 @@ def write_remote(
         target_url.prefix.startswith(source) or source.startswith(target_url.prefix)
     ):
         raise UsageError(f"{out} holds the checkpoint or lies inside it; write the copy to a prefix beside it")
-    if not all(isinstance(planned, PlannedDcp) for planned in finished.files.values()):
-        raise UsageError("only DCP checkpoints are repaired from a store into a store in this version")
     target = remote.store.sibling(target_url.bucket)
+    if remote.is_file:
+        return _write_file(remote, finished, target, target_url, force=force, read_back=read_back)
     _clear(target, target_url, force, reporter.notice)
     written = _Written(target, target_url)
     with tempfile.TemporaryDirectory(prefix="optim-repair-staged-") as staging:
@@ -116,7 +117,16 @@ def _write(
     marker.write_text(f"optim-repair is writing a repaired copy of {remote.url} here\n")
     written.put(MARKER, marker)
     verification, staged = _stage(remote, finished, staging / "copy")
-    copies = [(name, stored) for name, stored in remote.listing.items() if name not in staged and name != MARKER]
+    spliced = {
+        name: planned
+        for name, planned in finished.files.items()
+        if isinstance(planned, PlannedTorchFile) and planned.changes_anything
+    }
+    copies = [
+        (name, stored)
+        for name, stored in remote.listing.items()
+        if name not in staged and name not in spliced and name != MARKER
+    ]
     total = sum(stored.size for _, stored in copies) + sum(path.stat().st_size for path in staged.values())
     meter = Meter(reporter.progress, total)
 
@@ -130,6 +140,15 @@ def _write(
         for proof, size in done:
             proofs.add(proof)
             meter.writing(size)
+    for name, planned in spliced.items():
+        key = written.url.object(name)
+        with signals.held():  # recorded as soon as it exists, so that an ending signal deletes it
+            verification += spliced_copy(
+                remote, name, planned, (written.store, key), staging / "spliced", read_back=read_back
+            )
+            written.keys.append(key)
+        proofs.add("read back" if read_back else "S3 CRC32")
+        meter.writing(remote.listing[name].size)
     _upload(written, staged, meter)
     return replace(verification, proof=" and ".join(sorted(proofs)) or None)
 
@@ -191,13 +210,37 @@ def upload_copy(
     return store.traffic()
 
 
+def _write_file(
+    remote: RemoteCheckpoint,
+    finished: FinishedPlan,
+    target: S3Store,
+    url: S3Url,
+    *,
+    force: bool,
+    read_back: bool,
+) -> tuple[Verification, Traffic]:
+    """The repaired copy of the torch file ``remote`` as one new object (``url``, or the file's name under it when
+    it ends in a slash), which appears whole or not at all."""
+    key = url.object(PurePosixPath(remote.url.key).name) if url.key.endswith("/") or not url.key else url.key
+    if target.listing(key).get("") is not None:
+        if not force:
+            raise OutputError("already exists", path=target.where(key), remedy=Remedy("force", note=" to replace it"))
+        target.delete([key])
+    planned = finished.files[""]
+    assert isinstance(planned, PlannedTorchFile)  # the adapter of a torch file
+    with tempfile.TemporaryDirectory(prefix="optim-repair-staged-") as staging:
+        verification = spliced_copy(remote, "", planned, (target, key), Path(staging) / "spliced", read_back=read_back)
+    return replace(verification, proof="read back" if read_back else "S3 CRC32"), remote.store.traffic()
+
+
 def _stage(remote: RemoteCheckpoint, finished: FinishedPlan, staging: Path) -> tuple[Verification, dict[str, Path]]:
     """Write what the repair changes into ``staging`` and prove it there against the original's metadata (every
     original byte, found through the new metadata, must lie where it lay, in the copy of its own shard)."""
     proven = Verification(0, 0)
     staged: dict[str, Path] = {}
     for rel, planned in finished.files.items():
-        assert isinstance(planned, PlannedDcp)  # write_remote refused the rest
+        if not isinstance(planned, PlannedDcp):
+            continue  # a torch file, spliced
         src = remote.mirror / rel if rel else remote.mirror
         dest = staging / rel if rel else staging
         dest.mkdir(parents=True, exist_ok=True)

@@ -269,33 +269,58 @@ class S3Store:
 
     def _put_in_parts(self, key: str, path: Path, size: int) -> Copied:
         part = max(PUT_PART, -(-size // 10_000))  # S3 takes at most 10,000 parts
+        parts = [("file", (path, offset, min(part, size - offset))) for offset in range(0, size, part)]
+        answer = self.multipart(key, parts, crc32_of(path))
+        return Copied(answer.get("ChecksumCRC32"), answer["ETag"])
+
+    def put_bytes(self, key: str, data: bytes) -> Copied:
+        """Write ``data`` as the new object ``key``, never over one that exists, with its CRC32."""
+        answer = self._call(
+            "put_object", key, writing=True, Key=key, Body=data, IfNoneMatch="*", ChecksumAlgorithm="CRC32"
+        )
+        self._count.add(written=len(data))
+        return Copied(answer.get("ChecksumCRC32"), answer["ETag"])
+
+    def multipart(self, key: str, parts: Sequence[tuple[str, Any]], expected: str | None) -> dict[str, Any]:
+        """Write the new object ``key`` from ``parts``, ``WORKERS`` at a time: ``("bytes", data)``, ``("file",
+        (path, offset, length))``, or ``("copy", (bucket, source, stored, start, end))``, a range of another object
+        copied inside the store. Its CRC-32 is the whole object's (``FULL_OBJECT``), checked by the store
+        against ``expected`` where given; never over an object that exists; aborted on any failure."""
         upload = self._call(
             "create_multipart_upload", key, writing=True, Key=key, ChecksumAlgorithm="CRC32",
             ChecksumType="FULL_OBJECT",
         )["UploadId"]  # fmt: skip
 
-        def send(number: int) -> dict[str, Any]:
-            with path.open("rb") as stream:
-                stream.seek((number - 1) * part)
-                data = stream.read(part)
-            answer = self._call(
-                "upload_part", key, writing=True, Key=key, UploadId=upload, PartNumber=number, Body=data,
-                ChecksumAlgorithm="CRC32",
-            )  # fmt: skip
-            self._count.add(written=len(data))
-            return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32": answer.get("ChecksumCRC32")}
+        def send(numbered: tuple[int, tuple[str, Any]]) -> dict[str, Any]:
+            number, (kind, what) = numbered
+            common = {"Key": key, "UploadId": upload, "PartNumber": number}
+            if kind == "copy":
+                bucket, source, stored, start, end = what
+                pinned = {"Bucket": bucket, "Key": source}
+                answer = self._call(
+                    "upload_part_copy", key, writing=True, CopySource=pinned, CopySourceIfMatch=stored.etag,
+                    CopySourceRange=f"bytes={start}-{end - 1}", **common,
+                )["CopyPartResult"]  # fmt: skip
+                self._count.add(copied=end - start)
+            else:
+                data = what if kind == "bytes" else _slice(*what)
+                answer = self._call("upload_part", key, writing=True, Body=data, ChecksumAlgorithm="CRC32", **common)
+                self._count.add(written=len(data))
+            found = {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32": answer.get("ChecksumCRC32")}
+            return {name: value for name, value in found.items() if value is not None}
 
+        whole = {"ChecksumCRC32": expected} if expected is not None else {}
         try:
-            parts = list(self.each(send, range(1, -(-size // part) + 1)))
-            answer = self._call(
-                "complete_multipart_upload", key, writing=True, Key=key, UploadId=upload,
-                MultipartUpload={"Parts": [{k: v for k, v in p.items() if v is not None} for p in parts]},
-                ChecksumType="FULL_OBJECT", ChecksumCRC32=crc32_of(path), IfNoneMatch="*",
+            sent = list(self.each(send, list(enumerate(parts, 1))))
+            return dict(
+                self._call(
+                    "complete_multipart_upload", key, writing=True, Key=key, UploadId=upload,
+                    MultipartUpload={"Parts": sent}, ChecksumType="FULL_OBJECT", IfNoneMatch="*", **whole,
+                )
             )  # fmt: skip
         except BaseException:
             self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
             raise
-        return Copied(answer.get("ChecksumCRC32"), answer["ETag"])
 
     def copy(self, source: str, stored: StoredObject, target: str, *, source_bucket: str) -> Copied:
         """Copy ``source`` of ``source_bucket`` (the version listed) to the new object ``target`` inside the store,
@@ -307,43 +332,19 @@ class S3Store:
             if original.head(source).etag != stored.etag:  # a 412 of the pin, not of the no-replace
                 raise InputError(CHANGED, path=original.where(source)) from None
             raise
-        self._count.add(copied=stored.size)
         return copied
 
     def _copy(self, bucket: str, source: str, stored: StoredObject, target: str) -> Copied:
-        pinned = {"Bucket": bucket, "Key": source}
-        if stored.size <= COPY_LIMIT:
-            answer = self._call(
-                "copy_object", target, writing=True, Key=target, CopySource=pinned, CopySourceIfMatch=stored.etag,
-                IfNoneMatch="*", ChecksumAlgorithm="CRC32",
-            )["CopyObjectResult"]  # fmt: skip
-            copied = Copied(answer.get("ChecksumCRC32"), answer["ETag"])
-        else:
-            copied = self._copy_in_parts(pinned, stored, target)
-        return copied
-
-    def _copy_in_parts(self, pinned: dict[str, str], stored: StoredObject, target: str) -> Copied:
-        upload = self._call(
-            "create_multipart_upload", target, writing=True, Key=target, ChecksumAlgorithm="CRC32",
-            ChecksumType="FULL_OBJECT",
-        )["UploadId"]  # fmt: skip
-        try:
-            parts = []
-            for number, start in enumerate(range(0, stored.size, COPY_PART), 1):
-                end = min(start + COPY_PART, stored.size) - 1
-                answer = self._call(
-                    "upload_part_copy", target, writing=True, Key=target, UploadId=upload, PartNumber=number,
-                    CopySource=pinned, CopySourceIfMatch=stored.etag, CopySourceRange=f"bytes={start}-{end}",
-                )["CopyPartResult"]  # fmt: skip
-                parts.append({"PartNumber": number, "ETag": answer["ETag"]})
-            self._call(
-                "complete_multipart_upload", target, writing=True, Key=target, UploadId=upload,
-                MultipartUpload={"Parts": parts}, IfNoneMatch="*",
-            )  # fmt: skip
-        except BaseException:
-            self._client.abort_multipart_upload(Bucket=self.bucket, Key=target, UploadId=upload)
-            raise
-        return self.checksum(target)
+        if stored.size > COPY_LIMIT:  # in parts, each counted as it is copied
+            ranges = [(start, min(start + COPY_PART, stored.size)) for start in range(0, stored.size, COPY_PART)]
+            self.multipart(target, [("copy", (bucket, source, stored, a, b)) for a, b in ranges], None)
+            return self.checksum(target)
+        answer = self._call(
+            "copy_object", target, writing=True, Key=target, CopySource={"Bucket": bucket, "Key": source},
+            CopySourceIfMatch=stored.etag, IfNoneMatch="*", ChecksumAlgorithm="CRC32",
+        )["CopyObjectResult"]  # fmt: skip
+        self._count.add(copied=stored.size)
+        return Copied(answer.get("ChecksumCRC32"), answer["ETag"])
 
     def delete(self, keys: Iterable[str]) -> None:
         """Delete ``keys`` (what this run wrote), a thousand a request."""
@@ -360,6 +361,12 @@ class S3Store:
             yield from pool.map(work, items)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _slice(path: Path, offset: int, length: int) -> bytes:
+    with path.open("rb") as stream:
+        stream.seek(offset)
+        return stream.read(length)
 
 
 def _end(wanted: Sequence[tuple[int, int]], group: Sequence[int]) -> int:

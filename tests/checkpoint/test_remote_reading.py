@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from optim_repair import api
-from optim_repair.errors import InputError
+from optim_repair.errors import InputError, UsageError
 from optim_repair.formats.dcp import METADATA_FILE, read_metadata
 from optim_repair.render import inspect_document
 from tests.conftest import run_cli
@@ -153,3 +153,13 @@ def test_access_denied_is_exit_4_naming_the_bucket_and_key(tmp_path: Path) -> No
         assert error["path"] == f"s3://locked-bucket/{PREFIX}"
     finally:
         s3server.stop(server)
+
+
+def test_a_legacy_torch_file_is_not_read_from_a_store_yet(server: s3server.Server, tmp_path: Path) -> None:
+    built = trainers.legacy_format(tmp_path / "in")
+    bucket = s3server.new_bucket(server)
+    s3server.upload(server, built.path.parent, bucket, PREFIX)
+    with pytest.raises(UsageError, match=r"legacy.pt: is no zip archive \(a legacy-format torch file\?\)"):
+        api.inspect(f"s3://{bucket}/{PREFIX}legacy.pt")
+    with pytest.raises(InputError, match=r"no optimizer state found in any file \(1 skipped\)"):
+        api.inspect(f"s3://{bucket}/{PREFIX}")

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from optim_repair import api
 from optim_repair.errors import OutputError, UsageError
 from optim_repair.formats.dcp import METADATA_FILE
-from optim_repair.render import fix_document
+from optim_repair.render import fix_document, inspect_document
 from optim_repair.storage import s3
 from tests.conftest import run_cli
 from tests.factories import dcp as dk
@@ -262,13 +263,54 @@ def test_a_stopped_copy_between_a_store_and_a_disk_leaves_nothing_loadable(
             assert again.returncode == 0, again.stderr
 
 
-def test_a_torch_checkpoint_is_not_repaired_from_a_store_into_a_store_yet(
-    server: s3server.Server, tmp_path: Path
-) -> None:
+def test_a_trainer_directory_is_repaired_inside_the_store(server: s3server.Server, tmp_path: Path) -> None:
     built = trainers.hf_trainer(tmp_path / "in")
     bucket = s3server.new_bucket(server)
     s3server.upload(server, built.path, bucket, PREFIX)
-    server.client().put_object(Bucket=bucket, Key="fixed/notes.txt", Body=b"keep me")
-    with pytest.raises(UsageError, match="only DCP checkpoints are repaired from a store into a store"):
-        api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/fixed/", force=True)
-    assert s3server.keys(server, bucket, "fixed/") == {"notes.txt"}  # refused before anything was touched
+    result = api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/fixed/", fill="empty")
+    assert result.verification.proof == "S3 CRC32" and result.plan.additions
+    names = {path.name for path in built.path.iterdir()}
+    assert s3server.keys(server, bucket, "fixed/") == names  # no marker left, no file missing
+    back = s3server.download(server, bucket, "fixed/", tmp_path / "back")
+    local = api.fix(built.path, tmp_path / "local", fill="empty")
+    assert all(
+        back.joinpath(name).read_bytes() == built.path.joinpath(name).read_bytes() for name in names - {"optimizer.pt"}
+    )
+    assert inspect_document(api.inspect(back))["optimizers"] == inspect_document(api.inspect(local.out))["optimizers"]
+    resumed, expected = (torch.load(root / "optimizer.pt", weights_only=True) for root in (back, Path(local.out)))
+    assert resumed["param_groups"] == expected["param_groups"] and resumed["state"].keys() == expected["state"].keys()
+
+
+def test_a_torch_file_is_spliced_inside_the_store_and_resumes(server: s3server.Server, tmp_path: Path) -> None:
+    """The new pickle is uploaded, every other record copied by the store: an 18 MiB file moves less than
+    twice 5 MiB and its pickle each way, and torch.load of the copy resumes exactly as the local repair does."""
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(1500, 1500), "unused": torch.nn.Linear(8, 8)})
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        model["used"](torch.randn(2, 1500)).sum().backward()
+        optimizer.step()
+    path = tmp_path / "in" / "optimizer.pt"
+    path.parent.mkdir()
+    torch.save(optimizer.state_dict(), path)
+    bucket = s3server.new_bucket(server)
+    s3server.upload(server, path.parent, bucket, "run/")
+    result = api.fix(f"s3://{bucket}/run/optimizer.pt", f"s3://{bucket}/fixed/", fill="empty")
+    assert result.out == f"s3://{bucket}/fixed/" and result.verification.proof == "S3 CRC32"
+    with zipfile.ZipFile(path) as archive:
+        pickle_size = archive.getinfo("optimizer/data.pkl").file_size
+    traffic = result.traffic
+    assert traffic is not None
+    assert traffic.written < 2 * ((5 << 20) + pickle_size) and traffic.read < 2 * ((5 << 20) + pickle_size)
+    assert traffic.copied > path.stat().st_size - (6 << 20)  # the rest never passed through the client
+    spliced = s3server.download(server, bucket, "fixed/", tmp_path / "spliced") / "optimizer.pt"
+    local = api.fix(path, tmp_path / "local.pt", fill="empty")
+    assert api.inspect(spliced).verdict == api.inspect(local.out).verdict == "healthy"
+    resumed = torch.load(spliced, weights_only=True)
+    expected = torch.load(local.out, weights_only=True)
+    assert resumed["param_groups"] == expected["param_groups"]
+    assert resumed["state"].keys() == expected["state"].keys()
+    for param, state in expected["state"].items():
+        assert state.keys() == resumed["state"][param].keys()
+        assert all(torch.equal(state[key], resumed["state"][param][key]) for key in state)
+    fresh = torch.optim.AdamW(model.parameters())
+    fresh.load_state_dict(resumed)  # the loader HF Trainer resumes through

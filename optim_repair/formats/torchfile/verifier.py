@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -18,7 +19,7 @@ from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickled import Reduced, StorageRef, describe_address, global_name, resolve, tensor_meta
 from optim_repair.formats.ranges import same_range
 from optim_repair.formats.safe_globals import PickledObject
-from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
+from optim_repair.formats.torchfile.files import Opener, TorchFile, open_torch_file
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile
 from optim_repair.formats.torchfile.planning import entry_values
 from optim_repair.formats.torchfile.zipformat import read_record
@@ -242,19 +243,25 @@ def verify_torch_file(
     changes: Sequence[ParamChange] = (),
     parsed: TorchFile | None = None,
     on_bytes: Callable[[int], None] = lambda nbytes: None,
+    openers: tuple[Opener, Opener] | None = None,
+    kept: tuple[int, int, int] | None = None,
 ) -> Verification:
     """Prove ``copy`` equals ``original`` with ``changes`` (renames, drops) and ``additions`` applied; raise
     VerificationError otherwise.
 
     ``parsed`` is the original as reading parsed it (parsed anew when not given), never a graph the
-    writer had; ``on_bytes`` hears of every storage compared, by its size.
+    writer had; ``on_bytes`` hears of every storage compared, by its size. ``openers`` open the original and the
+    copy (by default, the files at their paths). With ``kept`` (start, end, moved), the caller proves that the
+    copy's bytes from ``start + moved`` are the original's from ``start`` to ``end`` (a store's checksum of a
+    spliced copy): a storage there is proven by lying ``moved`` bytes on, and is not read.
     """
-    before = parsed or open_torch_file(original, source)
+    first, second = openers or (partial(open_regular, original, source), partial(open_regular, copy, source))
+    before = parsed or open_torch_file(original, source, opener=first)
     try:
-        after = open_torch_file(copy, source, ours=True)
+        after = open_torch_file(copy, source, ours=True, opener=second)
     except InputError as exc:
         raise VerificationError(f"the copy cannot be read back ({exc})") from exc
-    with open_regular(original, source) as a, open_regular(copy, source) as b:
+    with first() as a, second() as b:
         try:
             _same_framing(before, after, a, b, source)
         except (*ZIP_ERRORS, InputError) as exc:
@@ -263,7 +270,7 @@ def verify_torch_file(
     comparison.same(before.graph.root, after.graph.root, ())
     total = 0
     replaced = _replaced_storages(before, additions, changes)
-    with open_regular(original, source) as a, open_regular(copy, source) as b:
+    with first() as a, second() as b:
         for key, ref in before.graph.storages.items():
             twin = after.graph.storages.get(key)
             if twin is None and key in replaced:
@@ -271,7 +278,11 @@ def verify_torch_file(
             if twin is None or twin.nbytes != ref.nbytes:
                 raise VerificationError(f"storage {key} is missing from the copy", path=source)
             offset, length = before.storage_range(key)
-            if not same_range(a, offset, b, after.storage_range(key)[0], length):
+            inside = kept is not None and kept[0] <= offset and offset + length <= kept[1]
+            if inside and kept is not None:
+                if after.storage_range(key)[0] != offset + kept[2]:
+                    raise VerificationError(f"storage {key} does not lie where it was kept", path=source)
+            elif not same_range(a, offset, b, after.storage_range(key)[0], length):
                 raise VerificationError(f"the bytes of storage {key} changed", path=source)
             on_bytes(length)
             total += length

@@ -255,15 +255,15 @@ SMALL_RECORD = 64
 """A record this small (a ``step``) is planned whole, with its local header."""
 
 
-def reading_plan(stream: BinaryIO) -> list[tuple[int, int]]:
+def reading_plan(stream: BinaryIO) -> list[tuple[int, int]] | None:
     """The byte ranges ``open_zip`` and inspect will read of the archive in ``stream``, found from its central
     directory alone: each record's local header, and the whole of the pickle, the framing records and every
-    record of ``SMALL_RECORD`` bytes or fewer; the file's head (legacy format) when it is no zip archive."""
+    record of ``SMALL_RECORD`` bytes or fewer; None when it is no zip archive."""
     try:
         with zipfile.ZipFile(stream) as archive:
             records = archive.infolist()
     except ZIP_ERRORS:
-        return [(0, MIN_PICKLE_LIMIT)]
+        return None
     plan = []
     for info in records:
         whole = "/data/" not in info.filename or info.compress_size <= SMALL_RECORD  # all but large storages

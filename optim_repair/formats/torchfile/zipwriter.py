@@ -10,6 +10,7 @@ follow the last record.
 from __future__ import annotations
 
 import struct
+import zipfile
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -61,16 +62,28 @@ class ZipWriter:
         write_all(self._target, data, self._base + self._position)
         self._position += len(data)
 
+    @property
+    def position(self) -> int:
+        """Where the next record starts, from the archive's start."""
+        return self._position
+
     def _header(
-        self, name: str, date_time: tuple[int, int, int, int, int, int], external_attr: int, size: int, crc: int
+        self,
+        name: str,
+        date_time: tuple[int, int, int, int, int, int],
+        external_attr: int,
+        size: int,
+        crc: int,
+        padding: int | None = None,
     ) -> int:
-        """Write a local header whose data starts on an ``ALIGNMENT`` boundary; return where the data starts."""
+        """Write a local header whose data starts on an ``ALIGNMENT`` boundary (or after ``padding`` bytes of
+        padding); return where the data starts."""
         encoded = name.encode("utf-8")
         flags = 0 if name.isascii() else _UTF8_NAME
         zip64 = size >= _LIMIT
         extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
         fixed = self._position + _LOCAL.size + len(encoded) + len(extra) + 4
-        pad = -fixed % ALIGNMENT
+        pad = -fixed % ALIGNMENT if padding is None else padding
         extra += _PADDING_FIELD + struct.pack("<H", pad) + b"Z" * pad
         time, date = _dos(date_time)
         stored = _LIMIT if zip64 else size
@@ -81,10 +94,27 @@ class ZipWriter:
         return self._position
 
     def add_bytes(
-        self, name: str, data: bytes, date_time: tuple[int, int, int, int, int, int], external_attr: int
+        self,
+        name: str,
+        data: bytes,
+        date_time: tuple[int, int, int, int, int, int],
+        external_attr: int,
+        *,
+        padding: int | None = None,
     ) -> None:
-        self._header(name, date_time, external_attr, len(data), zlib.crc32(data))
+        self._header(name, date_time, external_attr, len(data), zlib.crc32(data), padding)
         self._append(data)
+
+    def skip(self, length: int, records: Iterable[zipfile.ZipInfo], moved: int) -> None:
+        """Leave ``length`` bytes unwritten here, for records kept byte for byte from another archive, where each
+        of ``records`` begins ``moved`` bytes after it began there; their central-directory entries are written
+        as theirs were, at their new offsets. Every one must be stored."""
+        for info in records:
+            flags = info.flag_bits
+            name = info.orig_filename.encode("utf-8" if flags & _UTF8_NAME else "cp437")
+            entry = _Written(name, flags, info.date_time, info.external_attr, info.CRC, info.file_size, 0)
+            self._written.append(replace(entry, offset=info.header_offset + moved))
+        self._position += length
 
     def add_copy(
         self,

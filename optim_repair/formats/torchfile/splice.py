@@ -1,0 +1,67 @@
+"""Splicing a torch file's zip archive: a new pickle record, then every other record of the original byte for byte.
+
+``torch.save`` writes ``data.pkl`` first. A repair that changes the pickle and keeps every storage can write
+the new pickle record, keep the original's bytes from its second record to its central directory as they
+are (so that a store copies them inside itself), and end with the new storages' records and a new central
+directory. The pickle record is padded so that every kept record moves by a multiple of 64 bytes and its
+storages stay aligned as torch aligns them.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from optim_repair.errors import RepairRefused
+from optim_repair.formats.torchfile.rewrite import NewStorage
+from optim_repair.formats.torchfile.zipformat import ZipTorchFile
+from optim_repair.formats.torchfile.zipwriter import ALIGNMENT, ZipWriter
+
+_LOCAL_FIXED = 30 + 4
+"""A local header's fixed part, and the padding field's own header."""
+
+
+@dataclass(frozen=True)
+class Splice:
+    """A new archive: ``head`` bytes of the scratch file, the original's bytes ``start`` to ``end``, then the
+    scratch file's ``tail`` bytes from ``tail_at``."""
+
+    head: int
+    start: int
+    end: int
+    tail_at: int
+    tail: int
+
+    @property
+    def moved(self) -> int:
+        """How far every kept record moved: a multiple of ``ALIGNMENT``."""
+        return self.head - self.start
+
+
+def splice(
+    torch_file: ZipTorchFile, directory_at: int, data: bytes, created: Sequence[NewStorage], scratch: int, source: str
+) -> Splice:
+    """Write into the descriptor ``scratch`` the head and tail of ``torch_file`` (whose central directory starts at
+    ``directory_at``) with ``data`` as its pickle and the ``created`` storages added. Raises ``RepairRefused``
+    for an archive torch did not lay out so: the pickle first, every record stored."""
+    records = sorted(torch_file.records, key=lambda info: info.header_offset)
+    first = records[0]
+    stored = all(info.compress_type == zipfile.ZIP_STORED for info in records)
+    if first.filename != f"{torch_file.prefix}data.pkl" or first.header_offset != 0 or not stored or len(records) < 2:
+        raise RepairRefused(
+            "its records are not laid out as torch.save lays them out (the pickle first, all stored)", path=source
+        )
+    start = records[1].header_offset
+    writer = ZipWriter(scratch)
+    fixed = _LOCAL_FIXED + len(first.filename.encode("utf-8"))
+    writer.add_bytes(
+        first.filename, data, first.date_time, first.external_attr, padding=(start - fixed - len(data)) % ALIGNMENT
+    )
+    head = writer.position
+    writer.skip(directory_at - start, records[1:], head - start)
+    for ref, size, chunks in created:
+        writer.add_chunks(f"{torch_file.prefix}data/{ref.key}", size, chunks, first.date_time, first.external_attr)
+    end = writer.finish()
+    tail_at = head + directory_at - start
+    return Splice(head, start, directory_at, tail_at, end - tail_at)
