@@ -56,10 +56,27 @@ class _Written:
         return copied
 
 
+def _abort_left_uploads(store: S3Store, prefix: str, notice: Callable[[str], None]) -> None:
+    aborted = store.abort_uploads(prefix)
+    if aborted:
+        notice(f"aborted {aborted} unfinished uploads a stopped run left at {store.where(prefix)}")
+
+
+def _claim(store: S3Store, key: str, force: bool, notice: Callable[[str], None]) -> None:
+    """Make sure no object is at ``key``, where one object is to be written: one there is refused, or with
+    ``force`` deleted first; unfinished uploads to it are aborted."""
+    _abort_left_uploads(store, key, notice)
+    if "" in store.listing(key):
+        if not force:
+            raise OutputError("already exists", path=store.where(key), remedy=Remedy("force", note=" to replace it"))
+        store.delete([key])
+
+
 def _clear(store: S3Store, url: S3Url, force: bool, notice: Callable[[str], None]) -> None:
     """Make sure the output prefix is empty: what a stopped run left there (its marker, and no metadata beside
     it) is deleted; anything else is refused, or with ``force`` deleted first (a store cannot rename a copy
     into place: the old one is gone before the new one is whole)."""
+    _abort_left_uploads(store, url.prefix, notice)
     existing = store.listing(url.prefix)
     if not existing:
         return
@@ -92,7 +109,9 @@ def write_remote(
         raise UsageError(f"{out} holds the checkpoint or lies inside it; write the copy to a prefix beside it")
     target = remote.store.sibling(target_url.bucket)
     if remote.is_file:
-        return _write_file(remote, finished, target, target_url, force=force, read_back=read_back)
+        return _write_file(
+            remote, finished, target, target_url, force=force, read_back=read_back, notice=reporter.notice
+        )
     _clear(target, target_url, force, reporter.notice)
     written = _Written(target, target_url)
     with tempfile.TemporaryDirectory(prefix="optim-repair-staged-") as staging:
@@ -183,11 +202,7 @@ def upload_copy(
     url = parse_url(out)
     store = S3Store(url.bucket, profile=profile, endpoint_url=endpoint_url)
     if copy.is_file():
-        existing = store.listing(url.key)
-        if "" in existing and not force:
-            raise OutputError("already exists", path=out, remedy=Remedy("force", note=" to replace it"))
-        if "" in existing:
-            store.delete([url.key])
+        _claim(store, url.key, force, reporter.notice)
         answer = store.put_file(url.key, copy, copy.stat().st_size)
         if answer.crc32 is not None and answer.crc32 != crc32_of(copy):
             store.delete([url.key])
@@ -218,14 +233,12 @@ def _write_file(
     *,
     force: bool,
     read_back: bool,
+    notice: Callable[[str], None],
 ) -> tuple[Verification, Traffic]:
     """The repaired copy of the torch file ``remote`` as one new object (``url``, or the file's name under it when
     it ends in a slash), which appears whole or not at all."""
     key = url.object(PurePosixPath(remote.url.key).name) if url.key.endswith("/") or not url.key else url.key
-    if target.listing(key).get("") is not None:
-        if not force:
-            raise OutputError("already exists", path=target.where(key), remedy=Remedy("force", note=" to replace it"))
-        target.delete([key])
+    _claim(target, key, force, notice)
     planned = finished.files[""]
     assert isinstance(planned, PlannedTorchFile)  # the adapter of a torch file
     with tempfile.TemporaryDirectory(prefix="optim-repair-staged-") as staging:

@@ -346,6 +346,16 @@ class S3Store:
         self._count.add(copied=stored.size)
         return Copied(answer.get("ChecksumCRC32"), answer["ETag"])
 
+    def abort_uploads(self, prefix: str) -> int:
+        """Abort every multipart upload begun under ``prefix`` and never completed (a killed run's: invisible,
+        but stored and billed until aborted); return how many."""
+        uploads = self._call("list_multipart_uploads", prefix, Prefix=prefix).get("Uploads", ())
+        for upload in uploads:
+            self._call(
+                "abort_multipart_upload", upload["Key"], writing=True, Key=upload["Key"], UploadId=upload["UploadId"]
+            )
+        return len(uploads)
+
     def delete(self, keys: Iterable[str]) -> None:
         """Delete ``keys`` (what this run wrote), a thousand a request."""
         batch = list(keys)

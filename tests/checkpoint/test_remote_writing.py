@@ -314,3 +314,22 @@ def test_a_torch_file_is_spliced_inside_the_store_and_resumes(server: s3server.S
         assert all(torch.equal(state[key], resumed["state"][param][key]) for key in state)
     fresh = torch.optim.AdamW(model.parameters())
     fresh.load_state_dict(resumed)  # the loader HF Trainer resumes through
+
+
+def test_the_unfinished_upload_of_a_killed_run_is_aborted_by_the_next(
+    server: s3server.Server, stored: tuple[str, Built], tmp_path: Path
+) -> None:
+    """What SIGKILL leaves in the middle of a multipart upload (an upload begun, a part sent, never completed):
+    invisible to a listing, billed until aborted."""
+    bucket, _ = stored
+    client = server.client()
+    for key in ("fixed/__0_0.distcp", "single/optimizer.pt"):
+        upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"half")
+    notices: list[str] = []
+    api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/fixed/", notice=notices.append)
+    assert notices == [f"aborted 1 unfinished uploads a stopped run left at s3://{bucket}/fixed/"]
+    trainer = trainers.hf_trainer(tmp_path / "in")
+    api.fix(trainer.path / "optimizer.pt", f"s3://{bucket}/single/optimizer.pt", notice=notices.append)
+    assert notices[-1] == f"aborted 1 unfinished uploads a stopped run left at s3://{bucket}/single/optimizer.pt"
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []

@@ -1,0 +1,87 @@
+"""Splicing a torch file: a new pickle record, the original's other records byte for byte, the new records and a
+new central directory; what torch loads, with every storage still aligned, proven by the verifier."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+from optim_repair import api
+from optim_repair.errors import RepairRefused
+from optim_repair.formats.pickle_writing import dump_graph
+from optim_repair.formats.torchfile import open_torch_file
+from optim_repair.formats.torchfile.splice import splice
+from optim_repair.formats.torchfile.verifier import verify_torch_file
+from optim_repair.formats.torchfile.writer import edited_root
+from optim_repair.formats.torchfile.zipformat import ZipTorchFile
+from tests.factories import trainers
+
+
+def _spliced(path: Path, out: Path, fill: str) -> tuple[int, tuple[object, ...]]:
+    """``path`` repaired as a store composes it: head, kept bytes, tail, written to ``out``; its shift, additions."""
+    torch_file = open_torch_file(path, "optimizer.pt")
+    assert isinstance(torch_file, ZipTorchFile)
+    additions = api.plan(path, fill=fill).additions  # type: ignore[arg-type]
+    root, created = edited_root(torch_file, additions, ())
+    with zipfile.ZipFile(path) as archive:
+        directory_at = archive.start_dir
+    scratch = out.with_suffix(".scratch")
+    with scratch.open("w+b") as written:
+        made = splice(torch_file, directory_at, dump_graph(root), created, written.fileno(), "optimizer.pt")
+        written.seek(0)
+        head = written.read(made.head)
+        written.seek(made.tail_at)
+        tail = written.read(made.tail)
+    out.write_bytes(head + path.read_bytes()[made.start : made.end] + tail)
+    return made.moved, additions
+
+
+def _trained(path: Path) -> Path:
+    """The model and its AdamW state by name (as torch's full-state getter writes it), one layer never used."""
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(40, 30), "unused": torch.nn.Linear(30, 20)})
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        model["used"](torch.randn(2, 40)).sum().backward()
+        optimizer.step()
+    path.parent.mkdir(parents=True)
+    torch.save({"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, optimizer)}, path)
+    return path
+
+
+@pytest.mark.parametrize("fill", ["empty", "fresh"])
+def test_a_spliced_file_loads_as_the_rewritten_one_does(tmp_path: Path, fill: str) -> None:
+    path = _trained(tmp_path / "in" / "optimizer.pt")
+    moved, additions = _spliced(path, tmp_path / "spliced.pt", fill)
+    assert moved % 64 == 0
+    verify_torch_file(path, tmp_path / "spliced.pt", "optimizer.pt", additions)  # type: ignore[arg-type]
+    rewritten = api.fix(path, tmp_path / "rewritten.pt", fill=fill).out
+    spliced = torch.load(tmp_path / "spliced.pt", weights_only=True)["optimizer"]
+    expected = torch.load(rewritten, weights_only=True)["optimizer"]
+    assert spliced["param_groups"] == expected["param_groups"] and spliced["state"].keys() == expected["state"].keys()
+    for param, state in expected["state"].items():
+        assert state.keys() == spliced["state"][param].keys()
+        assert all(torch.equal(state[key], spliced["state"][param][key]) for key in state)
+    with zipfile.ZipFile(tmp_path / "spliced.pt") as archive:
+        kept = [info for info in archive.infolist() if "/data/" in info.filename]
+    copy = open_torch_file(tmp_path / "spliced.pt", "spliced.pt")
+    assert all(copy.storage_range(key)[0] % 64 == 0 for key in copy.graph.storages)  # mmap-aligned, as torch writes
+    assert len(kept) == len(copy.graph.storages)
+
+
+def test_an_archive_not_laid_out_as_torch_lays_it_out_is_refused(tmp_path: Path) -> None:
+    built = trainers.hf_trainer(tmp_path / "in")
+    path = built.path / "optimizer.pt"
+    reordered = tmp_path / "reordered.pt"
+    with zipfile.ZipFile(path) as archive, zipfile.ZipFile(reordered, "w") as out:
+        for info in reversed(archive.infolist()):  # the pickle last
+            out.writestr(info, archive.read(info))
+    torch_file = open_torch_file(reordered, "reordered.pt")
+    assert isinstance(torch_file, ZipTorchFile)
+    with zipfile.ZipFile(reordered) as archive:
+        directory_at = archive.start_dir
+    with (tmp_path / "scratch").open("w+b") as written, pytest.raises(RepairRefused, match="the pickle first"):
+        splice(torch_file, directory_at, b"", [], written.fileno(), "reordered.pt")
