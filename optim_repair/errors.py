@@ -228,6 +228,12 @@ class ClosedPipe(StreamError):
         super().__init__(stream, "its reader closed the pipe")
 
 
+class ObjectExists(OutputError):
+    """A write that may replace nothing found an object where it was to write (another writer put it first)."""
+
+    code = "exists"
+
+
 class VerificationError(OutputError):
     """The written copy does not match the original where it must."""
 

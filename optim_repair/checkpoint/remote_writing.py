@@ -14,14 +14,16 @@ import contextlib
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from functools import partial
 from pathlib import Path, PurePosixPath
+from typing import TypeVar
 
 from optim_repair import signals
 from optim_repair.checkpoint.adapters import PlannedDcp, PlannedTorchFile
 from optim_repair.checkpoint.planning import FinishedPlan
 from optim_repair.checkpoint.remote_reading import RemoteCheckpoint, is_metadata, members
 from optim_repair.checkpoint.remote_torch import spliced_copy
-from optim_repair.errors import InputError, OutputError, Remedy, UsageError, VerificationError
+from optim_repair.errors import InputError, ObjectExists, OutputError, Remedy, UsageError, VerificationError
 from optim_repair.formats.dcp.verifier import verify_planned_dcp
 from optim_repair.formats.dcp.writer import write_planned_dcp
 from optim_repair.progress import Meter, Reporter
@@ -29,31 +31,36 @@ from optim_repair.records.traffic import Traffic
 from optim_repair.records.verification import Verification
 from optim_repair.storage.s3 import CHANGED, Copied, S3Store, S3Url, StoredObject, crc32_of, parse_url
 
+_Result = TypeVar("_Result")
 MARKER = ".optim-repair-incomplete"
 """The object a repair writes first into its output prefix and deletes last: a prefix holding it was left by a
 run that did not finish."""
 
 
 class _Written:
-    """The objects this run has written into the output prefix, which it deletes if it does not finish."""
+    """The objects this run has written into the output prefix, which it deletes if it does not finish. A key is
+    recorded before its write begins (a long copy is not held up by the ending signals), and forgotten when the
+    write found an object there: that one is another writer's."""
 
     def __init__(self, store: S3Store, url: S3Url) -> None:
         self.store, self.url = store, url
         self.keys: list[str] = []
 
+    def writing(self, key: str, write: Callable[[], _Result]) -> _Result:
+        self.keys.append(key)
+        try:
+            return write()
+        except ObjectExists:
+            self.keys.remove(key)
+            raise
+
     def put(self, name: str, path: Path) -> Copied:
         key = self.url.object(name)
-        with signals.held():  # recorded as soon as it exists, so that an ending signal deletes it
-            written = self.store.put_file(key, path, path.stat().st_size)
-            self.keys.append(key)
-        return written
+        return self.writing(key, lambda: self.store.put_file(key, path, path.stat().st_size))
 
     def copy(self, source: S3Url, name: str, stored: StoredObject) -> Copied:
         key = self.url.object(name)
-        with signals.held():
-            copied = self.store.copy(source.object(name), stored, key, source_bucket=source.bucket)
-            self.keys.append(key)
-        return copied
+        return self.writing(key, lambda: self.store.copy(source.object(name), stored, key, source_bucket=source.bucket))
 
 
 def _abort_left_uploads(store: S3Store, prefix: str, notice: Callable[[str], None]) -> None:
@@ -161,11 +168,10 @@ def _write(
             meter.writing(size)
     for name, planned in spliced.items():
         key = written.url.object(name)
-        with signals.held():  # recorded as soon as it exists, so that an ending signal deletes it
-            verification += spliced_copy(
-                remote, name, planned, (written.store, key), staging / "spliced", read_back=read_back
-            )
-            written.keys.append(key)
+        target = (written.store, key)
+        verification += written.writing(
+            key, partial(spliced_copy, remote, name, planned, target, staging / "spliced", read_back=read_back)
+        )
         proofs.add("read back" if read_back else "S3 CRC32")
         meter.writing(remote.listing[name].size)
     _upload(written, staged, meter)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
-from optim_repair.errors import InputError, OptimRepairError, OutputError, UsageError
+from optim_repair.errors import InputError, ObjectExists, OptimRepairError, OutputError, UsageError
 from optim_repair.records.traffic import Traffic
 
 SCHEME = "s3://"
@@ -398,7 +398,7 @@ def _failure(response: dict[str, Any], where: str, writing: bool) -> OptimRepair
     if code in ("NoSuchKey", "404", "NotFound"):
         return InputError("no such object (was it deleted meanwhile?)", path=where)
     if status in (409, 412) and writing:
-        return OutputError("exists: another writer put an object there first", path=where)
+        return ObjectExists("exists: another writer put an object there first", path=where)
     if status == 412:
         return InputError(CHANGED, path=where)
     kind = OutputError if writing else InputError

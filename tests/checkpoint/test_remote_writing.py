@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from optim_repair import api
-from optim_repair.errors import OutputError, UsageError
+from optim_repair.errors import ObjectExists, OutputError, UsageError
 from optim_repair.formats.dcp import METADATA_FILE
 from optim_repair.render import fix_document, inspect_document
 from optim_repair.storage import s3
@@ -333,3 +333,15 @@ def test_the_unfinished_upload_of_a_killed_run_is_aborted_by_the_next(
     api.fix(trainer.path / "optimizer.pt", f"s3://{bucket}/single/optimizer.pt", notice=notices.append)
     assert notices[-1] == f"aborted 1 unfinished uploads a stopped run left at s3://{bucket}/single/optimizer.pt"
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+def test_a_write_that_finds_an_object_there_is_exit_5_and_deletes_nothing(
+    server: s3server.Server, stored: tuple[str, Built], tmp_path: Path
+) -> None:
+    bucket, built = stored
+    store = s3.S3Store(bucket)
+    with pytest.raises(ObjectExists, match="exists: another writer put an object there first") as raised:
+        metadata = built.path / METADATA_FILE
+        store.put_file(f"{PREFIX}{METADATA_FILE}", metadata, metadata.stat().st_size)
+    assert raised.value.exit_code == 5 and raised.value.code == "exists"
+    assert s3server.keys(server, bucket, PREFIX) == {path.name for path in built.path.iterdir()}
