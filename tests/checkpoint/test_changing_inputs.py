@@ -88,7 +88,9 @@ def test_a_second_process_saving_meanwhile_never_gets_a_mixed_copy(tmp_path: Pat
             outcomes.add(result.returncode)
             assert result.returncode in (0, 4), result.stderr
             if result.returncode == 4:  # changed while read, or caught mid-save and damaged as it stood
-                assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+                *before, error = result.stderr.strip().splitlines()
+                assert error.startswith("optim-repair: error: "), result.stderr
+                assert all(line.startswith("writing ") for line in before), result.stderr  # progress, if it began
                 assert not out.exists() and not leftovers(out)
             else:
                 dk.resume(out, "adamw", "optim", flatten=False)
