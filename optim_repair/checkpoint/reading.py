@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -13,7 +14,7 @@ from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError
 from optim_repair.formats.dcp import DcpMetadata, read_dcp
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX, read_weights
 from optim_repair.formats.torchfile import TorchFile, read_inventory
-from optim_repair.records.inventory import CheckpointInventory, Skipped, WeightMap
+from optim_repair.records.inventory import CheckpointInventory, FileInventory, Skipped, WeightMap
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,36 @@ def skipped_file(rel: str, exc: InputError) -> Skipped:
     return Skipped(rel, exc.reason, "unsafe")
 
 
+def read_torch_file(
+    read: Callable[[], FileInventory], rel: str, root: str, files: list[FileInventory], skipped: list[Skipped]
+) -> None:
+    """Read one torch file of a checkpoint directory (``read`` reads it) into ``files``, or say in ``skipped`` why
+    not: one that names other code, is no torch file, or holds no optimizer. A damaged one refuses the directory,
+    which it may have held the optimizer of."""
+    try:
+        inventory = read()
+    except (UnsafeInputError, NotATorchFile) as exc:
+        skipped.append(skipped_file(rel, exc))
+        return
+    except InputError as exc:
+        raise InputError(
+            f"{exc.reason}; a damaged torch file may have held optimizer state, so {root} is not judged",
+            path=exc.path,
+        ) from exc
+    if inventory.optimizers:
+        files.append(inventory)
+    else:
+        skipped.append(Skipped(rel, "holds no optimizer state"))
+
+
+def check_found(files: list[FileInventory], skipped: list[Skipped], root: str, linked: tuple[str, ...] = ()) -> None:
+    """Refuse a checkpoint directory in which no file holds an optimizer (but DeepSpeed's ZeRO state)."""
+    zero = any(skip.kind == "deepspeed-zero" for skip in skipped)
+    if not any(file.optimizers for file in files) and not zero:
+        unwalked = f"; {len(linked)} linked director(ies) not followed: --dereference follows them" if linked else ""
+        raise InputError(f"no optimizer state found in any file ({len(skipped)} file(s) skipped{unwalked})", path=root)
+
+
 def _read_directory(
     found: Discovery, torch_files: dict[str, TorchFile], dcp: dict[str, DcpMetadata] | None
 ) -> CheckpointInventory:
@@ -101,27 +132,9 @@ def _read_directory(
         elif entry.role == "special":
             skipped.append(Skipped(entry.rel, f"is {entry.kind}, not a regular file"))
         elif entry.role == "torch":
-            try:
-                inventory = read_inventory(found.path(entry), entry.rel, entry.rel, keep=torch_files)
-            except (UnsafeInputError, NotATorchFile) as exc:
-                skipped.append(skipped_file(entry.rel, exc))
-                continue
-            except InputError as exc:
-                raise InputError(
-                    f"{exc.reason}; a damaged torch file may have held optimizer state, so {root} is not judged",
-                    path=exc.path,
-                ) from exc
-            if inventory.optimizers:
-                files.append(inventory)
-            else:
-                skipped.append(Skipped(entry.rel, "holds no optimizer state"))
-    zero = any(skip.kind == "deepspeed-zero" for skip in skipped)
-    if not any(file.optimizers for file in files) and not zero:
-        linked = found.linked_directories()
-        unwalked = f"; {len(linked)} linked director(ies) not followed: --dereference follows them" if linked else ""
-        raise InputError(
-            f"no optimizer state found in any file ({len(skipped)} file(s) skipped{unwalked})", path=str(root)
-        )
+            read = partial(read_inventory, found.path(entry), entry.rel, entry.rel, keep=torch_files)
+            read_torch_file(read, entry.rel, str(root), files, skipped)
+    check_found(files, skipped, str(root), found.linked_directories())
     dcp_only = files and all(file.format == "dcp" for file in files) and any(found.with_role("dcp"))
     fmt: Literal["torch", "dcp"] = "dcp" if dcp_only else "torch"
     return CheckpointInventory(

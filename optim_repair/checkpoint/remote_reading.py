@@ -17,26 +17,25 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Literal, cast
 
 from optim_repair.checkpoint.discovery import model_only
-from optim_repair.checkpoint.reading import Parsed, skipped_file
+from optim_repair.checkpoint.reading import Parsed, check_found, read_torch_file
 from optim_repair.checkpoint.staging import remove_stale, temporary_sibling
 from optim_repair.checkpoint.writing import free_space
 from optim_repair.errors import (
     InputError,
-    NotATorchFile,
     OutputError,
     Remedy,
-    UnsafeInputError,
     UsageError,
     os_error_reason,
 )
 from optim_repair.formats.dcp import METADATA_FILE, DcpMetadata, read_dcp
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX, read_weights
 from optim_repair.formats.torchfile import TORCH_SUFFIXES, TorchFile, read_inventory
-from optim_repair.formats.torchfile.zipformat import reading_plan
+from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, reading_plan
 from optim_repair.progress import Meter, Reporter
 from optim_repair.records.inventory import CheckpointInventory, FileInventory, Skipped, WeightMap
 from optim_repair.storage.ranged import RangedObject
@@ -53,8 +52,9 @@ between them, never of large ones."""
 class RemoteShards:
     """The shards of one DCP checkpoint in a store, as its listing gave them."""
 
-    def __init__(self, store: S3Store, url: S3Url, members: Mapping[str, StoredObject]) -> None:
-        self._store, self._url, self._members = store, url, members
+    def __init__(self, store: S3Store, url: S3Url, rel: str, members: Mapping[str, StoredObject]) -> None:
+        """``members``: the objects of the DCP checkpoint at ``rel`` under the prefix ``url``, by their names there."""
+        self._store, self._url, self._rel, self._members = store, url, rel, members
 
     def _stored(self, relative: str, where: str) -> StoredObject:
         stored = self._members.get(relative)
@@ -67,7 +67,8 @@ class RemoteShards:
 
     def read(self, relative: str, ranges: Sequence[tuple[int, int]], where: str) -> Iterator[bytes]:
         stored = self._stored(relative, where)
-        return iter(self._store.ranges(self._url.object(relative), stored, ranges))
+        key = self._url.object(f"{self._rel}/{relative}" if self._rel else relative)
+        return iter(self._store.ranges(key, stored, ranges))
 
 
 def members(listing: Mapping[str, StoredObject], rel: str) -> dict[str, StoredObject]:
@@ -130,19 +131,10 @@ class RemoteCheckpoint:
             if not is_torch_file(name):
                 continue
             try:
-                found = self._torch_file(name, torch_files)
-            except UsageError as exc:
+                read_torch_file(partial(self._torch_file, name, torch_files), name, str(self.url), files, skipped)
+            except UsageError as exc:  # a legacy-format file
                 skipped.append(Skipped(name, exc.reason))
-                continue
-            except (UnsafeInputError, NotATorchFile) as exc:
-                skipped.append(skipped_file(name, exc))
-                continue
-            if found.optimizers:
-                files.append(found)
-            else:
-                skipped.append(Skipped(name, "holds no optimizer state"))
-        if not any(file.optimizers for file in files) and not any(skip.kind == "deepspeed-zero" for skip in skipped):
-            raise InputError(f"no optimizer state found in any file ({len(skipped)} skipped)", path=str(self.url))
+        check_found(files, skipped, str(self.url))
         fmt: Literal["torch", "dcp"] = "dcp" if self.dcp and all(file.format == "dcp" for file in files) else "torch"
         inventory = CheckpointInventory(str(self.url), fmt, True, tuple(files), tuple(skipped), tuple(weights))
         return inventory, Parsed(torch_files, kept)
@@ -200,7 +192,7 @@ class RemoteCheckpoint:
         metadata = f"{rel}/{METADATA_FILE}" if rel else METADATA_FILE
         with (directory / METADATA_FILE).open("wb") as target:
             self.store.download(self.url.object(metadata), self.listing[metadata], target)
-        shards = RemoteShards(self.store, self.url, members(self.listing, rel))
+        shards = RemoteShards(self.store, self.url, rel, members(self.listing, rel))
         return read_dcp(directory, rel, keep=keep, shards=shards)
 
     def _opener(self, name: str, first: Sequence[tuple[int, int]]) -> Callable[[], BinaryIO]:
@@ -222,10 +214,12 @@ class RemoteCheckpoint:
         opener = self._opener(name, [(max(size - TAIL, 0), TAIL)])
         with opener() as stream:
             plan = reading_plan(stream)
-            if plan is None:  # its pickle is bounded by reading it through, as a local file is mapped
+            if plan is not None:
+                cast(RangedObject, stream).prefetch(plan, gap=HEADER_GAP)
+            stream.seek(0)
+            if stream.read(len(ZIP_MAGIC)) != ZIP_MAGIC:  # its pickle is bounded by mapping it, as on a disk
                 reason = "is no zip archive (a legacy-format torch file?): not read in object storage yet"
                 raise UsageError(reason, path=name or str(self.url))
-            cast(RangedObject, stream).prefetch(plan, gap=HEADER_GAP)
         source = name or str(self.url)
         return read_inventory(Path(name or self.url.key), name, source, keep=keep, opener=opener)
 

@@ -55,7 +55,7 @@ class RangedObject(io.RawIOBase):
         """Fetch the ranges ``wanted`` (clipped to the object) that are not fetched yet, those closer than ``gap``
         by one GET."""
         size = self._stored.size
-        clipped = [(offset, min(length, size - offset)) for offset, length in wanted if offset < size]
+        clipped = [(offset, min(length, size - offset)) for offset, length in wanted if 0 <= offset < size]
         missing = [
             (offset, length) for offset, length in clipped if length > 0 and self._cached(offset, length) is None
         ]

@@ -26,7 +26,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keep", type=int, default=10, help="reproducers saved per distinct finding")
     parser.add_argument("--hang-budget", type=int, default=3)
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument(
+        "--s3",
+        action="store_true",
+        help="the differential trial instead: each case read from a local S3 server and from disk",
+    )
     args = parser.parse_args(argv)
+    if args.s3:
+        from fuzz.remote import run_remote
+
+        found = run_remote(args.cases, args.seed, args.out, start=args.start, corpus=args.corpus)
+        print(f"[fuzz --s3] {args.cases} cases, {found} disagreeing; saved under {args.out}")
+        return 1 if found else 0
     start, cases = (args.only, 1) if args.only is not None else (args.start, args.cases)
     summary = run(
         cases,

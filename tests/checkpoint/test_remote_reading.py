@@ -161,5 +161,5 @@ def test_a_legacy_torch_file_is_not_read_from_a_store_yet(server: s3server.Serve
     s3server.upload(server, built.path.parent, bucket, PREFIX)
     with pytest.raises(UsageError, match=r"legacy.pt: is no zip archive \(a legacy-format torch file\?\)"):
         api.inspect(f"s3://{bucket}/{PREFIX}legacy.pt")
-    with pytest.raises(InputError, match=r"no optimizer state found in any file \(1 skipped\)"):
+    with pytest.raises(InputError, match=r"no optimizer state found in any file \(1 file\(s\) skipped\)"):
         api.inspect(f"s3://{bucket}/{PREFIX}")
