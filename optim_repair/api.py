@@ -20,7 +20,7 @@ from optim_repair.decisions.diagnose import Diagnosis, diagnose
 from optim_repair.decisions.repair import plan_repair
 from optim_repair.errors import InputError, Remedy, UsageError
 from optim_repair.progress import Notice, Progress, Reporter, ignore, silent
-from optim_repair.records.inventory import CheckpointInventory
+from optim_repair.records.inventory import CheckpointInventory, WeightMap
 from optim_repair.records.repair_plan import Addition, Fill, PlanFill, RepairPlan
 from optim_repair.records.request import NO_OPERATIONS, CopyRequest, Operations, PlanRequest
 from optim_repair.records.traffic import Traffic
@@ -71,7 +71,7 @@ def inspect(
     extra), read with the AWS CLI's credentials and endpoint, or ``profile`` and ``endpoint_url``; of it, only each
     DCP checkpoint's ``.metadata`` and bytes entries are read (``inventory.traffic`` counts the requests).
     """
-    weights = read_model_weights(Path(model)) if model is not None else None
+    weights = _model_weights(model, RemoteOptions(profile, endpoint_url)) if model is not None else None
     if is_s3(path):
         with remote_reading.opened(str(path), profile=profile, endpoint_url=endpoint_url) as stored:
             inventory = stored.read(keep=False)[0]
@@ -133,7 +133,8 @@ def _remote(checkpoint: str | Path | Diagnosis) -> bool:
 def _request(
     fill: Fill | None, optimizer: str | None, model: str | Path | None, reset_phantom_step: bool, operations: Operations
 ) -> PlanRequest:
-    return PlanRequest(fill, optimizer, Path(model) if model is not None else None, reset_phantom_step, operations)
+    model_path = model if model is None or is_s3(model) else Path(model)
+    return PlanRequest(fill, optimizer, model_path, reset_phantom_step, operations)
 
 
 @dataclass(frozen=True)
@@ -160,10 +161,20 @@ def _read(checkpoint: str | Path | Diagnosis, dereference: bool) -> _Read:
     return _Read(diagnose(inventory), found, parsed)
 
 
-def _finished(diagnosis: Diagnosis, target: Path, parsed: Parsed, request: PlanRequest) -> FinishedPlan:
+def _model_weights(model: str | Path, remote: RemoteOptions) -> tuple[WeightMap, ...]:
+    """The weights of ``model``: a local file or directory, or an object or prefix in a store."""
+    if not is_s3(model):
+        return read_model_weights(Path(model))
+    with remote_reading.opened(str(model), profile=remote.profile, endpoint_url=remote.endpoint_url) as stored:
+        return stored.weights()
+
+
+def _finished(
+    diagnosis: Diagnosis, target: Path, parsed: Parsed, request: PlanRequest, remote: RemoteOptions | None = None
+) -> FinishedPlan:
     """The repair plan ``request`` asks for, finished in every file's format (each refusal raised) as read under
     ``target``."""
-    weights = read_model_weights(request.model) if request.model is not None else ()
+    weights = _model_weights(request.model, remote or RemoteOptions()) if request.model is not None else ()
     repair = plan_repair(
         diagnosis, request.fill, optimizer=request.optimizer, model_weights=weights,
         reset_phantom_step=request.reset_phantom_step, operations=request.operations,
@@ -208,13 +219,14 @@ def _fixed_downloaded(
     request: PlanRequest,
     copy: CopyRequest,
     reporter: Reporter,
+    remote: RemoteOptions,
 ) -> FixResult:
     """``fix`` of a checkpoint in a store into a local ``out``: downloaded beside it (``remote_reading.downloaded``)
     and repaired from there as a local checkpoint, every unchanged file hard-linked."""
     target = stored.local_target(out)
     with stored.downloaded(target, force=copy.force, reporter=reporter) as local:
         read = _read(local, False)
-        finished = _finished(read.diagnosis, read.found.target, read.parsed, request)
+        finished = _finished(read.diagnosis, read.found.target, read.parsed, request, remote)
         verification = write_copy(read.found, finished, target, copy, reporter)
     return FixResult(diagnosis, finished.plan, target, verification, stored.store.traffic())
 
@@ -231,7 +243,7 @@ def _fixed_uploaded(
     """``fix`` of a local checkpoint into a store: repaired into a temporary directory beside it (unchanged files
     hard-linked, not synced), proven there, then uploaded (``remote_writing.upload_copy``)."""
     read = _read(checkpoint, dereference)
-    finished = _finished(read.diagnosis, read.found.target, read.parsed, request)
+    finished = _finished(read.diagnosis, read.found.target, read.parsed, request, remote)
     key = f"{out}{read.found.root.name}" if out.endswith("/") and not read.found.is_directory else out
     remove_stale(read.found.root, reporter.notice)  # what a killed upload left beside it
     with temporary_sibling(read.found.root, directory=True) as tmp:
@@ -361,10 +373,10 @@ def fix(
         with remote_reading.opened(path, profile=profile, endpoint_url=endpoint_url) as stored:
             inventory, parsed = stored.read(keep=True)
             diagnosis = diagnose(inventory)
-            finished = _finished(diagnosis, stored.mirror, parsed, request)  # every refusal before a byte moves
+            finished = _finished(diagnosis, stored.mirror, parsed, request, remote)  # refusals before a byte moves
             if not is_s3(out):
                 local = CopyRequest(force=force, link=True, sync=sync)
-                return _fixed_downloaded(stored, diagnosis, out, request, local, reporter)
+                return _fixed_downloaded(stored, diagnosis, out, request, local, reporter, remote)
             verification, traffic = remote_writing.write_remote(
                 stored, finished, os.fspath(out), force=force, read_back=verify == "download", reporter=reporter
             )
@@ -372,7 +384,7 @@ def fix(
     if is_s3(out):
         return _fixed_uploaded(checkpoint, os.fspath(out), request, force, dereference, remote, reporter)
     read = _read(checkpoint, dereference)
-    finished = _finished(read.diagnosis, read.found.target, read.parsed, request)
+    finished = _finished(read.diagnosis, read.found.target, read.parsed, request, remote)
     target = output_path(read.found.root, out)
     copy = CopyRequest(force=force, link=link, sync=sync)
     verification = write_copy(read.found, finished, target, copy, Reporter(progress, notice))

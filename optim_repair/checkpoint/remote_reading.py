@@ -27,8 +27,10 @@ from optim_repair.checkpoint.staging import remove_stale, temporary_sibling
 from optim_repair.checkpoint.writing import free_space
 from optim_repair.errors import (
     InputError,
+    NotATorchFile,
     OutputError,
     Remedy,
+    UnsafeInputError,
     UsageError,
     os_error_reason,
 )
@@ -111,6 +113,8 @@ class RemoteCheckpoint:
         kept: dict[str, DcpMetadata] = {}
         torch_files: dict[str, TorchFile] = {}
         if self.is_file:
+            if self.url.key.endswith(SAFETENSORS_SUFFIX):
+                raise InputError(model_only(Path(self.url.key), []), path=str(self.url))
             file = self._torch_file("", torch_files)
             if not file.optimizers:
                 reason = model_only(Path(self.url.key), []) if file.weights else "holds no optimizer state"
@@ -138,6 +142,28 @@ class RemoteCheckpoint:
         fmt: Literal["torch", "dcp"] = "dcp" if self.dcp and all(file.format == "dcp" for file in files) else "torch"
         inventory = CheckpointInventory(str(self.url), fmt, True, tuple(files), tuple(skipped), tuple(weights))
         return inventory, Parsed(torch_files, kept)
+
+    def weights(self) -> tuple[WeightMap, ...]:
+        """The model weights it holds (``--model``), found as in a local model file or directory: safetensors
+        headers, torch files of weights, DCP checkpoints."""
+        if self.is_file:
+            if self.url.key.endswith(SAFETENSORS_SUFFIX):
+                return (read_weights(Path(self.url.key), str(self.url), opener=self._opener("", [(0, TAIL)])),)
+            found = self._torch_file("", {}).weights
+        else:
+            found = tuple(weight for rel in self.dcp for weight in self._dcp(rel, None).weights)
+            inside = tuple(f"{rel}/" for rel in self.dcp if rel)
+            for name in self.listing:
+                if "" in self.dcp or name.startswith(inside):
+                    continue
+                if name.endswith(SAFETENSORS_SUFFIX):
+                    found += (read_weights(Path(name), name, opener=self._opener(name, [(0, TAIL)])),)
+                elif is_torch_file(name):
+                    with contextlib.suppress(UnsafeInputError, NotATorchFile, UsageError):  # no weights there
+                        found += self._torch_file(name, {}).weights
+        if not found:
+            raise InputError("holds no model weights (the model given)", path=str(self.url))
+        return found
 
     def local_target(self, out: str | os.PathLike[str]) -> Path:
         """Where a local copy of it goes: ``out``, or for a torch file and an ``out`` ending in a slash, the file's
@@ -231,7 +257,7 @@ def opened(text: str, *, profile: str | None, endpoint_url: str | None) -> Itera
     url = parse_url(text)
     store = S3Store(url.bucket, profile=profile, endpoint_url=endpoint_url)
     tails: dict[str, list[tuple[int, bytes]]] = {}
-    if is_torch_file(url.key):
+    if is_torch_file(url.key) or url.key.endswith(SAFETENSORS_SUFFIX):
         stored, tail = store.tail(url.key, TAIL)  # its size, ETag and end in one request
         listing, tails[""] = {"": stored}, [(stored.size - len(tail), tail)]
         dcp: tuple[str, ...] = ()

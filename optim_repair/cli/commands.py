@@ -88,11 +88,11 @@ _VERDICT_EXIT = {"healthy": ExitCode.OK, "repairable": ExitCode.REPAIRABLE, "mal
 def inspect(
     checkpoint: Checkpoint,
     model: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             metavar="PATH",
             help="Compare each optimizer with this model: safetensors (a file or a directory of shards), torch file "
-            "or DCP directory. Default: the weights beside the optimizer, when there are some.",
+            "or DCP directory, here or in s3://. Default: the weights beside the optimizer, when there are some.",
         ),
     ] = None,
     strict: Annotated[
@@ -163,11 +163,11 @@ def fix(
         ),
     ] = None,
     model: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             metavar="PATH",
             help="Model weights for parameter shapes: safetensors (a file or a directory of shards), torch file "
-            "or DCP directory.",
+            "or DCP directory, here or in s3://.",
         ),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,

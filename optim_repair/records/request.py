@@ -40,7 +40,7 @@ class PlanRequest:
     """``empty``, ``fresh``, or None for each format's default."""
     optimizer: str | None = None
     """The optimizer that wrote the state, when identification cannot tell (for a fresh fill)."""
-    model: Path | None = None
+    model: Path | str | None = None
     """Model weights for parameter shapes and model changes."""
     reset_phantom_step: bool = False
     operations: Operations = NO_OPERATIONS

@@ -15,10 +15,11 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from optim_repair import api
-from optim_repair.errors import InputError, UsageError
+from optim_repair.errors import InputError, RepairRefused, UsageError
 from optim_repair.formats.dcp import METADATA_FILE, read_metadata
 from optim_repair.render import inspect_document
 from tests.conftest import run_cli
+from tests.factories import dcp as dk
 from tests.factories import s3server, trainers
 from tests.factories.built import Built
 from tests.factories.s3server import PREFIX
@@ -163,3 +164,22 @@ def test_a_legacy_torch_file_is_not_read_from_a_store_yet(server: s3server.Serve
         api.inspect(f"s3://{bucket}/{PREFIX}legacy.pt")
     with pytest.raises(InputError, match=r"no optimizer state found in any file \(1 file\(s\) skipped\)"):
         api.inspect(f"s3://{bucket}/{PREFIX}")
+
+
+def test_the_model_may_be_in_a_store_too(server: s3server.Server, tmp_path: Path) -> None:
+    """A DCP step of the model alone, and a safetensors file, each read from the store for the shapes of the
+    parameters without state, as a local --model is read."""
+    optimizer_only = dk.flattened_without_model(tmp_path / "in").path
+    titan = dk.torchtitan_model_only(tmp_path / "titan")
+    bucket = s3server.new_bucket(server)
+    s3server.upload(server, titan, bucket, "model/")
+    before = len(server.requests(bucket))
+    local = api.fix(optimizer_only, tmp_path / "local", model=titan)
+    remote = api.fix(optimizer_only, tmp_path / "remote", model=f"s3://{bucket}/model/")
+    assert remote.plan == local.plan and remote.plan.additions
+    assert all(request.startswith("GET") for request in server.requests(bucket)[before:])  # read, never written
+    weights = tmp_path / "model.safetensors"
+    trainers.save_safetensors({"unrelated.weight": torch.zeros(2)}, weights)
+    s3server.upload(server, tmp_path, bucket, "files/")
+    with pytest.raises(RepairRefused, match=f"looked in s3://{bucket}/files/model.safetensors"):
+        api.fix(optimizer_only, tmp_path / "c", model=f"s3://{bucket}/files/model.safetensors", fill="fresh")
