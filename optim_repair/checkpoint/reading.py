@@ -16,6 +16,9 @@ from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX, read_weights
 from optim_repair.formats.torchfile import TorchFile, read_inventory
 from optim_repair.records.inventory import CheckpointInventory, FileInventory, Skipped, WeightMap
 
+NO_OPTIMIZER = "holds no optimizer state (no dict with 'state' and 'param_groups')"
+"""Why a torch file given as the checkpoint is none: it holds neither optimizer state nor model weights."""
+
 
 @dataclass(frozen=True)
 class Parsed:
@@ -46,7 +49,7 @@ def _read_discovered(
         if not inventory.optimizers:
             if inventory.weights:
                 raise InputError(model_only(found.target), path=str(found.root))
-            raise InputError("holds no optimizer state (no dict with 'state' and 'param_groups')", path=str(found.root))
+            raise InputError(NO_OPTIMIZER, path=str(found.root))
         return CheckpointInventory(
             str(found.root), "torch", False, (inventory,), weights=_weights_beside(found.neighbours)
         )

@@ -22,7 +22,7 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Literal, cast
 
 from optim_repair.checkpoint.discovery import model_only
-from optim_repair.checkpoint.reading import Parsed, check_found, read_torch_file
+from optim_repair.checkpoint.reading import NO_OPTIMIZER, Parsed, check_found, read_torch_file
 from optim_repair.checkpoint.staging import remove_stale, temporary_sibling
 from optim_repair.checkpoint.writing import free_space
 from optim_repair.errors import (
@@ -117,7 +117,7 @@ class RemoteCheckpoint:
                 raise InputError(model_only(Path(self.url.key), []), path=str(self.url))
             file = self._torch_file("", torch_files)
             if not file.optimizers:
-                reason = model_only(Path(self.url.key), []) if file.weights else "holds no optimizer state"
+                reason = model_only(Path(self.url.key), []) if file.weights else NO_OPTIMIZER
                 raise InputError(reason, path=str(self.url))
             return CheckpointInventory(str(self.url), "torch", False, (file,)), Parsed(torch_files)
         files = [self._dcp(rel, kept if keep else None) for rel in self.dcp]

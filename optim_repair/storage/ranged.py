@@ -7,6 +7,7 @@ GETs (``prefetch``: the end records and the central directory, the pickle); any 
 from __future__ import annotations
 
 import bisect
+import errno
 import io
 from collections.abc import Sequence
 from typing import Any, BinaryIO
@@ -46,8 +47,8 @@ class RangedObject(io.RawIOBase):
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._stored.size}[whence]
-        if base + offset < 0:
-            raise ValueError("negative seek position")
+        if base + offset < 0:  # as a file answers it: zipfile takes that for no zip archive
+            raise OSError(errno.EINVAL, "Invalid argument")
         self._position = base + offset
         return self._position
 
