@@ -237,6 +237,8 @@ class RemoteCheckpoint:
 
     def _torch_file(self, name: str, keep: dict[str, TorchFile]) -> FileInventory:
         size = self.listing[name].size
+        if size == 0:
+            raise InputError("empty file", path=name or str(self.url))
         opener = self._opener(name, [(max(size - TAIL, 0), TAIL)])
         with opener() as stream:
             plan = reading_plan(stream)

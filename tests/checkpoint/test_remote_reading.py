@@ -183,3 +183,14 @@ def test_the_model_may_be_in_a_store_too(server: s3server.Server, tmp_path: Path
     s3server.upload(server, tmp_path, bucket, "files/")
     with pytest.raises(RepairRefused, match=f"looked in s3://{bucket}/files/model.safetensors"):
         api.fix(optimizer_only, tmp_path / "c", model=f"s3://{bucket}/files/model.safetensors", fill="fresh")
+
+
+def test_an_empty_torch_file_is_named_empty_as_on_a_disk(server: s3server.Server, tmp_path: Path) -> None:
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "optimizer.pt").write_bytes(b"")
+    bucket = s3server.new_bucket(server)
+    s3server.upload(server, tmp_path / "in", bucket, PREFIX)
+    with pytest.raises(InputError, match=rf"^s3://{bucket}/{PREFIX}optimizer.pt: empty file$"):
+        api.inspect(f"s3://{bucket}/{PREFIX}optimizer.pt")
+    with pytest.raises(InputError, match=r"^optimizer\.pt: empty file; a damaged torch file may have held optimizer"):
+        api.inspect(f"s3://{bucket}/{PREFIX}")
