@@ -21,13 +21,14 @@ from optim_repair.checkpoint.remote_reading import RemoteCheckpoint
 from optim_repair.errors import Remedy, UsageError, VerificationError
 from optim_repair.formats.pickle_writing import dump_graph
 from optim_repair.formats.pickled import load_graph
+from optim_repair.formats.ranges import Joined
 from optim_repair.formats.torchfile.splice import splice
 from optim_repair.formats.torchfile.verifier import verify_torch_file
 from optim_repair.formats.torchfile.writer import edited_root
 from optim_repair.formats.torchfile.zipformat import ZipTorchFile
 from optim_repair.records.verification import Verification
 from optim_repair.storage.compose import compose
-from optim_repair.storage.ranged import Joined, RangedObject
+from optim_repair.storage.ranged import RangedObject
 from optim_repair.storage.s3 import S3Store
 
 _CHUNK = 8 << 20

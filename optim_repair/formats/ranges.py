@@ -1,10 +1,15 @@
-"""Byte ranges of open files, moved (by the kernel where it can) or compared in bounded chunks."""
+"""Byte ranges of open files: moved, compared, or read as files of their own.
+
+Moved by the kernel where it can, compared in bounded chunks; ``FileSlice`` and ``Joined`` read ranges as files.
+"""
 
 from __future__ import annotations
 
+import bisect
 import errno
 import io
 import os
+from collections.abc import Sequence
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError
@@ -64,12 +69,11 @@ def write_all(target: int, data: bytes | memoryview, offset: int) -> None:
         view, offset = view[written:], offset + written
 
 
-class FileSlice(io.RawIOBase):
-    """``length`` bytes of an open file from ``offset``, as a file of their own (a DCP entry, for ``zipfile``)."""
+class _Seekable(io.RawIOBase):
+    """A read-only file of ``_size`` bytes whose position seeks as a file's does, never before its start."""
 
-    def __init__(self, stream: BinaryIO, offset: int, length: int) -> None:
-        super().__init__()
-        self._stream, self._offset, self._length, self._position = stream, offset, length, 0
+    _size = 0
+    _position = 0
 
     def readable(self) -> bool:
         return True
@@ -81,14 +85,51 @@ class FileSlice(io.RawIOBase):
         return self._position
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
         self._position = max(0, base + offset)
         return self._position
 
+
+class FileSlice(_Seekable):
+    """``length`` bytes of an open file from ``offset``, as a file of their own (a DCP entry, for ``zipfile``)."""
+
+    def __init__(self, stream: BinaryIO, offset: int, length: int) -> None:
+        super().__init__()
+        self._stream, self._offset, self._size = stream, offset, length
+
     def readinto(self, buffer: Any) -> int:
-        size = max(0, min(len(buffer), self._length - self._position))
+        size = max(0, min(len(buffer), self._size - self._position))
         self._stream.seek(self._offset + self._position)
         data = self._stream.read(size)
+        buffer[: len(data)] = data
+        self._position += len(data)
+        return len(data)
+
+
+class Joined(_Seekable):
+    """Files read as one, end to end: each part a readable, seekable file and the range of it that is joined (a
+    spliced torch file: its new head, the original's kept bytes, its new tail). Closing it closes them."""
+
+    def __init__(self, parts: Sequence[tuple[BinaryIO, int, int]]) -> None:
+        super().__init__()
+        self._parts, self._starts = [part for part in parts if part[2] > 0], []
+        for _, _, length in self._parts:
+            self._starts.append(self._size)
+            self._size += length
+
+    def close(self) -> None:
+        for stream, _, _ in self._parts:
+            stream.close()
+        super().close()
+
+    def readinto(self, buffer: Any) -> int:
+        index = bisect.bisect_right(self._starts, self._position) - 1
+        if self._position >= self._size or index < 0:
+            return 0
+        stream, start, length = self._parts[index]
+        within = self._position - self._starts[index]
+        stream.seek(start + within)
+        data = stream.read(min(len(buffer), length - within))
         buffer[: len(data)] = data
         self._position += len(data)
         return len(data)

@@ -10,7 +10,7 @@ import bisect
 import errno
 import io
 from collections.abc import Sequence
-from typing import Any, BinaryIO
+from typing import Any
 
 from optim_repair.storage.s3 import S3Store, StoredObject
 
@@ -88,47 +88,3 @@ class RangedObject(io.RawIOBase):
         buffer[:length] = found
         self._position += length
         return length
-
-
-class Joined(io.RawIOBase):
-    """Files read as one, end to end: each part a readable, seekable file and the range of it that is joined."""
-
-    def __init__(self, parts: Sequence[tuple[BinaryIO, int, int]]) -> None:
-        super().__init__()
-        self._parts, self._starts = [part for part in parts if part[2] > 0], []
-        at = 0
-        for _, _, length in self._parts:
-            self._starts.append(at)
-            at += length
-        self._size, self._position = at, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
-        self._position = max(base + offset, 0)
-        return self._position
-
-    def close(self) -> None:
-        for stream, _, _ in self._parts:
-            stream.close()
-        super().close()
-
-    def readinto(self, buffer: Any) -> int:
-        index = bisect.bisect_right(self._starts, self._position) - 1
-        if self._position >= self._size or index < 0:
-            return 0
-        stream, start, length = self._parts[index]
-        within = self._position - self._starts[index]
-        stream.seek(start + within)
-        data = stream.read(min(len(buffer), length - within))
-        buffer[: len(data)] = data
-        self._position += len(data)
-        return len(data)
