@@ -100,8 +100,9 @@ class RemoteCheckpoint:
     dcp: tuple[str, ...]
     """The DCP checkpoints under the prefix, each by its path relative to it (``""``: the prefix itself)."""
     mirror: Path
-    tails: dict[str, list[tuple[int, bytes]]]
-    """What was read of a torch file already: the end of the file argument, read to find its size."""
+    fetched: dict[str, list[tuple[int, bytes]]]
+    """What was fetched of each file read by ranges, by its name: every reader of it (inspect's, the proof of a
+    repair) shares it, so nothing is fetched twice."""
 
     @property
     def is_file(self) -> bool:
@@ -129,7 +130,7 @@ class RemoteCheckpoint:
                 continue
             if name.endswith(SAFETENSORS_SUFFIX):
                 try:
-                    weights.append(read_weights(Path(name), name, opener=self._opener(name, [(0, TAIL)])))
+                    weights.append(read_weights(Path(name), name, opener=self.opener(name, [(0, TAIL)])))
                 except InputError as exc:
                     skipped.append(Skipped(name, exc.reason))
             if not is_torch_file(name):
@@ -148,7 +149,7 @@ class RemoteCheckpoint:
         headers, torch files of weights, DCP checkpoints."""
         if self.is_file:
             if self.url.key.endswith(SAFETENSORS_SUFFIX):
-                return (read_weights(Path(self.url.key), str(self.url), opener=self._opener("", [(0, TAIL)])),)
+                return (read_weights(Path(self.url.key), str(self.url), opener=self.opener("", [(0, TAIL)])),)
             found = self._torch_file("", {}).weights
         else:
             found = tuple(weight for rel in self.dcp for weight in self._dcp(rel, None).weights)
@@ -157,7 +158,7 @@ class RemoteCheckpoint:
                 if "" in self.dcp or name.startswith(inside):
                     continue
                 if name.endswith(SAFETENSORS_SUFFIX):
-                    found += (read_weights(Path(name), name, opener=self._opener(name, [(0, TAIL)])),)
+                    found += (read_weights(Path(name), name, opener=self.opener(name, [(0, TAIL)])),)
                 elif is_torch_file(name):
                     with contextlib.suppress(UnsafeInputError, NotATorchFile, UsageError):  # no weights there
                         found += self._torch_file(name, {}).weights
@@ -221,11 +222,11 @@ class RemoteCheckpoint:
         shards = RemoteShards(self.store, self.url, rel, members(self.listing, rel))
         return read_dcp(directory, rel, keep=keep, shards=shards)
 
-    def _opener(self, name: str, first: Sequence[tuple[int, int]]) -> Callable[[], BinaryIO]:
-        """Opens the object ``name`` by ranges, every one it opens sharing what was fetched, ``first`` the moment
-        it is first opened."""
+    def opener(self, name: str, first: Sequence[tuple[int, int]] = ()) -> Callable[[], BinaryIO]:
+        """Opens the object ``name`` by ranges, every one it opens sharing what was fetched of it (``fetched``),
+        ``first`` the moment it is first opened."""
         key, stored = self.url.object(name) if name else self.url.key, self.listing[name]
-        spans = self.tails.get(name, [])
+        spans = self.fetched.setdefault(name, [])
 
         def opener() -> BinaryIO:
             opened = RangedObject(self.store, key, stored, spans)
@@ -239,7 +240,7 @@ class RemoteCheckpoint:
         size = self.listing[name].size
         if size == 0:
             raise InputError("empty file", path=name or str(self.url))
-        opener = self._opener(name, [(max(size - TAIL, 0), TAIL)])
+        opener = self.opener(name, [(max(size - TAIL, 0), TAIL)])
         with opener() as stream:
             plan = reading_plan(stream)
             if plan is not None:
@@ -258,10 +259,10 @@ def opened(text: str, *, profile: str | None, endpoint_url: str | None) -> Itera
     is removed on the way out."""
     url = parse_url(text)
     store = S3Store(url.bucket, profile=profile, endpoint_url=endpoint_url)
-    tails: dict[str, list[tuple[int, bytes]]] = {}
+    fetched: dict[str, list[tuple[int, bytes]]] = {}
     if is_torch_file(url.key) or url.key.endswith(SAFETENSORS_SUFFIX):
         stored, tail = store.tail(url.key, TAIL)  # its size, ETag and end in one request
-        listing, tails[""] = {"": stored}, [(stored.size - len(tail), tail)]
+        listing, fetched[""] = {"": stored}, [(stored.size - len(tail), tail)]
         dcp: tuple[str, ...] = ()
     else:
         listing = store.listing(url.prefix)
@@ -270,4 +271,4 @@ def opened(text: str, *, profile: str | None, endpoint_url: str | None) -> Itera
         parents = (PurePosixPath(name).parent.as_posix() for name in listing if is_metadata(name))
         dcp = tuple(sorted("" if parent == "." else parent for parent in parents))
     with tempfile.TemporaryDirectory(prefix="optim-repair-remote-") as mirror:
-        yield RemoteCheckpoint(url, store, listing, dcp, Path(mirror), tails)
+        yield RemoteCheckpoint(url, store, listing, dcp, Path(mirror), fetched)

@@ -14,7 +14,7 @@ import io
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, cast
+from typing import BinaryIO
 
 from optim_repair.checkpoint.adapters import PlannedTorchFile
 from optim_repair.checkpoint.remote_reading import RemoteCheckpoint
@@ -28,7 +28,6 @@ from optim_repair.formats.torchfile.writer import edited_root
 from optim_repair.formats.torchfile.zipformat import ZipTorchFile
 from optim_repair.records.verification import Verification
 from optim_repair.storage.compose import compose
-from optim_repair.storage.ranged import RangedObject
 from optim_repair.storage.s3 import S3Store
 
 _CHUNK = 8 << 20
@@ -41,19 +40,13 @@ def spliced_copy(
     """Write the repaired copy of the torch file ``name`` of ``remote`` as the new object ``target`` (its store and
     key), proven as the module says; ``scratch`` is a new local file for its head and tail."""
     torch_file, source = planned.original, planned.source
-    if not isinstance(torch_file, ZipTorchFile):
-        raise UsageError(f"{source} is a legacy-format torch file: repair it into a local --out in this version")
+    assert isinstance(torch_file, ZipTorchFile)  # a store's legacy-format files are not read
     root, created = edited_root(torch_file, planned.additions, planned.changes)
     data = dump_graph(root)
     if set(torch_file.graph.storages) - set(load_graph(data, source, ours=True).storages):
-        raise UsageError(f"{source}: dropping state from a torch file in a store is done into a local --out")
-    key = remote.url.object(name) if name else remote.url.key
-    stored = remote.listing[name]
-    spans: list[tuple[int, bytes]] = []
-
-    def original() -> BinaryIO:
-        return cast(BinaryIO, RangedObject(remote.store, key, stored, spans))
-
+        raise UsageError(f"{source}: dropping state from a torch file in a store is done into a local copy")
+    key, stored = remote.url.object(name) if name else remote.url.key, remote.listing[name]
+    original = remote.opener(name)  # what reading fetched of it is not fetched again
     with original() as stream, zipfile.ZipFile(stream) as archive:
         directory_at = archive.start_dir
     with scratch.open("w+b") as written:
