@@ -11,6 +11,8 @@ through, and is written as a regular file when the repair changes it; one to a f
 file as that entry and is not read twice; a linked directory is not walked. With ``dereference`` (``cp
 -L``) every link is followed: its file or directory is read and copied as if it were there, a link to
 anything else (a FIFO, a device, nothing) is ``special``, and a link to a directory holding it is refused.
+Links that lead to the same directory again multiply what is walked (24 levels of two links each reach 2**24
+paths without a loop), so a dereferencing walk stops past ``MAX_REACHED_PATHS`` paths or ``MAX_REACHED_BYTES``.
 """
 
 from __future__ import annotations
@@ -137,16 +139,16 @@ def _file_role(name: str) -> Role:
     return "torch" if suffix in TORCH_SUFFIXES else "file"
 
 
-def _link_target(path: Path) -> tuple[int | None, str]:
-    """What the link ``path`` reaches: its mode (None when it reaches nothing) and that, in words, when it is
+def _link_target(path: str | Path) -> tuple[os.stat_result | None, str]:
+    """What the link ``path`` reaches: its status (None when it reaches nothing) and that, in words, when it is
     no regular file or directory."""
     try:
-        mode = os.stat(path).st_mode
+        status = os.stat(path)
     except OSError:
         return None, "a link to nothing"
-    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
-        return mode, ""
-    return mode, f"a link to {kind_of(mode)}"
+    if stat.S_ISREG(status.st_mode) or stat.S_ISDIR(status.st_mode):
+        return status, ""
+    return status, f"a link to {kind_of(status.st_mode)}"
 
 
 def _points_outside(path: Path, real_root: Path) -> bool:
@@ -159,27 +161,75 @@ def _points_outside(path: Path, real_root: Path) -> bool:
 
 def _linked_entry(path: Path, rel: str, role: Role, dcp: str | None, real_root: Path) -> Entry:
     """A link kept as a link: a file ``role`` when it reaches a regular file, ``directory`` for a directory."""
-    mode, kind = _link_target(path)
+    target, kind = _link_target(path)
     outside = _points_outside(path, real_root)
-    if mode is not None and stat.S_ISDIR(mode):
+    if target is not None and stat.S_ISDIR(target.st_mode):
         return Entry(rel, "directory", True, dcp, "", outside)
     return Entry(rel, role, True, dcp, kind, outside)
 
 
-def _followed_directory(path: Path, directory: Path) -> None:
-    """Refuse to follow the linked directory ``path`` (found in ``directory``) into a loop."""
-    real, here = Path(os.path.realpath(path)), Path(os.path.realpath(directory))
-    if real == here or real in here.parents:
-        raise InputError("is a link to a directory that holds it; --dereference cannot copy a loop", path=path)
+def _followed_directory(path: Path, real_directory: str) -> str:
+    """The real path of the linked directory ``path``, found in the directory whose real path is
+    ``real_directory``; refused when following it would loop (it is that directory or holds it).
+
+    Resolved from ``real_directory``, which holds no link, so that only this link is resolved again: resolving
+    ``path`` itself would resolve every link above it, each time, and a deep walk would slow with its depth."""
+    real = os.path.realpath(os.path.join(real_directory, path.name))
+    if real_directory == real or real_directory.startswith(real.rstrip("/") + "/"):
+        raise InputError(
+            "is a link to a directory that holds it; {argument} cannot copy a loop", path=path, argument="dereference"
+        )
+    return real
 
 
 MAX_DEPTH = 64
 """How deep a checkpoint's directories may nest: real ones are a few levels deep; deeper is refused, one line."""
 
+MAX_REACHED_PATHS = 100_000
+"""How many paths (files, directories, links) a dereferencing walk may reach. The largest real checkpoints (a DCP
+checkpoint of a few thousand ranks, each writing a few shards; a Hugging Face cache snapshot) hold tens of
+thousands; but links that lead to the same directory again multiply what is walked without any loop: 24 levels of
+two links each reach 2**24 paths, which would take hours to list and ``fix`` would copy every one. The walk reaches
+this many in one or two seconds."""
 
-def _listing(directory: Path) -> tuple[list[str], list[str]]:
-    """The names of the files (and links to anything but a directory) and of the directories in ``directory``,
-    each sorted; an entry that cannot be listed or looked at is an error, never skipped."""
+MAX_REACHED_BYTES = 2**48
+"""How many bytes of regular files (256 TiB) a dereferencing walk may reach, each file counted once per path that
+reaches it, as that is what a copy holds. The largest real checkpoints (a trillion parameters, with fp32 master
+weights and two Adam moments) hold about 20 TB, and no file system under a training job holds ten times that free;
+a few links to a large (even sparse) file would pass it in a few paths, long before the path bound."""
+
+
+class _Reach:
+    """What a dereferencing walk has reached so far: refused, naming the checkpoint ``source``, as soon as it
+    passes ``MAX_REACHED_PATHS`` or ``MAX_REACHED_BYTES``, so that the walk stops there and lists nothing more."""
+
+    def __init__(self, source: Path) -> None:
+        self.source = source
+        self.paths = 0
+        self.bytes = 0
+
+    def reached(self, size: int = 0) -> None:
+        """Count one more path, a regular file of ``size`` bytes, or anything else (0)."""
+        self.paths += 1
+        self.bytes += size
+        if self.paths > MAX_REACHED_PATHS:
+            self._refuse(f"{MAX_REACHED_PATHS:,} paths", "directories multiply what is walked")
+        if self.bytes > MAX_REACHED_BYTES:
+            self._refuse(f"{MAX_REACHED_BYTES // 2**40:,} TiB of files", "files or directories multiply what is copied")
+
+    def _refuse(self, bound: str, multiplied: str) -> None:
+        raise InputError(
+            f"following links reaches more than {bound} (links that lead to the same {multiplied}); "
+            "pass it without {argument}",
+            path=self.source,
+            argument="dereference",
+        )
+
+
+def _listing(directory: str, root: Path, rel: str) -> tuple[list[str], list[str]]:
+    """The names of the files (and links to anything but a directory) and of the directories in ``directory``
+    (``root / rel`` in messages), each sorted; an entry that cannot be listed or looked at is an error, never
+    skipped."""
     files: list[str] = []
     directories: list[str] = []
     try:
@@ -187,61 +237,77 @@ def _listing(directory: Path) -> tuple[list[str], list[str]]:
             for item in found:
                 (directories if item.is_dir() else files).append(item.name)
     except FileNotFoundError as exc:
-        raise InputError("vanished while being read", path=_short(directory)) from exc
+        raise InputError("vanished while being read", path=_short(root / rel)) from exc
     except OSError as exc:
-        raise InputError(f"cannot read ({os_error_reason(exc)})", path=_short(directory)) from exc
+        raise InputError(f"cannot read ({os_error_reason(exc)})", path=_short(root / rel)) from exc
     return sorted(files), sorted(directories)
 
 
-def _walk(root: Path, *, dereference: bool) -> Iterator[Entry]:
-    """Every entry under ``root``, top-down, each directory's files before its subdirectories, depth first."""
+def _walk(root: Path, *, reach: _Reach | None = None) -> Iterator[Entry]:
+    """Every entry under ``root``, top-down, each directory's files before its subdirectories, depth first.
+
+    With ``reach``, every link is followed (``dereference``), each entry is counted there as it is found, and each
+    directory is read at its real path: through the links that lead to it, the kernel would resolve every one of
+    them again for each name in it. Paths are strings here (``pathlib`` would take most of the time)."""
     inside: dict[str, str] = {}  # a directory inside a DCP checkpoint -> that checkpoint's rel
     real_root = Path(os.path.realpath(root))
-    pending = [root]
+    followed: dict[tuple[str, str], str] = {}  # (real directory, name of a linked directory in it) -> its real path
+    pending = [("", str(real_root) if reach is not None else str(root))]  # each directory's rel, and where it is read
     while pending:
-        directory = pending.pop()
-        rel = relative(directory, root)
+        rel, directory = pending.pop()
         if rel.count("/") >= MAX_DEPTH:
             raise InputError(f"nests directories more than {MAX_DEPTH} deep", path=_short(root / rel))
-        files, subdirectories = _listing(directory)
+        files, subdirectories = _listing(directory, root, rel)
         dcp = inside.get(rel)
-        if dcp is None and METADATA_FILE in files and is_dcp_directory(directory):
+        if dcp is None and METADATA_FILE in files and is_dcp_directory(Path(directory)):
             yield Entry(rel, "dcp")
             dcp = rel
         for name in files:
-            yield _file_entry(directory / name, relative(directory / name, root), dcp, real_root, dereference)
+            yield _file_entry(os.path.join(directory, name), _below(rel, name), root, dcp, real_root, reach)
         walked = []
         for name in subdirectories:
-            path = directory / name
+            path, below = os.path.join(directory, name), _below(rel, name)
             if dcp is not None:
-                inside[relative(path, root)] = dcp
-            if not path.is_symlink():
-                yield Entry(relative(path, root), "directory", False, dcp)
-            elif dereference:
-                _followed_directory(path, directory)
-                yield Entry(relative(path, root), "directory", False, dcp)
-            else:
-                yield _linked_entry(path, relative(path, root), "directory", dcp, real_root)
-                continue
-            walked.append(path)
+                inside[below] = dcp
+            if os.path.islink(path):
+                if reach is None:
+                    yield _linked_entry(Path(path), below, "directory", dcp, real_root)
+                    continue
+                path = followed.get((directory, name)) or _followed_directory(root / below, directory)
+                followed[directory, name] = path
+            if reach is not None:
+                reach.reached()
+            yield Entry(below, "directory", False, dcp)
+            walked.append((below, path))
         pending.extend(reversed(walked))
 
 
-def _file_entry(path: Path, rel: str, dcp: str | None, real_root: Path, dereference: bool) -> Entry:
+def _below(rel: str, name: str) -> str:
+    """The ``rel`` of ``name`` in the directory of ``rel``."""
+    return f"{rel}/{name}" if rel else name
+
+
+def _file_entry(path: str, rel: str, root: Path, dcp: str | None, real_root: Path, reach: _Reach | None) -> Entry:
+    """The entry of the file at ``path`` (or of a link to anything but a directory), ``root / rel`` in messages;
+    with ``reach``, the link followed and what it reaches counted."""
     try:
-        mode = os.lstat(path).st_mode
+        status = os.lstat(path)
     except FileNotFoundError as exc:
-        raise InputError("vanished while being read", path=_short(path)) from exc
+        raise InputError("vanished while being read", path=_short(root / rel)) from exc
     except OSError as exc:
-        raise InputError(f"cannot read ({os_error_reason(exc)})", path=_short(path)) from exc
-    role: Role = "file" if dcp is not None else _file_role(path.name)
-    if stat.S_ISLNK(mode) and dereference:
-        target, kind = _link_target(path)
-        if kind:
-            return Entry(rel, "special", False, dcp, kind)
-        mode = target or mode
+        raise InputError(f"cannot read ({os_error_reason(exc)})", path=_short(root / rel)) from exc
+    role: Role = "file" if dcp is not None else _file_role(rel.rpartition("/")[2])
+    if reach is not None:
+        if stat.S_ISLNK(status.st_mode):
+            target, kind = _link_target(path)
+            if kind or target is None:
+                reach.reached()
+                return Entry(rel, "special", False, dcp, kind)
+            status = target
+        reach.reached(status.st_size if stat.S_ISREG(status.st_mode) else 0)
+    mode = status.st_mode
     if stat.S_ISLNK(mode):
-        return _linked_entry(path, rel, role, dcp, real_root)
+        return _linked_entry(Path(path), rel, role, dcp, real_root)
     if stat.S_ISREG(mode):
         return Entry(rel, role, False, dcp)
     return Entry(rel, "special", False, dcp, kind_of(mode))
@@ -296,7 +362,7 @@ def discover(path: Path, *, dereference: bool = False) -> Discovery:
     if not stat.S_ISDIR(mode):
         raise InputError(f"is {kind_of(mode)}, not a file or directory", path=path)
     try:
-        entries = tuple(_walk(target, dereference=dereference))
+        entries = tuple(_walk(target, reach=_Reach(path) if dereference else None))
     except OSError as exc:  # a name past PATH_MAX, an entry that turned unreadable mid-walk
         raise InputError(f"cannot read ({os_error_reason(exc)})", path=_short(Path(exc.filename or path))) from exc
     signatures = tuple(signature(target / entry.rel if entry.rel else target) for entry in entries)

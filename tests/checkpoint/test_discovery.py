@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from optim_repair.checkpoint.discovery import Entry, discover
+from optim_repair.checkpoint import discovery
+from optim_repair.checkpoint.discovery import MAX_REACHED_PATHS, Entry, discover
 from optim_repair.errors import InputError
 from tests.factories import dcp as dk
 from tests.factories import trainers
@@ -70,3 +71,45 @@ def test_part_of_a_dcp_checkpoint_is_refused_naming_its_directory(tmp_path: Path
 def test_nothing_there_is_an_input_error(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="no such file or directory"):
         discover(tmp_path / "absent")
+
+
+def doubling_links(base: Path, levels: int) -> Path:
+    """``levels`` directories, each holding two links to the next: following them reaches 2**(levels + 1) - 2
+    paths, with no loop."""
+    for level in range(levels + 1):
+        (base / str(level)).mkdir(parents=True)
+    for level in range(levels):
+        for name in ("a", "b"):
+            (base / str(level) / name).symlink_to(f"../{level + 1}")
+    return base / "0"
+
+
+def test_a_dereferencing_walk_stops_at_the_path_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It refuses as soon as it passes the bound: the 2**25 paths of 24 levels are never listed."""
+    root = doubling_links(tmp_path / "bomb", 24)
+    listed: list[str] = []
+    listing = discovery._listing
+
+    def counted(directory: str, *rest: object) -> tuple[list[str], list[str]]:
+        listed.append(directory)
+        return listing(directory, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(discovery, "_listing", counted)
+    with pytest.raises(InputError, match=rf"following links reaches more than {MAX_REACHED_PATHS:,} paths"):
+        discover(root, dereference=True)
+    assert MAX_REACHED_PATHS // 2 < len(listed) <= MAX_REACHED_PATHS
+    assert all(not Path(directory).is_symlink() for directory in listed), "read at their real paths"
+    assert len(set(listed)) == 25
+
+
+def test_the_path_bound_counts_every_path_the_walk_reaches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = doubling_links(tmp_path / "bomb", 3)  # 2 + 4 + 8 directories
+    (tmp_path / "bomb" / "3" / "file").write_bytes(b"")  # reached 8 times
+    monkeypatch.setattr(discovery, "MAX_REACHED_PATHS", 22)
+    found = discover(root, dereference=True)
+    assert len(found.entries) == 22 and not any(entry.link for entry in found.entries)
+    assert sum(entry.rel.endswith("/file") for entry in found.entries) == 8
+    monkeypatch.setattr(discovery, "MAX_REACHED_PATHS", 21)
+    with pytest.raises(InputError, match=r"bomb/0: following links reaches more than 21 paths"):
+        discover(root, dereference=True)
+    assert len(discover(root).entries) == 2, "not followed, not counted"

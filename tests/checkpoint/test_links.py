@@ -2,7 +2,8 @@
 
 A link to a regular file is read through; the repaired file is a regular file in the copy; every other
 link stays a link, and those pointing outside the checkpoint are named; ``--dereference`` (``cp -L``)
-copies what every link reaches.
+copies what every link reaches, up to a bound in paths and in bytes: links that lead to the same directory
+again multiply what is reached without any loop.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import optim_repair
+from optim_repair.checkpoint.discovery import MAX_REACHED_BYTES, MAX_REACHED_PATHS, discover
 from optim_repair.errors import InputError, UsageError
 from tests.conftest import run_cli
 from tests.factories import dcp as dk
@@ -170,6 +172,8 @@ def test_dereference_refuses_a_loop_in_one_line(tmp_path: Path) -> None:
     assert "up: is a link to a directory that holds it; --dereference cannot copy a loop" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert_nothing_written(out)
+    with pytest.raises(InputError, match="up: is a link to a directory that holds it; dereference cannot copy a loop"):
+        optim_repair.inspect(built.path, dereference=True)  # the library names no flag
     optim_repair.fix(built.path, out)
     assert os.readlink(out / "nested" / "up") == ".."
 
@@ -184,3 +188,114 @@ def test_a_diagnosis_keeps_how_it_was_read(tmp_path: Path) -> None:
     optim_repair.fix(followed, tmp_path / "out")
     assert not (tmp_path / "out" / "model.safetensors").is_symlink()
     assert load(tmp_path / "out" / "optimizer.pt")["state"]
+
+
+def link_bomb(base: Path, levels: int) -> Path:
+    """``levels`` directories, each holding two links (``a``, ``b``) to the next, and a checkpoint in the last:
+    no loop, yet following the links reaches 2**levels copies of it (2**(levels + 1) paths before them)."""
+    built = trainers.unirl_torch(base / "build")
+    built.path.rename(base / str(levels))
+    for level in range(levels):
+        (base / str(level)).mkdir()
+        for name in ("a", "b"):
+            (base / str(level) / name).symlink_to(f"../{level + 1}")
+    return base / "0"
+
+
+PATH_BOUND = (
+    f"following links reaches more than {MAX_REACHED_PATHS:,} paths (links that lead to the same directories "
+    "multiply what is walked); pass it without"
+)
+
+
+@pytest.fixture(scope="module")
+def bomb(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """24 levels: 2**25 paths, with no loop."""
+    return link_bomb(tmp_path_factory.mktemp("bomb"), 24)
+
+
+def test_links_that_multiply_a_directory_are_refused_past_the_path_bound(bomb: Path) -> None:
+    with pytest.raises(InputError) as refused:
+        optim_repair.inspect(bomb, dereference=True)
+    assert str(refused.value) == f"{bomb}: {PATH_BOUND} dereference"
+    assert refused.value.exit_code == 4
+
+
+def test_the_command_refuses_a_link_bomb_in_one_line_and_writes_nothing(bomb: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    commands: list[list[str | Path]] = [["inspect", bomb, "-L"], ["fix", bomb, "--out", out, "-L"]]
+    for command in commands:
+        result = run_cli(command, code=4)
+        assert result.stderr == f"optim-repair: error: {bomb}: {PATH_BOUND} --dereference\n", result.stderr
+        assert "Traceback" not in result.stdout
+    assert_nothing_written(out)
+
+
+def test_without_dereference_a_link_bomb_is_two_links(bomb: Path) -> None:
+    found = discover(bomb)
+    assert [(entry.rel, entry.role, entry.link) for entry in found.entries] == [
+        ("a", "directory", True),
+        ("b", "directory", True),
+    ]
+    with pytest.raises(InputError, match=r"no optimizer state found .* 2 linked director\(ies\) not followed"):
+        optim_repair.inspect(bomb)
+
+
+def test_links_that_multiply_a_directory_are_followed_below_the_bound(tmp_path: Path) -> None:
+    few = link_bomb(tmp_path / "few", 3)
+    diagnosis = optim_repair.inspect(few, dereference=True)
+    assert len(diagnosis.optimizers) == 8 and diagnosis.verdict == "repairable"
+    out = tmp_path / "out"
+    optim_repair.fix(few, out, dereference=True)
+    assert len(list(out.glob("*/*/*/checkpoint.pt"))) == 8
+    assert not [path for path in out.rglob("*") if path.is_symlink()]
+    assert optim_repair.inspect(out, strict=True).verdict == "healthy"
+
+
+TIB = 2**40
+
+
+def sparse(path: Path, size: int) -> Path:
+    """A file of ``size`` bytes that holds no block on the disk."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    try:
+        os.truncate(path, size)
+    except OSError as exc:
+        pytest.skip(f"this file system refuses a sparse file of {size} bytes ({exc})")
+    return path
+
+
+def test_links_that_multiply_a_large_file_are_refused_past_the_byte_bound(tmp_path: Path) -> None:
+    """Each path that reaches a file counts its size, as a copy would hold it again; the bound is inclusive."""
+    huge = sparse(tmp_path / "store" / "huge.blob", TIB)
+    checkpoint = tmp_path / "blobs"
+    checkpoint.mkdir()
+    for number in range(MAX_REACHED_BYTES // TIB):
+        (checkpoint / f"{number:03}.blob").symlink_to(huge)
+    assert len(discover(checkpoint, dereference=True).entries) == MAX_REACHED_BYTES // TIB, "exactly the bound"
+    (checkpoint / "one-more-byte").write_bytes(b"x")
+    bound = (
+        "following links reaches more than 256 TiB of files (links that lead to the same files or directories "
+        "multiply what is copied); pass it without"
+    )
+    with pytest.raises(InputError) as refused:
+        discover(checkpoint, dereference=True)
+    assert str(refused.value) == f"{checkpoint}: {bound} dereference"
+    assert len(discover(checkpoint).entries) == MAX_REACHED_BYTES // TIB + 1, "kept as links, nothing is counted"
+
+
+def test_fix_refuses_to_copy_a_large_file_through_many_links(tmp_path: Path) -> None:
+    built = trainers.unirl_torch(tmp_path / "run")
+    huge = sparse(tmp_path / "store" / "huge.blob", 16 * TIB - 2**20)  # near the most ext4 allows
+    links = [built.path / f"{number:02}.blob" for number in range(MAX_REACHED_BYTES // (16 * TIB) + 1)]
+    for link in links:
+        link.symlink_to(huge)
+    out = tmp_path / "out"
+    result = run_cli(["fix", built.path, "--out", out, "-L"], code=4)
+    assert result.stderr.startswith(f"optim-repair: error: {built.path}: following links reaches more than 256 TiB")
+    assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stdout
+    assert_nothing_written(out)
+    assert os.stat(huge).st_blocks == 0, "never read, never written"
+    optim_repair.fix(built.path, out)  # without dereference, the links stay links
+    assert all((out / link.name).is_symlink() for link in links)
