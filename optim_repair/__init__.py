@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from optim_repair.api import (
         DryRun,
         FixResult,
-        Versions,
         compare,
         dry_run,
         fix,
@@ -30,7 +29,6 @@ if TYPE_CHECKING:
         latest_checkpoint,
         model_changes,
         plan,
-        versions,
     )
     from optim_repair.decisions.diagnose import Diagnosis, Malformed, OptimizerDiagnosis
     from optim_repair.decisions.notices import Notice
@@ -48,15 +46,17 @@ if TYPE_CHECKING:
     from optim_repair.records.repair_plan import Addition, FilledOptimizer, FreshTensor, RepairPlan
     from optim_repair.records.verification import Verification
     from optim_repair.torch_loader import set_optimizer_state_dict
+    from optim_repair.version import Versions, versions
 
 _HOMES = {
     **dict.fromkeys(
         (
-            "DryRun", "FixResult", "Versions", "compare", "dry_run", "fix", "inspect", "latest_checkpoint",
-            "model_changes", "plan", "versions",
+            "DryRun", "FixResult", "compare", "dry_run", "fix", "inspect", "latest_checkpoint", "model_changes",
+            "plan",
         ),
         "optim_repair.api",
     ),
+    **dict.fromkeys(("Versions", "versions"), "optim_repair.version"),
     **dict.fromkeys(("Diagnosis", "Malformed", "OptimizerDiagnosis"), "optim_repair.decisions.diagnose"),
     "Notice": "optim_repair.decisions.notices",
     **dict.fromkeys(

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
 import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Literal
 
 from optim_repair.checkpoint import remote_reading, remote_writing
 from optim_repair.checkpoint.discovery import Discovery, discover, latest_step
 from optim_repair.checkpoint.planning import FinishedPlan, finish_plan
 from optim_repair.checkpoint.reading import Parsed, read_model_weights, read_parsed
-from optim_repair.checkpoint.staging import remove_stale, temporary_sibling
+from optim_repair.checkpoint.staging import taken_back_on_failure
 from optim_repair.checkpoint.writing import free_space, space_needed, write_copy
 from optim_repair.decisions.diagnose import Diagnosis, diagnose
 from optim_repair.decisions.repair import plan_repair
@@ -25,26 +24,7 @@ from optim_repair.records.repair_plan import Addition, Fill, PlanFill, RepairPla
 from optim_repair.records.request import NO_OPERATIONS, CopyRequest, Operations, PlanRequest
 from optim_repair.records.traffic import Traffic
 from optim_repair.records.verification import Verification
-from optim_repair.storage.s3 import is_s3
-from optim_repair.version import __version__
-
-
-class Versions(NamedTuple):
-    """The versions a report was made with: optim-repair's, and the installed torch's (None without one)."""
-
-    optim_repair: str
-    torch: str | None
-
-
-@functools.cache
-def versions() -> Versions:
-    """optim-repair's version and the installed torch's, found without importing torch (from the
-    environment's package metadata, read once)."""
-    try:
-        torch_version: str | None = importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        torch_version = None
-    return Versions(__version__, torch_version)
+from optim_repair.storage.names import is_s3
 
 
 def inspect(
@@ -93,10 +73,14 @@ def _read_unchanged(found: Discovery, *, keep: bool = True) -> tuple[CheckpointI
     return read
 
 
-def latest_checkpoint(run: str | Path) -> Path:
+def latest_checkpoint(run: str | Path, *, profile: str | None = None, endpoint_url: str | None = None) -> Path | str:
     """The newest complete step of the run directory ``run`` (``checkpoint-N``, ``step-N``, ``global_stepN``,
     ``epoch=E-step=S.ckpt``), to inspect or fix: a step still being written (a DCP checkpoint without its
-    ``.metadata``, an empty directory) is passed over. Raises ``InputError`` when there is none."""
+    ``.metadata``, an empty directory, a prefix a repair is still writing) is passed over. ``run`` may be a
+    prefix in a store (``"s3://bucket/run/"``): its step is returned as a URL. Raises ``InputError`` when there
+    is none."""
+    if is_s3(run):
+        return remote_reading.latest_step(str(run), profile=profile, endpoint_url=endpoint_url)
     return latest_step(Path(run))
 
 
@@ -123,7 +107,8 @@ def plan(
     """
     request = _request(fill, optimizer, model, reset_phantom_step, operations)
     read = _read(checkpoint, dereference)
-    return _finished(read.diagnosis, read.found.target, read.parsed, request).plan
+    weights = _weights_of(request, RemoteOptions())
+    return _finished(read.diagnosis, read.found.target, read.parsed, request, weights).plan
 
 
 def _remote(checkpoint: str | Path | Diagnosis) -> bool:
@@ -169,12 +154,16 @@ def _model_weights(model: str | Path, remote: RemoteOptions) -> tuple[WeightMap,
         return stored.weights()
 
 
+def _weights_of(request: PlanRequest, remote: RemoteOptions) -> tuple[WeightMap, ...]:
+    """The weights of the model ``request`` names (none when it names none), read once for a whole run."""
+    return _model_weights(request.model, remote) if request.model is not None else ()
+
+
 def _finished(
-    diagnosis: Diagnosis, target: Path, parsed: Parsed, request: PlanRequest, remote: RemoteOptions | None = None
+    diagnosis: Diagnosis, target: Path, parsed: Parsed, request: PlanRequest, weights: tuple[WeightMap, ...]
 ) -> FinishedPlan:
-    """The repair plan ``request`` asks for, finished in every file's format (each refusal raised) as read under
-    ``target``."""
-    weights = _model_weights(request.model, remote or RemoteOptions()) if request.model is not None else ()
+    """The repair plan ``request`` asks for, with the model's ``weights``, finished in every file's format (each
+    refusal raised) as read under ``target``."""
     repair = plan_repair(
         diagnosis, request.fill, optimizer=request.optimizer, model_weights=weights,
         reset_phantom_step=request.reset_phantom_step, operations=request.operations,
@@ -217,38 +206,47 @@ def _fixed_downloaded(
     diagnosis: Diagnosis,
     out: str | Path,
     request: PlanRequest,
+    weights: tuple[WeightMap, ...],
     copy: CopyRequest,
     reporter: Reporter,
-    remote: RemoteOptions,
 ) -> FixResult:
     """``fix`` of a checkpoint in a store into a local ``out``: downloaded beside it (``remote_reading.downloaded``)
     and repaired from there as a local checkpoint, every unchanged file hard-linked."""
     target = stored.local_target(out)
     with stored.downloaded(target, force=copy.force, reporter=reporter) as local:
         read = _read(local, False)
-        finished = _finished(read.diagnosis, read.found.target, read.parsed, request, remote)
+        finished = _finished(read.diagnosis, read.found.target, read.parsed, request, weights)
         verification = write_copy(read.found, finished, target, copy, reporter)
     return FixResult(diagnosis, finished.plan, target, verification, stored.store.traffic())
+
+
+def _upload_key(found: Discovery, out: str) -> str:
+    """Where a local checkpoint goes in a store: ``out``, or for a file and an ``out`` ending in a slash, the
+    file's name under it, as ``cp`` does."""
+    return f"{out}{found.root.name}" if out.endswith("/") and not found.is_directory else out
 
 
 def _fixed_uploaded(
     checkpoint: str | Path | Diagnosis,
     out: str,
     request: PlanRequest,
+    weights: tuple[WeightMap, ...],
     force: bool,
     dereference: bool,
     remote: RemoteOptions,
     reporter: Reporter,
 ) -> FixResult:
-    """``fix`` of a local checkpoint into a store: repaired into a temporary directory beside it (unchanged files
-    hard-linked, not synced), proven there, then uploaded (``remote_writing.upload_copy``)."""
+    """``fix`` of a local checkpoint into a store: repaired into a private temporary directory (unchanged files
+    hard-linked where it shares the checkpoint's file system, not synced), proven there, then uploaded
+    (``remote_writing.upload_copy``). The checkpoint's own directory is never written to."""
     read = _read(checkpoint, dereference)
-    finished = _finished(read.diagnosis, read.found.target, read.parsed, request, remote)
-    key = f"{out}{read.found.root.name}" if out.endswith("/") and not read.found.is_directory else out
-    remove_stale(read.found.root, reporter.notice)  # what a killed upload left beside it
-    with temporary_sibling(read.found.root, directory=True) as tmp:
-        staged = tmp / read.found.root.name
-        verification = write_copy(read.found, finished, staged, CopyRequest(link=True, sync=False), reporter)
+    finished = _finished(read.diagnosis, read.found.target, read.parsed, request, weights)
+    key = _upload_key(read.found, out)
+    with tempfile.TemporaryDirectory(prefix="optim-repair-upload-") as tmp:
+        staged = Path(tmp) / read.found.root.name
+        link = os.stat(tmp).st_dev == os.stat(read.found.target).st_dev
+        with taken_back_on_failure():  # the staged copy is this run's own, never a copy the user was given
+            verification = write_copy(read.found, finished, staged, CopyRequest(link=link, sync=False), reporter)
         traffic = remote_writing.upload_copy(
             staged, key, force=force, profile=remote.profile, endpoint_url=remote.endpoint_url, reporter=reporter
         )
@@ -270,11 +268,12 @@ class DryRun:
 
     diagnosis: Diagnosis
     plan: RepairPlan
-    out: Path
+    out: Path | str
+    """The copy: a path, or a URL in a store."""
     bytes_to_write: int
     """About how many bytes the copy would take (hard-linked files excluded)."""
-    free_bytes: int
-    """The bytes free on the file system that would hold ``out``."""
+    free_bytes: int | None
+    """The bytes free on the file system that would hold ``out``; None in a store, which sets no such bound."""
 
 
 def dry_run(
@@ -288,17 +287,32 @@ def dry_run(
     dereference: bool = False,
     reset_phantom_step: bool = False,
     operations: Operations = NO_OPERATIONS,
+    profile: str | None = None,
+    endpoint_url: str | None = None,
 ) -> DryRun:
-    """What ``fix`` with the same arguments would add and write, and the room there is for it; writes nothing."""
-    if _remote(checkpoint) or is_s3(out):
-        raise UsageError("a dry run reads local checkpoints only in this version")
+    """What ``fix`` with the same arguments would add and write, and the room there is for it; writes nothing.
+    Either side may be in a store, as for ``fix``."""
+    request = _request(fill, optimizer, model, reset_phantom_step, operations)
+    remote = RemoteOptions(profile, endpoint_url)
+    weights = _weights_of(request, remote)
+    if _remote(checkpoint):
+        path = checkpoint.path if isinstance(checkpoint, Diagnosis) else str(checkpoint)
+        with remote_reading.opened(path, profile=profile, endpoint_url=endpoint_url) as stored:
+            inventory, parsed = stored.read(keep=True)
+            diagnosis = diagnose(inventory)
+            finished = _finished(diagnosis, stored.mirror, parsed, request, weights)
+            needed = sum(item.size for item in stored.listing.values()) + finished.added_bytes()
+            target: Path | str = os.fspath(out) if is_s3(out) else stored.local_target(out)
+        free = None if isinstance(target, str) else free_space(target)
+        return DryRun(diagnosis, finished.plan, target, needed, free)
     read = _read(checkpoint, dereference)
-    finished = _finished(
-        read.diagnosis, read.found.target, read.parsed, _request(fill, optimizer, model, reset_phantom_step, operations)
-    )
-    target = output_path(read.found.root, out)
+    finished = _finished(read.diagnosis, read.found.target, read.parsed, request, weights)
+    if is_s3(out):
+        needed = space_needed(read.found, finished, link=False)
+        return DryRun(read.diagnosis, finished.plan, _upload_key(read.found, os.fspath(out)), needed, None)
+    local = output_path(read.found.root, out)
     needed = space_needed(read.found, finished, link=link)
-    return DryRun(read.diagnosis, finished.plan, target, needed, free_space(target))
+    return DryRun(read.diagnosis, finished.plan, local, needed, free_space(local))
 
 
 @dataclass(frozen=True)
@@ -368,23 +382,24 @@ def fix(
     remote = RemoteOptions(profile, endpoint_url)
     if verify == "download" and not (_remote(checkpoint) and is_s3(out)):
         raise UsageError("{argument} is for copies made inside a store (s3:// to s3://)", argument="verify")
+    weights = _weights_of(request, remote)
     if _remote(checkpoint):
         path = checkpoint.path if isinstance(checkpoint, Diagnosis) else str(checkpoint)
         with remote_reading.opened(path, profile=profile, endpoint_url=endpoint_url) as stored:
             inventory, parsed = stored.read(keep=True)
             diagnosis = diagnose(inventory)
-            finished = _finished(diagnosis, stored.mirror, parsed, request, remote)  # refusals before a byte moves
+            finished = _finished(diagnosis, stored.mirror, parsed, request, weights)  # refusals before a byte moves
             if not is_s3(out):
                 local = CopyRequest(force=force, link=True, sync=sync)
-                return _fixed_downloaded(stored, diagnosis, out, request, local, reporter, remote)
+                return _fixed_downloaded(stored, diagnosis, out, request, weights, local, reporter)
             verification, traffic = remote_writing.write_remote(
                 stored, finished, os.fspath(out), force=force, read_back=verify == "download", reporter=reporter
             )
         return FixResult(diagnosis, finished.plan, os.fspath(out), verification, traffic)
     if is_s3(out):
-        return _fixed_uploaded(checkpoint, os.fspath(out), request, force, dereference, remote, reporter)
+        return _fixed_uploaded(checkpoint, os.fspath(out), request, weights, force, dereference, remote, reporter)
     read = _read(checkpoint, dereference)
-    finished = _finished(read.diagnosis, read.found.target, read.parsed, request, remote)
+    finished = _finished(read.diagnosis, read.found.target, read.parsed, request, weights)
     target = output_path(read.found.root, out)
     copy = CopyRequest(force=force, link=link, sync=sync)
     verification = write_copy(read.found, finished, target, copy, Reporter(progress, notice))

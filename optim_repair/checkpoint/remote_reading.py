@@ -34,14 +34,18 @@ from optim_repair.errors import (
     UsageError,
     os_error_reason,
 )
-from optim_repair.formats.dcp import METADATA_FILE, DcpMetadata, read_dcp
+from optim_repair.formats.dcp import METADATA_FILE, SHARD_SUFFIX, DcpMetadata, read_dcp
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX, read_weights
 from optim_repair.formats.torchfile import TORCH_SUFFIXES, TorchFile, read_inventory
 from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, reading_plan
 from optim_repair.progress import Meter, Reporter
 from optim_repair.records.inventory import CheckpointInventory, FileInventory, Skipped, WeightMap
+from optim_repair.records.steps import step_number
+from optim_repair.storage.claim import MARKER
+from optim_repair.storage.names import S3Url, parse_url
+from optim_repair.storage.objects import StoredObject
 from optim_repair.storage.ranged import RangedObject
-from optim_repair.storage.s3 import S3Store, S3Url, StoredObject, parse_url
+from optim_repair.storage.s3 import S3Store
 
 TAIL = 256 << 10
 """What the first GET of a torch file reads from its end: the end records and a central directory of about three
@@ -193,11 +197,8 @@ class RemoteCheckpoint:
 
     def download(self, into: Path, progress: Callable[[int], None]) -> None:
         """Every object into the new directory ``into`` (for a torch file: into that file), ``WORKERS`` at a time,
-        each checked against the CRC32 the store keeps of it; ``progress`` hears of each object's bytes."""
-        for name in self.listing:
-            parts = PurePosixPath(name).parts
-            if name.startswith("/") or any(part in ("", ".", "..") for part in parts):
-                raise InputError("names a path outside its prefix; it is not downloaded", path=self.url.named(name))
+        each checked against the CRC32 the store keeps of it; ``progress`` hears of each object's bytes. Each name
+        was checked where it was listed (``S3Store.listing``): none leads outside ``into``."""
 
         def fetch(name: str) -> int:
             target = into / name if name else into
@@ -251,6 +252,40 @@ class RemoteCheckpoint:
                 raise UsageError(reason, path=name or str(self.url))
         source = name or str(self.url)
         return read_inventory(Path(name or self.url.key), name, source, keep=keep, opener=opener)
+
+
+def latest_step(text: str, *, profile: str | None, endpoint_url: str | None) -> str:
+    """The newest complete step under the prefix ``text`` (``s3://bucket/run/``), as a URL: as locally, a step
+    whose DCP checkpoints lack their ``.metadata``, or that holds nothing, is passed over, and so is one a repair
+    is still writing (it holds a claim's marker)."""
+    url = parse_url(text)
+    store = S3Store(url.bucket, profile=profile, endpoint_url=endpoint_url)
+    steps: dict[str, list[tuple[str, StoredObject]]] = {}
+    for name, stored in store.listing(url.prefix).items():
+        step, _, inside = name.partition("/")
+        steps.setdefault(step, []).append((inside, stored))
+    numbered = sorted(
+        (number, step) for step, held in steps.items() if (number := step_number(step)) is not None and _complete(held)
+    )
+    if not numbered:
+        reason = "holds no complete checkpoint step (checkpoint-N, step-N, global_stepN or epoch=E-step=S.ckpt)"
+        raise InputError(reason, path=str(url))
+    step = numbered[-1][1]
+    whole = url.named(step)
+    return whole if not any(inside for inside, _ in steps[step]) else f"{whole}/"
+
+
+def _complete(held: Sequence[tuple[str, StoredObject]]) -> bool:
+    """Whether a step's objects (by their names inside it; ``""``: the step is one object) are written to the
+    end: a non-empty object, or objects among which no DCP checkpoint lacks its ``.metadata`` and no claim's
+    marker lies."""
+    if any(inside == "" for inside, _ in held):
+        return all(stored.size > 0 for _, stored in held)
+    names = {inside for inside, _ in held}
+    if any(PurePosixPath(name).name == MARKER for name in names):
+        return False
+    folders = {PurePosixPath(name).parent for name in names if name.endswith(SHARD_SUFFIX)}
+    return all((folder / METADATA_FILE).as_posix().removeprefix("./") in names for folder in folders)
 
 
 @contextlib.contextmanager

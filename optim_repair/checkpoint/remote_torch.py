@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -22,61 +23,76 @@ from optim_repair.errors import Remedy, UsageError, VerificationError
 from optim_repair.formats.pickle_writing import dump_graph
 from optim_repair.formats.pickled import load_graph
 from optim_repair.formats.ranges import Joined
-from optim_repair.formats.torchfile.splice import splice
+from optim_repair.formats.torchfile.splice import Splice, splice
 from optim_repair.formats.torchfile.verifier import verify_torch_file
 from optim_repair.formats.torchfile.writer import edited_root
 from optim_repair.formats.torchfile.zipformat import ZipTorchFile
 from optim_repair.records.verification import Verification
 from optim_repair.storage.compose import compose
+from optim_repair.storage.objects import Copied
 from optim_repair.storage.s3 import S3Store
 
 _CHUNK = 8 << 20
 
 
-def spliced_copy(
-    remote: RemoteCheckpoint, name: str, planned: PlannedTorchFile, target: tuple[S3Store, str], scratch: Path,
-    *, read_back: bool,
-) -> Verification:  # fmt: skip
-    """Write the repaired copy of the torch file ``name`` of ``remote`` as the new object ``target`` (its store and
-    key), proven as the module says; ``scratch`` is a new local file for its head and tail."""
+@dataclass(frozen=True)
+class PreparedSplice:
+    """A torch file's repaired copy, spliced and proven, not yet written: its new head and tail (in a local
+    scratch file) around the original's kept range, and the proof of the whole."""
+
+    remote: RemoteCheckpoint
+    name: str
+    made: Splice
+    scratch: Path
+    proven: Verification
+
+    def joined(self) -> BinaryIO:
+        """The spliced file: the new head, the original's kept range (read by ranges), the new tail."""
+        made, original = self.made, self.remote.opener(self.name)
+        parts = [(self.scratch.open("rb"), 0, made.head), (original(), made.start, made.end - made.start)]
+        return io.BufferedReader(Joined([*parts, (self.scratch.open("rb"), made.tail_at, made.tail)]))
+
+    def write(self, store: S3Store, new_key: str, *, read_back: bool) -> Copied:
+        """Compose it as the new object ``new_key`` of ``store`` and prove it there, as the module says."""
+        made, remote = self.made, self.remote
+        key, stored = remote.url.object(self.name) if self.name else remote.url.key, remote.listing[self.name]
+        with self.scratch.open("rb") as stream:
+            head = stream.read(made.head)
+            stream.seek(made.tail_at)
+            tail = stream.read(made.tail)
+        composed = compose(store, new_key, head, (remote.store, key, stored), (made.start, made.end), tail,
+                           remote.store.checksum(key).crc32)  # fmt: skip
+        where = store.where(new_key)
+        if read_back:
+            _read_back(store, new_key, self.joined, where)
+        elif composed.expected is None or composed.written.crc32 is None:
+            remedy = Remedy("verify", "download", note=", to read it back")
+            raise VerificationError("the store gives no CRC32 to prove the spliced copy by", path=where, remedy=remedy)
+        elif composed.written.crc32 != composed.expected:
+            raise VerificationError("its CRC32 is not the one its parts give", path=where)
+        return composed.written
+
+
+def prepare_splice(remote: RemoteCheckpoint, name: str, planned: PlannedTorchFile, scratch: Path) -> PreparedSplice:
+    """Splice the repaired copy of the torch file ``name`` of ``remote`` and prove it, before anything is written
+    to the store; ``scratch`` is a new local file for its head and tail. A repair that drops state is refused."""
     torch_file, source = planned.original, planned.source
     assert isinstance(torch_file, ZipTorchFile)  # a store's legacy-format files are not read
     root, created = edited_root(torch_file, planned.additions, planned.changes)
     data = dump_graph(root)
     if set(torch_file.graph.storages) - set(load_graph(data, source, ours=True).storages):
         raise UsageError(f"{source}: dropping state from a torch file in a store is done into a local copy")
-    key, stored = remote.url.object(name) if name else remote.url.key, remote.listing[name]
     original = remote.opener(name)  # what reading fetched of it is not fetched again
     with original() as stream, zipfile.ZipFile(stream) as archive:
         directory_at = archive.start_dir
     with scratch.open("w+b") as written:
         made = splice(torch_file, directory_at, data, created, written.fileno(), source)
-
-    def copy() -> BinaryIO:
-        parts = [(scratch.open("rb"), 0, made.head), (original(), made.start, made.end - made.start)]
-        return io.BufferedReader(Joined([*parts, (scratch.open("rb"), made.tail_at, made.tail)]))  # whole reads
-
+    prepared = PreparedSplice(remote, name, made, scratch, Verification(0, 0))
     proven = verify_torch_file(
         Path(source), Path(source), source, planned.additions, changes=planned.changes, parsed=torch_file,
-        openers=(original, copy), kept=(made.start, made.end, made.moved),
+        openers=(original, prepared.joined), kept=(made.start, made.end, made.moved),
     )  # fmt: skip
-    with scratch.open("rb") as stream:
-        head = stream.read(made.head)
-        stream.seek(made.tail_at)
-        tail = stream.read(made.tail)
-    store, new_key = target
-    composed = compose(store, new_key, head, (remote.store, key, stored), (made.start, made.end), tail,
-                       remote.store.checksum(key).crc32)  # fmt: skip
-    where = store.where(new_key)
-    if read_back:
-        _read_back(store, new_key, copy, where)
-        return proven
-    if composed.expected is None or composed.crc32 is None:
-        remedy = Remedy("verify", "download", note=", to read it back")
-        raise VerificationError("the store gives no CRC32 to prove the spliced copy by", path=where, remedy=remedy)
-    if composed.crc32 != composed.expected:
-        raise VerificationError("its CRC32 is not the one its parts give", path=where)
-    return proven
+    return replace(prepared, proven=proven)
 
 
 def _read_back(store: S3Store, key: str, copy: Callable[[], BinaryIO], where: str) -> None:

@@ -31,8 +31,9 @@ from optim_repair.cli.boundary import (
     writes_to,
 )
 from optim_repair.decisions.optimizers import OPTIMIZERS
-from optim_repair.errors import ClosedPipe, ExitCode, Stopped, UsageError
-from optim_repair.storage.s3 import is_s3
+from optim_repair.errors import ClosedPipe, ExitCode, Stopped
+from optim_repair.storage.names import is_s3
+from optim_repair.version import versions
 
 app = typer.Typer(
     cls=Group,
@@ -47,7 +48,7 @@ app = typer.Typer(
 
 def _version(value: bool) -> None:
     if value:
-        found = api.versions()
+        found = versions()
         typer.echo(f"optim-repair {found.optim_repair} (torch {found.torch or 'not installed'})")
         raise typer.Exit()
 
@@ -61,13 +62,13 @@ def _main(
     """Find and repair missing optimizer state in PyTorch checkpoints, without touching the original."""
 
 
-def _step(checkpoint: str, latest: bool, screen: render.Screen) -> str | Path:
+def _step(
+    checkpoint: str, latest: bool, screen: render.Screen, profile: str | None, endpoint_url: str | None
+) -> str | Path:
     """The checkpoint a command works on: ``checkpoint``, or with ``--latest`` its run's newest complete step."""
     if not latest:
         return checkpoint if is_s3(checkpoint) else Path(checkpoint)
-    if is_s3(checkpoint):
-        raise UsageError("--latest finds steps of local run directories only; name the step's prefix")
-    step = api.latest_checkpoint(checkpoint)
+    step = api.latest_checkpoint(checkpoint, profile=profile, endpoint_url=endpoint_url)
     on_stderr(render.message_printer(screen))(f"newest complete step: {step}")
     return step
 
@@ -115,8 +116,8 @@ def inspect(
 
     def command() -> int:
         diagnosis = api.inspect(
-            _step(checkpoint, latest, screen), strict=strict, model=model, dereference=dereference,
-            profile=profile, endpoint_url=endpoint_url,
+            _step(checkpoint, latest, screen, profile, endpoint_url), strict=strict, model=model,
+            dereference=dereference, profile=profile, endpoint_url=endpoint_url,
         )  # fmt: skip
         with writes_to("stdout"):
             if json:
@@ -236,7 +237,7 @@ def fix(
     filled = FILLS[fill] if fill is not None else None
 
     def command() -> int:
-        step = _step(checkpoint, latest, screen)
+        step = _step(checkpoint, latest, screen, profile, endpoint_url)
         changes = api.model_changes(
             rename=[rename_pair(text) for text in rename or ()],
             drop=drop or (),
@@ -255,6 +256,8 @@ def fix(
                 dereference=dereference,
                 reset_phantom_step=reset_phantom_step,
                 operations=changes,
+                profile=profile,
+                endpoint_url=endpoint_url,
             )
             with writes_to("stdout"):
                 if json:

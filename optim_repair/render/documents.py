@@ -10,13 +10,14 @@ import sys
 from collections.abc import Iterable
 from typing import TypedDict
 
-from optim_repair.api import DryRun, FixResult, versions
+from optim_repair.api import DryRun, FixResult
 from optim_repair.decisions.comparison import ModelComparison
 from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis
 from optim_repair.decisions.notices import Notice
 from optim_repair.records.inventory import ParamKey
 from optim_repair.records.traffic import Traffic
 from optim_repair.records.verification import Verification
+from optim_repair.version import versions
 
 SCHEMA_VERSION = 2
 
@@ -149,7 +150,7 @@ class FixDoc(PlannedDoc):
 class DryRunDoc(PlannedDoc):
     dry_run: bool
     bytes_to_write: int
-    free_bytes: int
+    free_bytes: int | None
 
 
 def _notice_docs(notices: Iterable[Notice]) -> list[NoticeDoc]:

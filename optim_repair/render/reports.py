@@ -366,9 +366,12 @@ def print_dry_run(planned: DryRun, screen: Screen) -> None:
     _print_changes(console, planned.plan)
     _print_additions(console, planned.diagnosis, planned.plan)
     _print_fill_notes(console, planned.diagnosis, planned.plan)
+    sizes = f"would write about {_human_bytes(planned.bytes_to_write)}"
+    if planned.free_bytes is None:
+        _print_line(console, Shown(f"{sizes} into the store"), indent=0)
+        return
     room = ("enough room", "") if planned.bytes_to_write <= planned.free_bytes else ("not enough room", "bold red")
-    sizes = f"would write about {_human_bytes(planned.bytes_to_write)}; {_human_bytes(planned.free_bytes)} free there: "
-    _print_line(console, Shown.assemble(sizes, room), indent=0)
+    _print_line(console, Shown.assemble(f"{sizes}; {_human_bytes(planned.free_bytes)} free there: ", room), indent=0)
 
 
 def print_demo(report: DemoReport, screen: Screen, *, kept: bool) -> None:

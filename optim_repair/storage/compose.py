@@ -13,8 +13,9 @@ import base64
 import zlib
 from dataclasses import dataclass
 
-from optim_repair.storage import crc
-from optim_repair.storage.s3 import COPY_PART, S3Store, StoredObject
+from optim_repair.storage import crc, s3_writes
+from optim_repair.storage.objects import Copied, StoredObject, encoded_crc32
+from optim_repair.storage.s3 import S3Store
 
 MIN_PART = 5 << 20
 """The smallest part S3 takes, but for the last."""
@@ -22,15 +23,11 @@ MIN_PART = 5 << 20
 
 @dataclass(frozen=True)
 class Composed:
-    """What the store holds: its CRC-32 of the new object (None without one), and the one it must have (None
-    where the original has none to derive it from)."""
+    """What the store says of the new object (its CRC-32, None without one, and its ETag), and the CRC-32 it must
+    have (None where the original has none to derive it from)."""
 
-    crc32: str | None
+    written: Copied
     expected: str | None
-
-
-def _encoded(value: int) -> str:
-    return base64.b64encode(value.to_bytes(4, "big")).decode()
 
 
 def _decoded(value: str | None) -> int | None:
@@ -53,7 +50,7 @@ def compose(
     first = max(MIN_PART - len(head), 0)
     if end - start < first + MIN_PART:  # too little to copy in a part of its own: all of it is uploaded
         body = head + holder.get_range(source, stored, start, end) + tail
-        return Composed(store.put_bytes(key, body).crc32, _encoded(zlib.crc32(body)))
+        return Composed(s3_writes.put_bytes(store, key, body), encoded_crc32(zlib.crc32(body)))
     before = holder.get_range(source, stored, 0, start + first)
     after = holder.get_range(source, stored, end, stored.size)
     opening = head + before[start:]
@@ -63,14 +60,15 @@ def compose(
     if whole is not None:
         middle = crc.middle(whole, zlib.crc32(before), zlib.crc32(after), copied[1] - copied[0], len(after))
         joined = crc.combine(zlib.crc32(opening), middle, copied[1] - copied[0])
-        expected = _encoded(crc.combine(joined, zlib.crc32(tail), len(tail)))
-    cuts = list(range(copied[0], copied[1], COPY_PART))[1:]
+        expected = encoded_crc32(crc.combine(joined, zlib.crc32(tail), len(tail)))
+    cuts = list(range(copied[0], copied[1], s3_writes.COPY_PART))[1:]
     if cuts and copied[1] - cuts[-1] < MIN_PART:
         cuts.pop()  # the last piece joins the one before it: no copied part under MIN_PART
     ranges = list(zip([copied[0], *cuts], [*cuts, copied[1]], strict=True))
-    answer = store.multipart(
+    written = s3_writes.multipart(
+        store,
         key,
         [("bytes", opening), *(("copy", (holder.bucket, source, stored, a, b)) for a, b in ranges), ("bytes", tail)],
         expected,
     )
-    return Composed(answer.get("ChecksumCRC32") or store.checksum(key).crc32, expected)
+    return Composed(written, expected)

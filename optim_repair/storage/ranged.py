@@ -12,7 +12,8 @@ import io
 from collections.abc import Sequence
 from typing import Any
 
-from optim_repair.storage.s3 import S3Store, StoredObject
+from optim_repair.storage.objects import StoredObject
+from optim_repair.storage.s3 import S3Store
 
 READAHEAD = 8 << 10
 """What a read that nothing prefetched fetches beyond what it asks for."""

@@ -23,7 +23,7 @@ from optim_repair import api
 from optim_repair.errors import ObjectExists, OutputError, UsageError
 from optim_repair.formats.dcp import METADATA_FILE
 from optim_repair.render import fix_document, inspect_document
-from optim_repair.storage import s3
+from optim_repair.storage import claim, s3, s3_writes
 from tests.conftest import run_cli
 from tests.factories import dcp as dk
 from tests.factories import s3server, trainers
@@ -123,14 +123,15 @@ def test_a_killed_fix_never_leaves_a_loadable_prefix_and_the_next_run_cleans_up(
 ) -> None:
     bucket, _ = stored
     command = [sys.executable, "-m", "optim_repair", "fix", f"s3://{bucket}/{PREFIX}", "--out"]
+    environment = {**os.environ, claim.LEASE_VARIABLE: "1"}  # a killed run's claim lapses after a second
     started = time.monotonic()
-    subprocess.run([*command, f"s3://{bucket}/timed/"], check=True, capture_output=True, env=os.environ)
+    subprocess.run([*command, f"s3://{bucket}/timed/"], check=True, capture_output=True, env=environment)
     whole = time.monotonic() - started
     chance = random.Random(19)
     for trial in range(20):
         out = f"killed-{trial}/"
         running = subprocess.Popen(
-            [*command, f"s3://{bucket}/{out}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            [*command, f"s3://{bucket}/{out}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environment
         )
         time.sleep(chance.uniform(0.2, whole))
         running.send_signal(signal.SIGKILL if trial % 2 else signal.SIGTERM)
@@ -142,7 +143,9 @@ def test_a_killed_fix_never_leaves_a_loadable_prefix_and_the_next_run_cleans_up(
         if left:
             assert not _loadable(s3server.download(server, bucket, out, tmp_path / f"left-{trial}"))
             assert running.returncode == -signal.SIGKILL, left  # a SIGTERM deletes what it wrote
-        again = subprocess.run([*command, f"s3://{bucket}/{out}"], capture_output=True, text=True, env=os.environ)
+            assert claim.MARKER in left
+            time.sleep(2.1)  # its lease lapses
+        again = subprocess.run([*command, f"s3://{bucket}/{out}"], capture_output=True, text=True, env=environment)
         assert again.returncode == 0, again.stderr
         assert ("a stopped run left" in again.stderr) == bool(left)
         assert _loadable(s3server.download(server, bucket, out, tmp_path / f"again-{trial}"))
@@ -173,9 +176,10 @@ def test_a_local_checkpoint_is_repaired_into_a_store(
     assert fix_document(result)["verification"]["proof"].endswith("each object checked by S3 CRC32 on receipt")
     assert result.traffic is not None and result.traffic.read == 0 and result.traffic.copied == 0
     names = {path.name for path in built.path.iterdir()}
-    assert server.requests(bucket)[-2:] == [
-        f"PUT /{bucket}/uploaded/{METADATA_FILE}",  # the commit, after every shard
-        f"POST /{bucket}?delete",  # then the marker is deleted
+    assert server.requests(bucket)[-3:] == [
+        f"PUT /{bucket}/uploaded/{claim.MARKER}",  # the claim renewed
+        f"PUT /{bucket}/uploaded/{METADATA_FILE}",  # then the commit, after every shard
+        f"DELETE /{bucket}/uploaded/{claim.MARKER}",  # then the marker is deleted
     ]
     assert s3server.keys(server, bucket, "uploaded/") == names | {"__optim_repair_0.distcp"}
     assert {path.name for path in built.path.parent.iterdir()} == {built.path.name}  # the staged copy is gone
@@ -207,7 +211,7 @@ def test_large_objects_are_copied_and_uploaded_in_parts(
     smallest part, so that a 12 MiB shard takes three."""
     model = torch.nn.ModuleDict({"used": torch.nn.Linear(1800, 1800), "unused": torch.nn.Linear(4, 4)})
     for name, value in (("COPY_LIMIT", 5 << 20), ("COPY_PART", 5 << 20), ("PUT_LIMIT", 5 << 20), ("PUT_PART", 5 << 20)):
-        monkeypatch.setattr(s3, name, value)
+        monkeypatch.setattr(s3_writes, name, value)
     optimizer = torch.optim.AdamW(model.parameters())
     model["used"](torch.randn(2, 1800)).sum().backward()
     optimizer.step()
@@ -236,13 +240,14 @@ def test_a_stopped_copy_between_a_store_and_a_disk_leaves_nothing_loadable(
 ) -> None:
     bucket, built = stored
     chance = random.Random(direction)
+    environment = {**os.environ, claim.LEASE_VARIABLE: "1"}  # a killed run's claim lapses after a second
     for trial in range(6):
         if direction == "upload":
             source, out = str(built.path), f"s3://{bucket}/up-{trial}/"
         else:
             source, out = f"s3://{bucket}/{PREFIX}", str(tmp_path / f"down-{trial}")
         command = [sys.executable, "-m", "optim_repair", "fix", source, "--out", out]
-        running = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        running = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environment)
         time.sleep(chance.uniform(0.3, 2.0))
         running.send_signal(signal.SIGKILL if trial % 2 else signal.SIGTERM)
         running.wait()
@@ -257,9 +262,11 @@ def test_a_stopped_copy_between_a_store_and_a_disk_leaves_nothing_loadable(
                 assert _loadable(Path(out))
         if running.returncode == -signal.SIGTERM or running.returncode == 128 + signal.SIGTERM:
             beside = built.path.parent if direction == "upload" else tmp_path
-            assert not [path for path in beside.iterdir() if ".optim-repair-tmp-" in path.name]  # nothing left
+            name = built.path.name if direction == "upload" else f"down-{trial}"
+            assert not [path for path in beside.iterdir() if f"{name}.optim-repair-tmp-" in path.name]  # none left
         if not whole:
-            again = subprocess.run(command, capture_output=True, text=True)
+            time.sleep(2.1)  # the claim of a killed run lapses
+            again = subprocess.run(command, capture_output=True, text=True, env=environment)
             assert again.returncode == 0, again.stderr
 
 
@@ -342,6 +349,6 @@ def test_a_write_that_finds_an_object_there_is_exit_5_and_deletes_nothing(
     store = s3.S3Store(bucket)
     with pytest.raises(ObjectExists, match="exists: another writer put an object there first") as raised:
         metadata = built.path / METADATA_FILE
-        store.put_file(f"{PREFIX}{METADATA_FILE}", metadata, metadata.stat().st_size)
+        s3_writes.put_file(store, f"{PREFIX}{METADATA_FILE}", metadata, metadata.stat().st_size)
     assert raised.value.exit_code == 5 and raised.value.code == "exists"
     assert s3server.keys(server, bucket, PREFIX) == {path.name for path in built.path.iterdir()}

@@ -1,0 +1,87 @@
+"""A store's answers, judged before they are believed.
+
+A body is read against its length and a deadline, a ranged answer against the range asked, and a refusal is
+turned into the error a user is shown.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+from optim_repair.errors import InputError, ObjectExists, OptimRepairError, OutputError
+from optim_repair.storage.names import redacted
+
+CHANGED = "changed while being read (is a run still saving it?)"
+GRACE_SECONDS = 30.0
+FLOOR_BYTES_PER_SECOND = 64 << 10
+"""A body that, past the grace, has come slower than the floor on average is given up: botocore's own timeout is
+per socket read, so a store that drips a byte a second would be waited for forever."""
+_RECEIVE = 1 << 20
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+
+
+def receive(body: Any, length: int, sink: Callable[[bytes], None], where: str) -> int:
+    """Pass ``body`` (a botocore streaming body) to ``sink`` as it arrives, one socket read at a time, refusing
+    more than ``length`` bytes or, past ``GRACE_SECONDS``, a pace under ``FLOOR_BYTES_PER_SECOND``; return how
+    many bytes came (fewer: the answer was cut off). Transport errors pass through, for the caller to name."""
+    raw = getattr(body, "_raw_stream", body)
+    read = getattr(raw, "read1", raw.read)  # one socket read at a time, so that a drip is seen as one
+    started, received = time.monotonic(), 0
+    with body:
+        while chunk := read(min(_RECEIVE, length + 1 - received)):
+            received += len(chunk)
+            if received > length:
+                raise InputError(f"answered with more than the {length:,} bytes asked for", path=where)
+            elapsed = time.monotonic() - started
+            if elapsed > GRACE_SECONDS and received < FLOOR_BYTES_PER_SECOND * elapsed:
+                raise InputError(f"answers too slowly ({received:,} bytes in {elapsed:.0f} s)", path=where)
+            sink(chunk)
+            if received == length:
+                break
+    return received
+
+
+def cut(received: int, expected: int) -> str:
+    return f"the store's answer was cut off after {received:,} of {expected:,} bytes"
+
+
+def check_range(answer: dict[str, Any], asked: tuple[int, int, int] | None, where: str) -> int:
+    """The object's size, from the Content-Range of a 206 answer; anything else than the range ``asked`` (first
+    and last byte, and the size; None: a range at the end) is refused before its body is read."""
+    status = answer.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    matched = _CONTENT_RANGE.fullmatch(str(answer.get("ContentRange", "")))
+    if status != 206 or matched is None:
+        answer["Body"].close()
+        raise InputError(f"answered a read by range with its whole body (HTTP {status}, not 206)", path=where)
+    first, last, size = (int(value) for value in matched.groups())
+    if (asked is not None and (first, last, size) != asked) or last < first or last >= size:
+        answer["Body"].close()
+        raise InputError(f"answered a read of another range than was asked ({matched[0]})", path=where)
+    return size
+
+
+_DENIED = {"AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccountProblem"}
+
+
+def failure(response: dict[str, Any], where: str, writing: bool) -> OptimRepairError:
+    """The error of a request the store refused: denied is exit 4, naming bucket and key; a write that would
+    replace an object (412, 409) is exit 5; a read of an object replaced since it was listed says so."""
+    error, status = response.get("Error", {}), response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    code, message = str(error.get("Code", status)), str(error.get("Message", "")).rstrip(".")
+    if code in _DENIED or status == 403:
+        return InputError(f"access denied ({code})", path=where)
+    if code == "NoSuchBucket":
+        return InputError("no such bucket", path=where)
+    if code in ("NoSuchKey", "404", "NotFound"):
+        return InputError("no such object (was it deleted meanwhile?)", path=where)
+    if status in (409, 412) and writing:
+        return ObjectExists("exists: another writer put an object there first", path=where)
+    if status == 412:
+        return InputError(CHANGED, path=where)
+    if code == "NoSuchUpload":
+        return InputError("no such upload (completed or aborted meanwhile)", path=where)
+    kind = OutputError if writing else InputError
+    return kind(f"the store refused the request ({code}: {redacted(message)})", path=where)

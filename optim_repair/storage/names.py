@@ -1,0 +1,95 @@
+"""Where objects are: ``s3://`` URLs, endpoints, and the names a listing gives.
+
+An endpoint is never shown with its credentials, and each listed name is checked where it is listed, so that no
+store's name is ever joined onto a local path unchecked.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from optim_repair.errors import InputError, UsageError
+
+SCHEME = "s3://"
+NAME_LIMIT = 1024
+"""The longest key S3 stores, in bytes: a longer name in a listing is a store's lie."""
+_USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
+
+
+@dataclass(frozen=True)
+class S3Url:
+    """An object or a prefix in a bucket."""
+
+    bucket: str
+    key: str
+
+    def __str__(self) -> str:
+        return f"{SCHEME}{self.bucket}/{self.key}"
+
+    @property
+    def prefix(self) -> str:
+        """The key as a prefix of the objects under it (``step-1000/``; ``""`` for the whole bucket)."""
+        return self.key if not self.key or self.key.endswith("/") else f"{self.key}/"
+
+    def object(self, relative: str) -> str:
+        """The key of the object ``relative`` under this prefix."""
+        return f"{self.prefix}{relative}"
+
+    def named(self, relative: str) -> str:
+        """``relative`` under this prefix, as a URL for messages."""
+        return f"{SCHEME}{self.bucket}/{self.object(relative)}"
+
+
+def is_s3(text: object) -> bool:
+    """Whether a checkpoint argument names object storage."""
+    return isinstance(text, str) and text.startswith(SCHEME)
+
+
+def parse_url(text: str) -> S3Url:
+    bucket, _, key = text[len(SCHEME) :].partition("/")
+    if not bucket:
+        raise UsageError(f"{text} names no bucket (s3://BUCKET/PREFIX/)")
+    return S3Url(bucket, key)
+
+
+def redacted(text: str) -> str:
+    """``text`` with the user information of every URL in it (``http://KEY:SECRET@host``) left out."""
+    return _USERINFO.sub("", text)
+
+
+def checked_endpoint(endpoint_url: str | None) -> str | None:
+    """``endpoint_url`` as botocore takes it; a malformed one, or one that holds credentials (botocore signs with
+    the AWS ones, never with these), is a ``UsageError`` that shows it without them."""
+    if endpoint_url is None:
+        return None
+    shown = redacted(endpoint_url)
+    try:
+        parts = urllib.parse.urlsplit(endpoint_url)
+        parts.port  # noqa: B018 (raises ValueError for a port out of range or not a number)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(f"{shown} is not an endpoint URL (http://HOST[:PORT][/PATH] or https://...)")
+    if parts.username is not None or parts.password is not None:
+        raise UsageError(
+            f"{shown}: an endpoint URL holds no credentials (requests are signed with the AWS keys: the "
+            "environment, a profile or an SSO login)"
+        )
+    return endpoint_url
+
+
+def checked_name(name: str, where: Callable[[str], str]) -> str:
+    """``name``, an object's key relative to the prefix listed, when it names a path inside that prefix: no empty,
+    ``.`` or ``..`` segment, no leading ``/``, no longer than a key can be. A store may list ``run//home/u/x`` or
+    ``run/../../x`` (S3 accepts both), which joined onto a local directory would name a path outside it: such a key
+    is refused (exit 4, naming it), wherever it was to go."""
+    parts = name.split("/")
+    if not name or any(part in ("", ".", "..") for part in parts) or len(name.encode()) > NAME_LIMIT:
+        raise InputError(
+            "names a path outside its prefix (an empty, '.' or '..' segment, or a leading '/'); it is refused",
+            path=where(name),
+        )
+    return name

@@ -1,0 +1,55 @@
+"""What a store says of an object.
+
+Its size and version tag as listed, what a write gave back, a small object read whole, and CRC-32 values as S3
+writes them.
+"""
+
+from __future__ import annotations
+
+import base64
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """An object as a listing gave it."""
+
+    size: int
+    etag: str
+
+
+@dataclass(frozen=True)
+class Small:
+    """A small object read whole (a marker): its bytes, its ETag, the run that wrote it (None when no run of
+    optim-repair did), and how long ago it was last written, by the store's clock (None when it does not say)."""
+
+    data: bytes
+    etag: str
+    run: str | None
+    age: float | None
+
+
+@dataclass(frozen=True)
+class Copied:
+    """What the store says of an object after writing it: its CRC32 (when it computed one) and ETag."""
+
+    crc32: str | None
+    etag: str
+
+
+def crc32_of(path: Path) -> str:
+    """A file's CRC32, as S3 writes it (base64 of the big-endian value)."""
+    value = 0
+    with path.open("rb") as stream:
+        while chunk := stream.read(_CHUNK):
+            value = zlib.crc32(chunk, value)
+    return encoded_crc32(value)
+
+
+def encoded_crc32(value: int) -> str:
+    """A CRC32 as S3 writes it (base64 of the big-endian value)."""
+    return base64.b64encode(value.to_bytes(4, "big")).decode()
