@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -32,3 +33,23 @@ def test_every_module_says_what_it_is(module: Path) -> None:
     assert docstring, f"{module.name} has no docstring"
     assert docstring.splitlines()[0].endswith((".", ":")), "the first line is a sentence"
     assert len(module.read_text().splitlines()) <= 420, "a module this long holds more than one concern"
+
+
+def test_only_the_storage_layer_reaches_the_s3_client() -> None:
+    """boto3 is imported by name at run time (an optional extra), which import contracts do not see: no module
+    outside ``storage/`` names it."""
+    naming = [
+        module.relative_to(PACKAGE).as_posix()
+        for module in MODULES
+        if module.parent.name != "storage" and ("boto3" in module.read_text() or "botocore" in module.read_text())
+    ]
+    assert naming == []
+
+
+def test_every_module_the_design_names_exists() -> None:
+    """docs/design.md draws the house: each path it names (``storage/s3.py``, ``tests/...``) is one."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    named = set(re.findall(r"`((?:[\w.]+/)+[\w.]+\.py)`", text))
+    assert len(named) > 20
+    missing = [name for name in sorted(named) if not ((PACKAGE / name).exists() or (ROOT / name).exists())]
+    assert missing == []
