@@ -12,12 +12,13 @@ from typing import Literal
 from optim_repair.checkpoint import remote_reading, remote_writing
 from optim_repair.checkpoint.discovery import Discovery, discover, latest_step
 from optim_repair.checkpoint.planning import FinishedPlan, finish_plan
-from optim_repair.checkpoint.reading import Parsed, read_model_weights, read_parsed
+from optim_repair.checkpoint.reading import read_model_weights, read_parsed
 from optim_repair.checkpoint.staging import taken_back_on_failure
 from optim_repair.checkpoint.writing import free_space, space_needed, write_copy
 from optim_repair.decisions.diagnose import Diagnosis, diagnose
 from optim_repair.decisions.repair import plan_repair
 from optim_repair.errors import InputError, Remedy, UsageError
+from optim_repair.formats.planned import Parsed
 from optim_repair.progress import Notice, Progress, Reporter, ignore, silent
 from optim_repair.records.inventory import CheckpointInventory, WeightMap
 from optim_repair.records.repair_plan import Addition, Fill, PlanFill, RepairPlan

@@ -53,3 +53,12 @@ def test_every_module_the_design_names_exists() -> None:
     assert len(named) > 20
     missing = [name for name in sorted(named) if not ((PACKAGE / name).exists() or (ROOT / name).exists())]
     assert missing == []
+
+
+def test_every_format_that_holds_optimizers_has_its_adapter() -> None:
+    """A format is a package with an ``adapter.py``, and the registry plans each role through one."""
+    from optim_repair.formats.registry import ADAPTERS
+
+    homes = {plan.__module__ for plan in ADAPTERS.values()}
+    assert homes == {"optim_repair.formats.torchfile.adapter", "optim_repair.formats.dcp.adapter"}
+    assert all((PACKAGE / "formats" / name / "adapter.py").is_file() for name in ("torchfile", "dcp"))

@@ -24,19 +24,14 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from optim_repair.errors import InputError, os_error_reason
 from optim_repair.formats.dcp import METADATA_FILE, SHARD_SUFFIX, is_dcp_directory
 from optim_repair.formats.inputs import kind_of
+from optim_repair.formats.registry import Role, role_of
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX
 from optim_repair.formats.torchfile import TORCH_SUFFIXES
 from optim_repair.records.steps import step_number
-
-Role = Literal["torch", "safetensors", "dcp", "file", "directory", "special"]
-"""``torch``: may hold optimizers; ``safetensors``: model weights; ``dcp``: a DCP checkpoint directory;
-``file``: anything else, copied as it is (every member of a DCP checkpoint); ``directory``: a directory
-to recreate; ``special``: a FIFO, socket or device, which is never opened."""
 
 
 @dataclass(frozen=True)
@@ -130,13 +125,6 @@ def signature(path: Path) -> Signature:
 
 def relative(path: Path, root: Path) -> str:
     return "" if path == root else path.relative_to(root).as_posix()
-
-
-def _file_role(name: str) -> Role:
-    suffix = Path(name).suffix
-    if suffix == SAFETENSORS_SUFFIX:
-        return "safetensors"
-    return "torch" if suffix in TORCH_SUFFIXES else "file"
 
 
 def _link_target(path: str | Path) -> tuple[os.stat_result | None, str]:
@@ -296,7 +284,7 @@ def _file_entry(path: str, rel: str, root: Path, dcp: str | None, real_root: Pat
         raise InputError("vanished while being read", path=_short(root / rel)) from exc
     except OSError as exc:
         raise InputError(f"cannot read ({os_error_reason(exc)})", path=_short(root / rel)) from exc
-    role: Role = "file" if dcp is not None else _file_role(rel.rpartition("/")[2])
+    role: Role = "file" if dcp is not None else role_of(rel.rpartition("/")[2])
     if reach is not None:
         if stat.S_ISLNK(status.st_mode):
             target, kind = _link_target(path)

@@ -2,7 +2,7 @@
 
 ``fix`` finishes it before it creates the temporary copy; ``fix --dry-run`` and ``optim_repair.plan``
 finish it too, so that they refuse exactly what ``fix`` would refuse, DCP's key plan included. Each file
-is planned by the adapter of its role (``adapters.ADAPTERS``).
+is planned by the adapter of its role (``formats.registry.ADAPTERS``).
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from optim_repair.checkpoint.adapters import ADAPTERS, PlannedFile
-from optim_repair.checkpoint.discovery import Role
-from optim_repair.checkpoint.reading import Parsed
+from optim_repair.formats.planned import Parsed, PlannedFile
+from optim_repair.formats.registry import ADAPTERS, Role
 from optim_repair.records.inventory import CheckpointInventory
 from optim_repair.records.repair_plan import RepairPlan
 

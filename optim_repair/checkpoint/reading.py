@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Literal
@@ -12,23 +11,14 @@ from typing import Literal
 from optim_repair.checkpoint.discovery import Discovery, Entry, discover, model_only
 from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError
 from optim_repair.formats.dcp import DcpMetadata, read_dcp
-from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX, read_weights
+from optim_repair.formats.planned import Parsed
+from optim_repair.formats.registry import role_of
+from optim_repair.formats.safetensors import read_weights
 from optim_repair.formats.torchfile import TorchFile, read_inventory
 from optim_repair.records.inventory import CheckpointInventory, FileInventory, Skipped, WeightMap
 
 NO_OPTIMIZER = "holds no optimizer state (no dict with 'state' and 'param_groups')"
 """Why a torch file given as the checkpoint is none: it holds neither optimizer state nor model weights."""
-
-
-@dataclass(frozen=True)
-class Parsed:
-    """What reading parsed, returned with the inventory so that planning and writing need not parse it again.
-    Nothing changes it: the writers build what they write anew."""
-
-    torch_files: Mapping[str, TorchFile] = field(default_factory=dict)
-    """The torch files that hold optimizers, by path relative to the argument."""
-    dcp: Mapping[str, DcpMetadata] = field(default_factory=dict)
-    """The metadata of each DCP checkpoint, by its directory relative to the argument."""
 
 
 def read_parsed(found: Discovery, *, keep: bool = True) -> tuple[CheckpointInventory, Parsed]:
@@ -162,7 +152,7 @@ def read_model_weights(path: Path) -> tuple[WeightMap, ...]:
     if path.is_dir():
         return _model_directory(discover(path))
     target = Path(os.path.realpath(path))  # the argument is the one link that is followed
-    if path.suffix == SAFETENSORS_SUFFIX:
+    if role_of(path.name) == "safetensors":
         return (read_weights(target, str(path)),)
     inventory = read_inventory(target, str(path), str(path))
     if not inventory.weights:

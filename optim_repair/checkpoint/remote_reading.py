@@ -22,7 +22,7 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Literal, cast
 
 from optim_repair.checkpoint.discovery import model_only
-from optim_repair.checkpoint.reading import NO_OPTIMIZER, Parsed, check_found, read_torch_file
+from optim_repair.checkpoint.reading import NO_OPTIMIZER, check_found, read_torch_file
 from optim_repair.checkpoint.staging import remove_stale, temporary_sibling
 from optim_repair.checkpoint.writing import free_space
 from optim_repair.errors import (
@@ -35,8 +35,10 @@ from optim_repair.errors import (
     os_error_reason,
 )
 from optim_repair.formats.dcp import METADATA_FILE, SHARD_SUFFIX, DcpMetadata, read_dcp
-from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX, read_weights
-from optim_repair.formats.torchfile import TORCH_SUFFIXES, TorchFile, read_inventory
+from optim_repair.formats.planned import Parsed
+from optim_repair.formats.registry import is_dcp_metadata, role_of
+from optim_repair.formats.safetensors import read_weights
+from optim_repair.formats.torchfile import TorchFile, read_inventory
 from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, reading_plan
 from optim_repair.progress import Meter, Reporter
 from optim_repair.records.inventory import CheckpointInventory, FileInventory, Skipped, WeightMap
@@ -84,14 +86,6 @@ def members(listing: Mapping[str, StoredObject], rel: str) -> dict[str, StoredOb
     return {name[len(rel) + 1 :]: stored for name, stored in listing.items() if name.startswith(f"{rel}/")}
 
 
-def is_metadata(name: str) -> bool:
-    return PurePosixPath(name).name == METADATA_FILE
-
-
-def is_torch_file(name: str) -> bool:
-    return PurePosixPath(name).suffix in TORCH_SUFFIXES
-
-
 @dataclass
 class RemoteCheckpoint:
     """A checkpoint in a store: one torch file, or a prefix and what one listing found under it; and a local
@@ -118,7 +112,7 @@ class RemoteCheckpoint:
         kept: dict[str, DcpMetadata] = {}
         torch_files: dict[str, TorchFile] = {}
         if self.is_file:
-            if self.url.key.endswith(SAFETENSORS_SUFFIX):
+            if role_of(self.url.key) == "safetensors":
                 raise InputError(model_only(Path(self.url.key), []), path=str(self.url))
             file = self._torch_file("", torch_files)
             if not file.optimizers:
@@ -132,12 +126,12 @@ class RemoteCheckpoint:
         for name in self.listing:
             if "" in self.dcp or name.startswith(inside):
                 continue
-            if name.endswith(SAFETENSORS_SUFFIX):
+            if role_of(name) == "safetensors":
                 try:
                     weights.append(read_weights(Path(name), name, opener=self.opener(name, [(0, TAIL)])))
                 except InputError as exc:
                     skipped.append(Skipped(name, exc.reason))
-            if not is_torch_file(name):
+            if role_of(name) != "torch":
                 continue
             try:
                 read_torch_file(partial(self._torch_file, name, torch_files), name, str(self.url), files, skipped)
@@ -152,7 +146,7 @@ class RemoteCheckpoint:
         """The model weights it holds (``--model``), found as in a local model file or directory: safetensors
         headers, torch files of weights, DCP checkpoints."""
         if self.is_file:
-            if self.url.key.endswith(SAFETENSORS_SUFFIX):
+            if role_of(self.url.key) == "safetensors":
                 return (read_weights(Path(self.url.key), str(self.url), opener=self.opener("", [(0, TAIL)])),)
             found = self._torch_file("", {}).weights
         else:
@@ -161,9 +155,9 @@ class RemoteCheckpoint:
             for name in self.listing:
                 if "" in self.dcp or name.startswith(inside):
                     continue
-                if name.endswith(SAFETENSORS_SUFFIX):
+                if role_of(name) == "safetensors":
                     found += (read_weights(Path(name), name, opener=self.opener(name, [(0, TAIL)])),)
-                elif is_torch_file(name):
+                elif role_of(name) == "torch":
                     with contextlib.suppress(UnsafeInputError, NotATorchFile, UsageError):  # no weights there
                         found += self._torch_file(name, {}).weights
         if not found:
@@ -295,7 +289,7 @@ def opened(text: str, *, profile: str | None, endpoint_url: str | None) -> Itera
     url = parse_url(text)
     store = S3Store(url.bucket, profile=profile, endpoint_url=endpoint_url)
     fetched: dict[str, list[tuple[int, bytes]]] = {}
-    if is_torch_file(url.key) or url.key.endswith(SAFETENSORS_SUFFIX):
+    if role_of(url.key) in ("torch", "safetensors"):
         stored, tail = store.tail(url.key, TAIL)  # its size, ETag and end in one request
         listing, fetched[""] = {"": stored}, [(stored.size - len(tail), tail)]
         dcp: tuple[str, ...] = ()
@@ -303,7 +297,7 @@ def opened(text: str, *, profile: str | None, endpoint_url: str | None) -> Itera
         listing = store.listing(url.prefix)
         if not listing:
             raise InputError("holds no objects", path=str(url))
-        parents = (PurePosixPath(name).parent.as_posix() for name in listing if is_metadata(name))
+        parents = (PurePosixPath(name).parent.as_posix() for name in listing if is_dcp_metadata(name))
         dcp = tuple(sorted("" if parent == "." else parent for parent in parents))
     with tempfile.TemporaryDirectory(prefix="optim-repair-remote-") as mirror:
         yield RemoteCheckpoint(url, store, listing, dcp, Path(mirror), fetched)

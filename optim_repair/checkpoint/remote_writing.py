@@ -8,7 +8,9 @@ objects without ``force``) is refused before the output is touched. The run clai
 ending signal it deletes what it wrote, and what a run stopped harder (SIGKILL, a lost machine) left is removed
 by the next run once its lease has lapsed. Copies are proven by the store's CRC32 of the whole object (or its
 MD5 ETag) against the original's; what this run uploads is checked against the CRC32 the store computed on
-receipt.
+receipt. A torch file is spliced (``PlannedTorchFile.splice``, proven before a byte is written) and composed
+inside the store (``storage.compose``): its CRC-32, derived from the original's, proves the kept bytes
+unchanged, or ``read_back`` reads them back.
 """
 
 from __future__ import annotations
@@ -19,23 +21,29 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
-from optim_repair.checkpoint.adapters import PlannedDcp, PlannedTorchFile
 from optim_repair.checkpoint.planning import FinishedPlan
-from optim_repair.checkpoint.remote_reading import RemoteCheckpoint, is_metadata, members
-from optim_repair.checkpoint.remote_torch import PreparedSplice, prepare_splice
+from optim_repair.checkpoint.remote_reading import RemoteCheckpoint, members
 from optim_repair.errors import InputError, OutputError, Remedy, UsageError, VerificationError
+from optim_repair.formats.dcp.adapter import PlannedDcp
 from optim_repair.formats.dcp.verifier import verify_planned_dcp
 from optim_repair.formats.dcp.writer import write_planned_dcp
+from optim_repair.formats.registry import is_dcp_metadata
+from optim_repair.formats.torchfile.adapter import PlannedTorchFile, Spliced
 from optim_repair.progress import Meter, Reporter
 from optim_repair.records.traffic import Traffic
 from optim_repair.records.verification import Verification
 from optim_repair.storage import s3_writes
 from optim_repair.storage.answers import CHANGED
 from optim_repair.storage.claim import MARKER, Claim, claimed, marker_key
+from optim_repair.storage.compose import compose
 from optim_repair.storage.names import S3Url, parse_url
 from optim_repair.storage.objects import Copied, StoredObject, crc32_of
 from optim_repair.storage.s3 import S3Store
+
+_CHUNK = 8 << 20
+"""What a read-back compares at a time."""
 
 
 def _refused_early(store: S3Store, url: S3Url, force: bool) -> None:
@@ -107,13 +115,15 @@ def _write_file(
     key = url.object(PurePosixPath(remote.url.key).name) if url.key.endswith("/") or not url.key else url.key
     planned = finished.files[""]
     assert isinstance(planned, PlannedTorchFile)  # the adapter of a torch file
-    prepared = prepare_splice(remote, "", planned, staging / "spliced")
+    prepared = planned.splice(remote.opener(""), staging / "spliced")
     _refuse_object(target, key, force)
     with claimed(target, marker_key(key), [key], reporter.notice) as claim:
         _abort_left_uploads(target, key, reporter.notice)
         if _refuse_object(target, key, force):
             s3_writes.delete(target, [key])
-        claim.commit(lambda: claim.writing(key, lambda: prepared.write(target, key, read_back=read_back)))
+        claim.commit(
+            lambda: claim.writing(key, lambda: _write_spliced(remote, "", prepared, target, key, read_back=read_back))
+        )
     return replace(prepared.proven, proof="read back" if read_back else "S3 CRC32")
 
 
@@ -140,7 +150,7 @@ def _write_prefix(
     ``.metadata`` last."""
     verification, staged = _stage(remote, finished, staging / "copy")
     spliced = {
-        name: prepare_splice(remote, name, planned, staging / f"spliced-{index}")
+        name: planned.splice(remote.opener(name), staging / f"spliced-{index}")
         for index, (name, planned) in enumerate(finished.files.items())
         if isinstance(planned, PlannedTorchFile) and planned.changes_anything
     }
@@ -163,7 +173,7 @@ def _copy_all(
     url: S3Url,
     claim: Claim,
     copies: Sequence[tuple[str, StoredObject]],
-    spliced: Mapping[str, PreparedSplice],
+    spliced: Mapping[str, Spliced],
     staged: Mapping[str, Path],
     read_back: bool,
     reporter: Reporter,
@@ -186,7 +196,7 @@ def _copy_all(
             meter.writing(size)
     for name, prepared in spliced.items():
         key = url.object(name)
-        claim.writing(key, partial(prepared.write, target, key, read_back=read_back))
+        claim.writing(key, partial(_write_spliced, remote, name, prepared, target, key, read_back=read_back))
         proofs.add("read back" if read_back else "S3 CRC32")
         meter.writing(remote.listing[name].size)
     _upload(target, url, claim, staged, meter)
@@ -205,12 +215,12 @@ def _upload(store: S3Store, url: S3Url, claim: Claim, files: Mapping[str, Path],
             raise VerificationError("the store holds other bytes than were sent", path=url.named(name))
         return path.stat().st_size
 
-    names = sorted(files, key=is_metadata)
-    with contextlib.closing(store.each(put, [name for name in names if not is_metadata(name)])) as done:
+    names = sorted(files, key=is_dcp_metadata)
+    with contextlib.closing(store.each(put, [name for name in names if not is_dcp_metadata(name)])) as done:
         for size in done:
             meter.writing(size)
     for name in names:
-        if is_metadata(name):
+        if is_dcp_metadata(name):
             meter.writing(claim.commit(partial(put, name)))
 
 
@@ -290,3 +300,39 @@ def _prove(
         path=where,
         remedy=Remedy("verify", "download", note=", to read it back"),
     )
+
+
+def _write_spliced(
+    remote: RemoteCheckpoint, name: str, spliced: Spliced, store: S3Store, new_key: str, *, read_back: bool
+) -> Copied:
+    """Compose the spliced copy of the torch file ``name`` of ``remote`` as the new object ``new_key`` of ``store``:
+    its new head and tail around the original's kept range, copied inside the store (``storage.compose``). Its
+    CRC-32, derived from the original's, proves the kept bytes unchanged; ``read_back`` reads them back instead."""
+    made = spliced.made
+    key, stored = remote.url.object(name) if name else remote.url.key, remote.listing[name]
+    head, tail = spliced.head_and_tail()
+    composed = compose(store, new_key, head, (remote.store, key, stored), (made.start, made.end), tail,
+                       remote.store.checksum(key).crc32)  # fmt: skip
+    where = store.where(new_key)
+    if read_back:
+        _read_back(store, new_key, spliced.joined, where)
+    elif composed.expected is None or composed.written.crc32 is None:
+        remedy = Remedy("verify", "download", note=", to read it back")
+        raise VerificationError("the store gives no CRC32 to prove the spliced copy by", path=where, remedy=remedy)
+    elif composed.written.crc32 != composed.expected:
+        raise VerificationError("its CRC32 is not the one its parts give", path=where)
+    return composed.written
+
+
+def _read_back(store: S3Store, key: str, copy: Callable[[], BinaryIO], where: str) -> None:
+    """The new object, read back in chunks, holds the bytes of the joined file ``copy`` opens."""
+    stored = store.head(key)
+    with copy() as expected:
+        size = expected.seek(0, 2)
+        if stored.size != size:
+            raise VerificationError(f"holds {stored.size} bytes, not {size}", path=where)
+        expected.seek(0)
+        for start in range(0, size, _CHUNK):
+            end = min(start + _CHUNK, size)
+            if store.get_range(key, stored, start, end) != expected.read(end - start):
+                raise VerificationError("its bytes are not those of the spliced copy", path=where)

@@ -17,10 +17,11 @@ import torch
 from torch.distributed.checkpoint import save
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from optim_repair.checkpoint import adapters
 from optim_repair.errors import ExitCode
+from optim_repair.formats.dcp import adapter as dcp_adapter
 from optim_repair.formats.dcp import plan_dcp
 from optim_repair.formats.dcp.planning import PlannedEntries
+from optim_repair.formats.torchfile import adapter as torch_adapter
 from optim_repair.formats.torchfile import open_torch_file
 from optim_repair.records.repair_plan import Addition, FreshTensor, ParamChange
 from tests.conftest import run_cli
@@ -45,13 +46,13 @@ def _unfrozen_head(tmp_path: Path) -> Path:
 
 def _plant(monkeypatch: pytest.MonkeyPatch, wrong: Callable[[Plan], Plan]) -> None:
     """Make the torch-file writer write ``wrong(plan)`` instead of the plan ``fix`` made and verifies."""
-    real = adapters.write_torch_file
+    real = torch_adapter.write_torch_file
 
     def planted(src: Path, source: str, additions: Sequence[Addition], dest: Path, **options: Any) -> None:
         planted_additions, planted_changes = wrong((tuple(additions), tuple(options.pop("changes", ()))))
         real(src, source, planted_additions, dest, changes=planted_changes, **options)
 
-    monkeypatch.setattr(adapters, "write_torch_file", planted)
+    monkeypatch.setattr(torch_adapter, "write_torch_file", planted)
 
 
 def _refused(path: Path, out: Path, *extra: str) -> str:
@@ -113,7 +114,7 @@ def test_a_torch_file_writer_that_makes_a_wrong_edit_is_caught(
 
 def test_a_changed_byte_in_a_torch_file_copy_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = _unfrozen_head(tmp_path)
-    real = adapters.write_torch_file
+    real = torch_adapter.write_torch_file
 
     def flipping(src: Path, source: str, additions: Sequence[Addition], dest: Path, **options: Any) -> None:
         real(src, source, additions, dest, **options)
@@ -121,7 +122,7 @@ def test_a_changed_byte_in_a_torch_file_copy_is_caught(tmp_path: Path, monkeypat
         offset, _ = copy.storage_range(next(iter(copy.graph.storages)))
         flip_byte(dest, offset)
 
-    monkeypatch.setattr(adapters, "write_torch_file", flipping)
+    monkeypatch.setattr(torch_adapter, "write_torch_file", flipping)
     stderr = _refused(path, tmp_path / "fixed.pt", "--add-from-model")
     assert "the bytes of storage" in stderr
 
@@ -162,7 +163,7 @@ def test_a_dcp_writer_that_makes_a_wrong_edit_is_caught(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wrong: Callable[[Plan], Plan], message: str
 ) -> None:
     path = _frozen_head_dcp(tmp_path)
-    real = adapters.write_planned_dcp
+    real = dcp_adapter.write_planned_dcp
 
     def planted(src: Path, planned: PlannedEntries, dest: Path, **options: Any) -> None:
         additions, changes = wrong((tuple(_additions_of(planned)), ()))
@@ -173,7 +174,7 @@ def test_a_dcp_writer_that_makes_a_wrong_edit_is_caught(
         groups = {("optim",): [[*planned.rekeyed.params.get("optim.param_groups.0.params", [])]]}
         real(src, plan_dcp(planned.original, "planted", additions, changes, groups), dest, **options)
 
-    monkeypatch.setattr(adapters, "write_planned_dcp", planted)
+    monkeypatch.setattr(dcp_adapter, "write_planned_dcp", planted)
     stderr = _refused(path, tmp_path / "fixed", "--add-from-model")
     assert message in stderr
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import optim_repair
-from optim_repair.checkpoint import adapters
 from optim_repair.errors import InputError, OutputError, RepairRefused, VerificationError
+from optim_repair.formats.torchfile import adapter as torch_adapter
 from tests.factories import dcp as dk
 from tests.factories import defects, trainers
 from tests.factories.built import Built
@@ -110,14 +110,14 @@ def test_out_in_a_missing_directory_is_refused(root: Path, tmp_path: Path) -> No
 def test_a_verification_mismatch_removes_the_copy(root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fault injection in our own writer (never in torch): corrupt the written bytes before verification."""
     built = trainers.unirl_torch(root)
-    real = adapters.write_torch_file
+    real = torch_adapter.write_torch_file
 
     def corrupting(src: Path, source: str, additions: Any, dest: Path, **options: Any) -> Any:
         original = real(src, source, additions, dest, **options)
         flip_byte(dest, max(offset for offset, _ in storage_ranges(dest).values()))
         return original
 
-    monkeypatch.setattr(adapters, "write_torch_file", corrupting)
+    monkeypatch.setattr(torch_adapter, "write_torch_file", corrupting)
     out = tmp_path / "out"
     message = r"checkpoint\.pt: the bytes of storage .* changed; the copy was removed"
     with pytest.raises(VerificationError, match=message):
