@@ -13,7 +13,7 @@ from optim_repair.checkpoint import remote_reading, remote_writing
 from optim_repair.checkpoint.discovery import Discovery, discover, latest_step
 from optim_repair.checkpoint.planning import FinishedPlan, finish_plan
 from optim_repair.checkpoint.reading import read_model_weights, read_parsed
-from optim_repair.checkpoint.staging import taken_back_on_failure
+from optim_repair.checkpoint.staging import remove_stale, taken_back_on_failure, temporary_sibling
 from optim_repair.checkpoint.writing import free_space, space_needed, write_copy
 from optim_repair.decisions.diagnose import Diagnosis, diagnose
 from optim_repair.decisions.repair import plan_repair
@@ -237,14 +237,17 @@ def _fixed_uploaded(
     remote: RemoteOptions,
     reporter: Reporter,
 ) -> FixResult:
-    """``fix`` of a local checkpoint into a store: repaired into a private temporary directory (unchanged files
-    hard-linked where it shares the checkpoint's file system, not synced), proven there, then uploaded
-    (``remote_writing.upload_copy``). The checkpoint's own directory is never written to."""
+    """``fix`` of a local checkpoint into a store: repaired into a temporary directory under ``TMPDIR`` (unchanged
+    files hard-linked where it shares the checkpoint's file system, not synced; locked while the run lives, and
+    removed by the next run after a kill), proven there, then uploaded (``remote_writing.upload_copy``). The
+    checkpoint's own directory is never written to."""
     read = _read(checkpoint, dereference)
     finished = _finished(read.diagnosis, read.found.target, read.parsed, request, weights)
     key = _upload_key(read.found, out)
-    with tempfile.TemporaryDirectory(prefix="optim-repair-upload-") as tmp:
-        staged = Path(tmp) / read.found.root.name
+    private = Path(tempfile.gettempdir()) / "optim-repair-upload"  # the stand-in its temporaries are named for
+    remove_stale(private, reporter.notice)  # what a killed upload left
+    with temporary_sibling(private, directory=True) as tmp:
+        staged = tmp / read.found.root.name
         link = os.stat(tmp).st_dev == os.stat(read.found.target).st_dev
         with taken_back_on_failure():  # the staged copy is this run's own, never a copy the user was given
             verification = write_copy(read.found, finished, staged, CopyRequest(link=link, sync=False), reporter)

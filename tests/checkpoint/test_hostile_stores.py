@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -317,3 +318,21 @@ def test_a_local_checkpoint_is_uploaded_without_writing_beside_it(
     assert str(built.path.parent) not in result.stderr.replace(str(built.path), "")
     assert sorted(os.listdir(built.path.parent)) == beside and sorted(os.listdir(built.path)) == inside
     assert METADATA_FILE in s3server.keys(server, bucket, "uploaded/")
+
+
+def test_a_killed_uploads_temporary_is_removed_by_the_next_run(
+    server: s3server.Server, stored: tuple[str, Built], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staged copy of an upload lives under TMPDIR, locked while its run lives; one left by a killed run (no
+    lock, older than the staleness) is removed by the next upload, which says so."""
+    bucket, built = stored
+    private = tmp_path / "tmpdir"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    left = private / ".optim-repair-upload.optim-repair-tmp-0badc0de"
+    (left / "checkpoint-3").mkdir(parents=True)
+    os.utime(left, (time.time() - 60, time.time() - 60))
+    notices: list[str] = []
+    api.fix(built.path, f"s3://{bucket}/uploaded/", notice=notices.append)
+    assert f"removed {left}, a temporary copy left by a run that was killed" in notices
+    assert list(private.iterdir()) == []
