@@ -103,8 +103,9 @@ def check_found(files: list[FileInventory], skipped: list[Skipped], root: str, l
     """Refuse a checkpoint directory in which no file holds an optimizer (but DeepSpeed's ZeRO state)."""
     zero = any(skip.kind == "deepspeed-zero" for skip in skipped)
     if not any(file.optimizers for file in files) and not zero:
-        unwalked = f"; {len(linked)} linked director(ies) not followed: --dereference follows them" if linked else ""
-        raise InputError(f"no optimizer state found in any file ({len(skipped)} file(s) skipped{unwalked})", path=root)
+        unwalked = f"; {len(linked)} linked director(ies) not followed: {{argument}} follows them" if linked else ""
+        reason = f"no optimizer state found in any file ({len(skipped)} file(s) skipped{unwalked})"
+        raise InputError(reason, path=root, argument="dereference" if linked else None)
 
 
 def _read_directory(

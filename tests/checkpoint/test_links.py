@@ -158,8 +158,10 @@ def test_a_linked_directory_is_not_walked_unless_dereferenced(tmp_path: Path) ->
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "linked").symlink_to(run / "checkpoint-3")
-    with pytest.raises(InputError, match=r"1 linked director\(ies\) not followed: --dereference follows them"):
+    with pytest.raises(InputError, match=r"1 linked director\(ies\) not followed: dereference follows them\)$"):
         optim_repair.inspect(elsewhere)
+    refused = run_cli(["inspect", elsewhere], code=4)
+    assert "1 linked director(ies) not followed: --dereference follows them)" in refused.stderr
     assert optim_repair.inspect(elsewhere, dereference=True).verdict == "healthy"
 
 
