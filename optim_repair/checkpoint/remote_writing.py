@@ -63,8 +63,8 @@ def _refuse_existing(store: S3Store, url: S3Url, force: bool, *, ignore: str) ->
     return existing
 
 
-def _abort_left_uploads(store: S3Store, prefix: str, notice: Callable[[str], None]) -> None:
-    aborted = s3_writes.abort_uploads(store, prefix)
+def _abort_left_uploads(store: S3Store, prefix: str, notice: Callable[[str], None], *, exact: bool = False) -> None:
+    aborted = s3_writes.abort_uploads(store, prefix, exact=exact)
     if aborted:
         notice(f"aborted {aborted} unfinished uploads a stopped run left at {store.where(prefix)}")
 
@@ -118,7 +118,7 @@ def _write_file(
     prepared = planned.splice(remote.opener(""), staging / "spliced")
     _refuse_object(target, key, force)
     with claimed(target, marker_key(key), [key], reporter.notice) as claim:
-        _abort_left_uploads(target, key, reporter.notice)
+        _abort_left_uploads(target, key, reporter.notice, exact=True)
         if _refuse_object(target, key, force):
             s3_writes.delete(target, [key])
         claim.commit(
@@ -234,7 +234,7 @@ def upload_copy(
     if copy.is_file():
         _refuse_object(store, url.key, force)
         with claimed(store, marker_key(url.key), [url.key], reporter.notice) as claim:
-            _abort_left_uploads(store, url.key, reporter.notice)
+            _abort_left_uploads(store, url.key, reporter.notice, exact=True)
             if _refuse_object(store, url.key, force):
                 s3_writes.delete(store, [url.key])
             answer = claim.commit(

@@ -174,18 +174,23 @@ def _copy(store: S3Store, bucket: str, source: str, stored: StoredObject, target
     return _written(store, target, copy)
 
 
-def abort_uploads(store: S3Store, prefix: str) -> int:
-    """Abort every multipart upload begun under ``prefix`` and never completed (a killed run's: invisible,
-    but stored and billed until aborted); return how many. Only for a run that holds the prefix's claim."""
+def abort_uploads(store: S3Store, prefix: str, *, exact: bool = False) -> int:
+    """Abort every multipart upload begun under ``prefix`` (with ``exact``, to that key alone) and never completed
+    (a killed run's: invisible, but stored and billed until aborted); return how many. Only for a run that holds
+    the claim on that prefix or key."""
     uploads = store.request("list_multipart_uploads", prefix, Prefix=prefix).get("Uploads", ())
+    aborted = 0
     for upload in uploads:
         key = upload.get("Key", "")
         if not (isinstance(key, str) and key.startswith(prefix)):
             raise InputError(
                 f"listed an upload to {shown_name(str(key))}, which is not under it", path=store.where(prefix)
             )
+        if exact and key != prefix:
+            continue  # another object's upload (optimizer.pth beside optimizer.pt): not this claim's
         store.request("abort_multipart_upload", key, writing=True, Key=key, UploadId=upload["UploadId"])
-    return len(uploads)
+        aborted += 1
+    return aborted
 
 
 def delete_own(store: S3Store, key: str, etag: str) -> None:

@@ -336,3 +336,22 @@ def test_a_killed_uploads_temporary_is_removed_by_the_next_run(
     api.fix(built.path, f"s3://{bucket}/uploaded/", notice=notices.append)
     assert f"removed {left}, a temporary copy left by a run that was killed" in notices
     assert list(private.iterdir()) == []
+
+
+def test_a_single_objects_claim_aborts_only_that_objects_unfinished_uploads(
+    server: s3server.Server, tmp_path: Path
+) -> None:
+    """A killed run's upload to the output key is aborted; another object's beside it, whose name the key begins
+    (``optimizer.pth`` beside ``optimizer.pt``: maybe a live run's), is not this claim's and stays."""
+    path = _spliceable(tmp_path)
+    bucket = s3server.new_bucket(server)
+    client = server.client()
+    uploads = {key: client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+               for key in ("single/optimizer.pt", "single/optimizer.pth")}  # fmt: skip
+    notices: list[str] = []
+    api.fix(path, f"s3://{bucket}/single/optimizer.pt", notice=notices.append)
+    assert f"aborted 1 unfinished uploads a stopped run left at s3://{bucket}/single/optimizer.pt" in notices
+    left = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+    assert [(upload["Key"], upload["UploadId"]) for upload in left] == [
+        ("single/optimizer.pth", uploads["single/optimizer.pth"])
+    ]
