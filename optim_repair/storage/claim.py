@@ -215,8 +215,11 @@ def clear_stopped(store: S3Store, marker: str, found: Small, notice: Callable[[s
         )
     if found.age is None or found.age < lease:
         raise _busy(store, marker, found)
+    scope = marker.removesuffix(MARKER)  # the prefix claimed, or the one key
     owned = []
     for key in planned:
+        if key != scope and not (scope.endswith("/") and key.startswith(scope)):
+            continue  # a marker names only keys of what it claimed: any other is no business of this cleanup
         owner = store.owner(key)
         if owner is not None and owner[0] == run:
             owned.append((key, owner[1].etag))

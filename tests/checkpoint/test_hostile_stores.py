@@ -355,3 +355,21 @@ def test_a_single_objects_claim_aborts_only_that_objects_unfinished_uploads(
     assert [(upload["Key"], upload["UploadId"]) for upload in left] == [
         ("single/optimizer.pth", uploads["single/optimizer.pth"])
     ]
+
+
+def test_a_stopped_runs_marker_cannot_name_keys_outside_what_it_claimed(
+    server: s3server.Server, stored: tuple[str, Built], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A marker is an object anyone with write access may have put: the keys it lists are cleaned up only inside
+    the prefix it claims, even where they carry its run's id."""
+    bucket, _ = stored
+    store = s3.S3Store(bucket)
+    monkeypatch.setenv(claim.LEASE_VARIABLE, "1")
+    held = claim.Claim(store, f"fixed/{claim.MARKER}", ["fixed/a", "elsewhere/b"])
+    held.take(lambda _: None)
+    held.writing("fixed/a", lambda: s3_writes.put_bytes(store, "fixed/a", b"inside"))
+    held.writing("elsewhere/b", lambda: s3_writes.put_bytes(store, "elsewhere/b", b"outside"))
+    held._stop_renewing()
+    time.sleep(2.1)
+    run_cli(["fix", f"s3://{bucket}/{PREFIX}", "--out", f"s3://{bucket}/fixed/"])
+    assert "b" in s3server.keys(server, bucket, "elsewhere/") and "a" not in s3server.keys(server, bucket, "fixed/")
