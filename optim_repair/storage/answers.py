@@ -49,9 +49,17 @@ def cut(received: int, expected: int) -> str:
 
 
 def check_range(answer: dict[str, Any], asked: tuple[int, int, int] | None, where: str) -> int:
-    """The object's size, from the Content-Range of a 206 answer; anything else than the range ``asked`` (first
-    and last byte, and the size; None: a range at the end) is refused before its body is read."""
+    """The object's size, from the Content-Range of a 206 answer (or a 200 giving the whole object, where that is
+    the range ``asked``); anything else than the range ``asked`` (first and last byte, and the size; None: a range
+    at the end) is refused before its body is read."""
     status = answer.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if (
+        status == 200
+        and asked is not None
+        and asked[:2] == (0, asked[2] - 1)
+        and answer.get("ContentLength") == asked[2]
+    ):
+        return asked[2]  # the range asked was the whole object, and a 200 may give it so
     matched = _CONTENT_RANGE.fullmatch(str(answer.get("ContentRange", "")))
     if status != 206 or matched is None:
         answer["Body"].close()

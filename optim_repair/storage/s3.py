@@ -250,8 +250,9 @@ class S3Store:
         which later reads name."""
         answer = self.request("get_object", key, Key=key, Range=f"bytes=-{length}")
         status = answer.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        empty = status == 200 and answer.get("ContentLength") == 0  # an empty object has no range to give
-        total = 0 if empty else check_range(answer, None, self.where(key))
+        given = answer.get("ContentLength")
+        whole = status == 200 and isinstance(given, int) and 0 <= given <= length  # all of it: what was asked
+        total = given if whole else check_range(answer, None, self.where(key))
         stored = StoredObject(total, answer["ETag"])
         expected = min(length, total)
         if answer.get("ContentLength") != expected:

@@ -23,7 +23,7 @@ from optim_repair.formats.dcp import METADATA_FILE
 from optim_repair.storage import answers, claim, s3, s3_writes
 from tests.conftest import run_cli
 from tests.factories import dcp as dk
-from tests.factories import faulty_store, s3server
+from tests.factories import faulty_store, s3server, trainers
 from tests.factories.built import Built
 from tests.factories.faulty_store import Fault
 from tests.factories.s3server import PREFIX
@@ -373,3 +373,16 @@ def test_a_stopped_runs_marker_cannot_name_keys_outside_what_it_claimed(
     time.sleep(2.1)
     run_cli(["fix", f"s3://{bucket}/{PREFIX}", "--out", f"s3://{bucket}/fixed/"])
     assert "b" in s3server.keys(server, bucket, "elsewhere/") and "a" not in s3server.keys(server, bucket, "fixed/")
+
+
+def test_a_whole_object_for_a_range_that_is_the_whole_object_is_accepted(
+    faulty: faulty_store.FaultyProxy, server: s3server.Server, tmp_path: Path
+) -> None:
+    """A server may answer a range with 200 and the whole body (RFC 9110): where the range asked was the whole
+    object, that is what was asked, and a torch file smaller than the tail read is read so."""
+    built = trainers.hf_trainer(tmp_path / "in")
+    bucket = s3server.new_bucket(server)
+    s3server.upload(server, built.path, bucket, "run/")
+    faulty.arm(Fault("ignore-range"))
+    diagnosis = api.inspect(f"s3://{bucket}/run/optimizer.pt", endpoint_url=faulty.endpoint)
+    assert diagnosis.verdict in ("healthy", "repairable") and faulty.hits["ignore-range"] >= 1
