@@ -60,7 +60,9 @@ def read_weights(path: Path, source: str, *, opener: Callable[[], BinaryIO] | No
     """The tensors a safetensors file describes, from its JSON header alone (read from ``path``, or from what
     ``opener`` opens: an object in a store)."""
     header, data_size = _parsed_header(path, source, opener)
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", {})
+    if not (isinstance(metadata, dict) and all(isinstance(value, str) for value in metadata.values())):
+        raise InputError("not a safetensors file (its __metadata__ is no map of strings)", path=source)
     tensors = []
     for name in list(header):
         info = header.pop(name)  # each entry is let go once described: the header is not held twice

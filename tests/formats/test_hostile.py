@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from optim_repair.errors import InputError
+from optim_repair.formats.safetensors import read_weights
 from tests.conftest import run_cli
 from tests.factories import dcp as dk
 from tests.factories import defects, hostile, trainers
@@ -242,6 +244,26 @@ def test_a_safetensors_header_is_refused_when_deep_or_larger_than_its_bytes(tmp_
     header = json.dumps({"head_unused.weight": {"dtype": "F32", "shape": [1 << 31, 4], "data_offsets": [0, 16]}})
     weights.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(16))
     assert "does not fit its bytes" in refused("fix", built.path, "--out", tmp_path / "b", *model)
+
+
+def test_a_safetensors_header_whose_metadata_is_no_map_of_strings_is_refused_as_the_library_refuses_it(
+    tmp_path: Path,
+) -> None:
+    """The safetensors library refuses ``"__metadata__": []`` ("invalid type: sequence, expected a map"): a file it
+    cannot load gives no shapes here either (found by fuzz --s3, where a store's reading and a disk's disagreed)."""
+    import safetensors.torch
+    import torch
+
+    weights = tmp_path / "model.safetensors"
+    for metadata in ([], {"format": 1}):
+        header = json.dumps({"__metadata__": metadata, "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})
+        weights.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(8))
+        with pytest.raises(Exception):  # noqa: B017 (the library's own error type is not public)
+            safetensors.torch.load_file(weights)
+        with pytest.raises(InputError, match=r"not a safetensors file \(its __metadata__ is no map of strings\)"):
+            read_weights(weights, "model.safetensors")
+    safetensors.torch.save_file({"w": torch.zeros(2)}, weights, metadata={"format": "pt"})
+    assert read_weights(weights, "model.safetensors").tensors
 
 
 def test_a_safetensors_header_of_too_many_entries_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
