@@ -64,18 +64,22 @@ class RemoteShards:
         """``members``: the objects of the DCP checkpoint at ``rel`` under the prefix ``url``, by their names there."""
         self._store, self._url, self._rel, self._members = store, url, rel, members
 
-    def _stored(self, relative: str, where: str) -> StoredObject:
-        stored = self._members.get(relative)
+    def _stored(self, relative: str, where: str) -> tuple[str, StoredObject]:
+        """The object a shard name (checked by the reader: inside the checkpoint) names, and its name there. The
+        name is read as a path is on a disk, where torch's own reader finds the shard (``__0_0.distcp/`` and
+        ``./__0_0.distcp`` are ``__0_0.distcp``)."""
+        name = PurePosixPath(relative).as_posix()
+        stored = self._members.get(name)
         if stored is None:
             raise InputError("cannot read (no such object)", path=where)
-        return stored
+        return name, stored
 
     def size(self, relative: str, where: str) -> int:
-        return self._stored(relative, where).size
+        return self._stored(relative, where)[1].size
 
     def read(self, relative: str, ranges: Sequence[tuple[int, int]], where: str) -> Iterator[bytes]:
-        stored = self._stored(relative, where)
-        key = self._url.object(f"{self._rel}/{relative}" if self._rel else relative)
+        name, stored = self._stored(relative, where)
+        key = self._url.object(f"{self._rel}/{name}" if self._rel else name)
         return iter(self._store.ranges(key, stored, ranges))
 
 
