@@ -16,7 +16,7 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Literal, cast
@@ -105,6 +105,9 @@ class RemoteCheckpoint:
     fetched: dict[str, list[tuple[int, bytes]]]
     """What was fetched of each file read by ranges, by its name: every reader of it (inspect's, the proof of a
     repair) shares it, so nothing is fetched twice."""
+    neighbours: Mapping[str, StoredObject] = field(default_factory=dict)
+    """For a torch file: the safetensors objects beside it, by their keys (HF's ``model.safetensors``), read for
+    parameter shapes as a local file's neighbours are."""
 
     @property
     def is_file(self) -> bool:
@@ -122,7 +125,8 @@ class RemoteCheckpoint:
             if not file.optimizers:
                 reason = model_only(Path(self.url.key), []) if file.weights else NO_OPTIMIZER
                 raise InputError(reason, path=str(self.url))
-            return CheckpointInventory(str(self.url), "torch", False, (file,)), Parsed(torch_files)
+            inventory = CheckpointInventory(str(self.url), "torch", False, (file,), weights=self._weights_beside())
+            return inventory, Parsed(torch_files)
         files = [self._dcp(rel, kept if keep else None) for rel in self.dcp]
         skipped: list[Skipped] = []
         weights: list[WeightMap] = []
@@ -145,6 +149,19 @@ class RemoteCheckpoint:
         fmt: Literal["torch", "dcp"] = "dcp" if self.dcp and all(file.format == "dcp" for file in files) else "torch"
         inventory = CheckpointInventory(str(self.url), fmt, True, tuple(files), tuple(skipped), tuple(weights))
         return inventory, Parsed(torch_files, kept)
+
+    def _weights_beside(self) -> tuple[WeightMap, ...]:
+        """Parameter shapes from the safetensors objects beside a torch file; a damaged one is passed over, as on a
+        disk (only a source of shapes, no reason to refuse the file)."""
+        weights = []
+        for key, stored in sorted(self.neighbours.items()):
+            opened = RangedObject(self.store, key, stored)
+            opened.prefetch([(0, TAIL)], gap=0)
+            try:
+                weights.append(read_weights(Path(key), PurePosixPath(key).name, opener=partial(cast, BinaryIO, opened)))
+            except InputError:
+                continue
+        return tuple(weights)
 
     def weights(self) -> tuple[WeightMap, ...]:
         """The model weights it holds (``--model``), found as in a local model file or directory: safetensors
@@ -293,10 +310,19 @@ def opened(text: str, *, profile: str | None, endpoint_url: str | None) -> Itera
     url = parse_url(text)
     store = S3Store(url.bucket, profile=profile, endpoint_url=endpoint_url)
     fetched: dict[str, list[tuple[int, bytes]]] = {}
+    neighbours: dict[str, StoredObject] = {}
     if role_of(url.key) in ("torch", "safetensors"):
         stored, tail = store.tail(url.key, TAIL)  # its size, ETag and end in one request
         listing, fetched[""] = {"": stored}, [(stored.size - len(tail), tail)]
         dcp: tuple[str, ...] = ()
+        if role_of(url.key) == "torch":
+            parent = url.key.rpartition("/")[0]
+            beside = f"{parent}/" if parent else ""
+            neighbours = {
+                f"{beside}{name}": item
+                for name, item in store.listing(beside, children=True).items()
+                if role_of(name) == "safetensors"
+            }
     else:
         listing = store.listing(url.prefix)
         if not listing:
@@ -304,4 +330,4 @@ def opened(text: str, *, profile: str | None, endpoint_url: str | None) -> Itera
         parents = (PurePosixPath(name).parent.as_posix() for name in listing if is_dcp_metadata(name))
         dcp = tuple(sorted("" if parent == "." else parent for parent in parents))
     with tempfile.TemporaryDirectory(prefix="optim-repair-remote-") as mirror:
-        yield RemoteCheckpoint(url, store, listing, dcp, Path(mirror), fetched)
+        yield RemoteCheckpoint(url, store, listing, dcp, Path(mirror), fetched, neighbours)

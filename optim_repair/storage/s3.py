@@ -130,12 +130,13 @@ class S3Store:
             f"the store could not be reached or stopped answering ({redacted(str(exc))})", path=self.where(key)
         )
 
-    def listing(self, prefix: str) -> dict[str, StoredObject]:
-        """Every object under ``prefix``, by its key relative to it (``checked_name``). A listing that repeats a
-        page (its continuation token, or a key), lists a key outside ``prefix``, or never ends is refused."""
+    def listing(self, prefix: str, *, children: bool = False) -> dict[str, StoredObject]:
+        """Every object under ``prefix`` (``children``: only those directly in it, as ``ls`` lists a directory), by
+        its key relative to it (``checked_name``). A listing that repeats a page (its continuation token, or a
+        key), lists a key outside ``prefix``, or never ends is refused."""
         found: dict[str, StoredObject] = {}
         tokens: set[str] = set()
-        token: dict[str, Any] = {}
+        token: dict[str, Any] = {"Delimiter": "/"} if children else {}
         while True:
             page = self.request("list_objects_v2", prefix, Prefix=prefix, **token)
             for item in page.get("Contents", ()):
@@ -160,7 +161,7 @@ class S3Store:
                     "the store repeats its listing (a continuation token came twice)", path=self.where(prefix)
                 )
             tokens.add(following)
-            token = {"ContinuationToken": following}
+            token = {**token, "ContinuationToken": following}
 
     def _receive(self, answer: dict[str, Any], key: str, length: int, sink: Callable[[bytes], None]) -> int:
         """The body of ``answer`` into ``sink``, counted (``answers.receive``); a transport failure named."""
