@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -221,6 +222,19 @@ def _fixed_downloaded(
     return FixResult(diagnosis, finished.plan, target, verification, stored.store.traffic())
 
 
+@contextlib.contextmanager
+def _planned_in_store(
+    checkpoint: str | Path | Diagnosis, request: PlanRequest, weights: tuple[WeightMap, ...], remote: RemoteOptions
+) -> Iterator[tuple[remote_reading.RemoteCheckpoint, Diagnosis, FinishedPlan]]:
+    """A checkpoint in a store, read once, diagnosed, and its repair planned in every file's format (each refusal
+    raised before a byte moves), while it is open."""
+    path = checkpoint.path if isinstance(checkpoint, Diagnosis) else str(checkpoint)
+    with remote_reading.opened(path, profile=remote.profile, endpoint_url=remote.endpoint_url) as stored:
+        inventory, parsed = stored.read(keep=True)
+        diagnosis = diagnose(inventory)
+        yield stored, diagnosis, _finished(diagnosis, stored.mirror, parsed, request, weights)
+
+
 def _upload_key(found: Discovery, out: str) -> str:
     """Where a local checkpoint goes in a store: ``out``, or for a file and an ``out`` ending in a slash, the
     file's name under it, as ``cp`` does."""
@@ -300,11 +314,7 @@ def dry_run(
     remote = RemoteOptions(profile, endpoint_url)
     weights = _weights_of(request, remote)
     if _remote(checkpoint):
-        path = checkpoint.path if isinstance(checkpoint, Diagnosis) else str(checkpoint)
-        with remote_reading.opened(path, profile=profile, endpoint_url=endpoint_url) as stored:
-            inventory, parsed = stored.read(keep=True)
-            diagnosis = diagnose(inventory)
-            finished = _finished(diagnosis, stored.mirror, parsed, request, weights)
+        with _planned_in_store(checkpoint, request, weights, remote) as (stored, diagnosis, finished):
             needed = sum(item.size for item in stored.listing.values()) + finished.added_bytes()
             target: Path | str = os.fspath(out) if is_s3(out) else stored.local_target(out)
         free = None if isinstance(target, str) else free_space(target)
@@ -388,11 +398,7 @@ def fix(
         raise UsageError("{argument} is for copies made inside a store (s3:// to s3://)", argument="verify")
     weights = _weights_of(request, remote)
     if _remote(checkpoint):
-        path = checkpoint.path if isinstance(checkpoint, Diagnosis) else str(checkpoint)
-        with remote_reading.opened(path, profile=profile, endpoint_url=endpoint_url) as stored:
-            inventory, parsed = stored.read(keep=True)
-            diagnosis = diagnose(inventory)
-            finished = _finished(diagnosis, stored.mirror, parsed, request, weights)  # refusals before a byte moves
+        with _planned_in_store(checkpoint, request, weights, remote) as (stored, diagnosis, finished):
             if not is_s3(out):
                 local = CopyRequest(force=force, link=True, sync=sync)
                 return _fixed_downloaded(stored, diagnosis, out, request, weights, local, reporter)
