@@ -243,9 +243,7 @@ def test_a_live_runs_marker_is_refused_and_a_stopped_runs_cleared_only_of_what_i
     assert s3server.keys(server, bucket, "fixed/") == {"b"}
 
 
-def test_the_run_whose_claim_was_taken_over_does_not_commit(
-    server: s3server.Server, stored: tuple[str, Built], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_run_whose_claim_was_taken_over_does_not_commit(server: s3server.Server, stored: tuple[str, Built]) -> None:
     bucket, _ = stored
     store = s3.S3Store(bucket)
     marker = f"fixed/{claim.MARKER}"
