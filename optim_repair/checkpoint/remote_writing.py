@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 from optim_repair.checkpoint.planning import FinishedPlan
 from optim_repair.checkpoint.remote_reading import RemoteCheckpoint, members
@@ -69,6 +69,18 @@ def _abort_left_uploads(store: S3Store, prefix: str, notice: Callable[[str], Non
         notice(f"aborted {aborted} unfinished uploads a stopped run left at {store.where(prefix)}")
 
 
+class _Output(NamedTuple):
+    """Where and how a repaired copy is written in a store: its store and URL, a local directory for what is staged,
+    and the caller's choices."""
+
+    store: S3Store
+    url: S3Url
+    staging: Path
+    force: bool
+    read_back: bool
+    reporter: Reporter
+
+
 def write_remote(
     remote: RemoteCheckpoint,
     finished: FinishedPlan,
@@ -91,27 +103,16 @@ def write_remote(
         raise UsageError(f"{out} holds the checkpoint or lies inside it; write the copy to a prefix beside it")
     target = remote.store.sibling(target_url.bucket)
     with tempfile.TemporaryDirectory(prefix="optim-repair-staged-") as staging:
-        if remote.is_file:
-            verification = _write_file(remote, finished, target, target_url, Path(staging), force, read_back, reporter)
-        else:
-            verification = _write_prefix(
-                remote, finished, target, target_url, Path(staging), force, read_back, reporter
-            )
+        output = _Output(target, target_url, Path(staging), force, read_back, reporter)
+        write = _write_file if remote.is_file else _write_prefix
+        verification = write(remote, finished, output)
     return verification, remote.store.traffic()
 
 
-def _write_file(
-    remote: RemoteCheckpoint,
-    finished: FinishedPlan,
-    target: S3Store,
-    url: S3Url,
-    staging: Path,
-    force: bool,
-    read_back: bool,
-    reporter: Reporter,
-) -> Verification:
+def _write_file(remote: RemoteCheckpoint, finished: FinishedPlan, output: _Output) -> Verification:
     """The repaired copy of the torch file ``remote`` as one new object (``url``, or the file's name under it when
     it ends in a slash), which appears whole or not at all."""
+    target, url, staging, force, read_back, reporter = output
     key = url.object(PurePosixPath(remote.url.key).name) if url.key.endswith("/") or not url.key else url.key
     planned = finished.files[""]
     assert isinstance(planned, PlannedTorchFile)  # the adapter of a torch file
@@ -135,19 +136,11 @@ def _refuse_object(store: S3Store, key: str, force: bool) -> bool:
     return there
 
 
-def _write_prefix(
-    remote: RemoteCheckpoint,
-    finished: FinishedPlan,
-    target: S3Store,
-    url: S3Url,
-    staging: Path,
-    force: bool,
-    read_back: bool,
-    reporter: Reporter,
-) -> Verification:
+def _write_prefix(remote: RemoteCheckpoint, finished: FinishedPlan, output: _Output) -> Verification:
     """The repaired copy of the prefix ``remote`` into the prefix ``url``: the plan's files staged and proven
     locally, and every splice proven, before the output is claimed; then copies, splices and uploads, each
     ``.metadata`` last."""
+    target, url, staging, force, read_back, reporter = output
     verification, staged = _stage(remote, finished, staging / "copy")
     spliced = {
         name: planned.splice(remote.opener(name), staging / f"spliced-{index}")
