@@ -127,11 +127,23 @@ class Auditor:
         reachable = os.path.isfile(real) or (self.dereference and os.path.isdir(real))
         if access == "read" and follow and reachable and self._named_inside(text):
             return  # a link in the checkpoint to a regular file (or with -L through a directory), read through
+        if access == "read" and self.dereference and self._linked_from_inside(real):
+            return  # with -L, a linked directory is walked at its resolved path (discovery resolves each link once)
         if access == "read" and any(under(real, root) for root in self.static_roots):
             return
         if real == "/dev/null":
             return
         self._record(f"outside-{access}", event, real)
+
+    def _linked_from_inside(self, real: str) -> bool:
+        """Whether ``real`` is, or lies in, the directory a link in the case's input leads to (one link deep: a
+        link found in such a directory is not followed here, so a read past it is still a finding)."""
+        for top, directories, files in os.walk(self.input_dir):
+            for name in (*directories, *files):
+                path = os.path.join(top, name)
+                if os.path.islink(path) and os.path.isdir(path) and under(real, os.path.realpath(path)):
+                    return True
+        return False
 
     def _named_inside(self, text: str) -> bool:
         """Whether ``text`` names a path in the case's directories, reached through a link to a file there, or
