@@ -73,10 +73,17 @@ def _bits(tensor: Any) -> tuple[Any, ...]:
     return str(tensor.dtype), tuple(tensor.shape), tuple(tensor.stride()), data
 
 
-def _differences(original: Any, copy: Any, where: str) -> Iterator[str]:
-    """Where ``copy`` lacks or changes a value of ``original`` (a dict of the copy may hold more keys)."""
+def _differences(original: Any, copy: Any, where: str, seen: set[tuple[int, int]] | None = None) -> Iterator[str]:
+    """Where ``copy`` lacks or changes a value of ``original`` (a dict of the copy may hold more keys). Each pair of
+    containers is compared once (``seen``): a pickle whose lists share their items (a billion laughs) is a small
+    graph, however large a tree it unfolds to."""
     import torch
 
+    seen = set() if seen is None else seen
+    if isinstance(original, (dict, list, tuple)):
+        if (id(original), id(copy)) in seen:
+            return
+        seen.add((id(original), id(copy)))
     if isinstance(original, torch.Tensor):
         if not isinstance(copy, torch.Tensor):
             yield f"{where}: a tensor became {type(copy).__name__}"
@@ -90,13 +97,13 @@ def _differences(original: Any, copy: Any, where: str) -> Iterator[str]:
             if key not in copy:
                 yield f"{where}: {key!r} is gone"
             else:
-                yield from _differences(value, copy[key], f"{where}.{key}")
+                yield from _differences(value, copy[key], f"{where}.{key}", seen)
     elif isinstance(original, (list, tuple)):
         if type(original) is not type(copy) or len(original) != len(copy):
             yield f"{where}: a {type(original).__name__} of {len(original)} changed"
             return
         for index, (a, b) in enumerate(zip(original, copy, strict=True)):
-            yield from _differences(a, b, f"{where}[{index}]")
+            yield from _differences(a, b, f"{where}[{index}]", seen)
     elif type(original) is not type(copy) or (original != copy and original == original):  # NaN equals NaN
         yield f"{where}: {original!r} became {copy!r}"
 
