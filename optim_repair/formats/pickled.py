@@ -222,6 +222,11 @@ class _GraphUnpickler(AllowlistUnpickler):
     def persistent_load(self, pid: Any) -> StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == self._pid_length and pid[0] == "storage"):
             raise InputError(f"unexpected persistent id {shown(pid)}", path=self.source)
+        if len(pid) == 6 and not (pid[5] is None or (isinstance(pid[5], tuple) and len(pid[5]) == 3)):
+            # torch's legacy loader unpacks a view as (key, offset, size), and fails on anything else
+            raise InputError(
+                f"unexpected persistent id {shown(pid)} (its view is no (key, offset, size))", path=self.source
+            )
         key, location, numel = pid[2], pid[3], pid[4]
         if isinstance(key, bool) or not isinstance(key, (str, int)) or not isinstance(location, str):
             raise InputError(f"a storage is named {shown(key)} at {shown(location)}", path=self.source)

@@ -240,3 +240,16 @@ def test_walk_visits_every_container_once_with_its_path() -> None:
     root = {"a": [shared, (1, {"b": 2})], "c": shared}
     paths = [path for path, _ in walk(root)]
     assert paths == [(), ("a",), ("a", 0), ("a", 0, "state"), ("a", 0, "param_groups"), ("a", 1), ("a", 1, 1)]
+
+
+def test_a_legacy_storage_view_that_torch_cannot_unpack_is_refused() -> None:
+    """torch's legacy loader unpacks a storage's view as (key, offset, size); a view of another shape makes it raise
+    ("not enough values to unpack"), so the file is refused here too (fuzz seed 2, case 6530)."""
+    ref = storage_for("0", "float32", 4, legacy=True)
+    assert ref.pid[5] is None  # what torch writes: no view
+    for view in (None, ("v", 0, 4)):
+        storage = StorageRef((*ref.pid[:5], view), "float32", "0", "cpu", 4)
+        assert load_graph(dump_graph({"t": new_tensor(storage, (4,))}), "p", legacy=True).storages
+    bad = StorageRef((*ref.pid[:5], ("v",)), "float32", "0", "cpu", 4)
+    with pytest.raises(InputError, match=r"its view is no \(key, offset, size\)"):
+        load_graph(dump_graph({"t": new_tensor(bad, (4,))}), "p", legacy=True)
