@@ -56,9 +56,12 @@ def test_every_module_the_design_names_exists() -> None:
 
 
 def test_every_format_that_holds_optimizers_has_its_adapter() -> None:
-    """A format is a package with an ``adapter.py``, and the registry plans each role through one."""
+    """A format is a package with an ``adapter.py`` (safetensors too, which holds weights only), and the registry
+    plans each role that holds optimizers through one."""
     from optim_repair.formats.registry import ADAPTERS
 
     homes = {plan.__module__ for plan in ADAPTERS.values()}
     assert homes == {"optim_repair.formats.torchfile.adapter", "optim_repair.formats.dcp.adapter"}
-    assert all((PACKAGE / "formats" / name / "adapter.py").is_file() for name in ("torchfile", "dcp"))
+    formats = sorted(path.parent.name for path in (PACKAGE / "formats").glob("*/__init__.py"))
+    assert formats == ["dcp", "safetensors", "torchfile"]
+    assert all((PACKAGE / "formats" / name / "adapter.py").is_file() for name in formats)
