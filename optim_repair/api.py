@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from optim_repair.checkpoint import remote_reading, remote_writing
-from optim_repair.checkpoint.discovery import Discovery, discover, latest_step
+from optim_repair.checkpoint import copies, stored
+from optim_repair.checkpoint.discovery import discover, latest_step
 from optim_repair.checkpoint.planning import FinishedPlan, finish_plan
-from optim_repair.checkpoint.reading import read_model_weights, read_parsed
-from optim_repair.checkpoint.staging import remove_stale, taken_back_on_failure, temporary_sibling
-from optim_repair.checkpoint.writing import free_space, space_needed, write_copy
+from optim_repair.checkpoint.reading import DiskListing, Listing, disk_model, model_weights, read_parsed
 from optim_repair.decisions.diagnose import Diagnosis, diagnose
 from optim_repair.decisions.repair import plan_repair
 from optim_repair.errors import InputError, Remedy, UsageError
@@ -26,7 +22,7 @@ from optim_repair.records.repair_plan import Addition, Fill, PlanFill, RepairPla
 from optim_repair.records.request import NO_OPERATIONS, CopyRequest, Operations, PlanRequest
 from optim_repair.records.traffic import Traffic
 from optim_repair.records.verification import Verification
-from optim_repair.storage.names import is_s3
+from optim_repair.storage.schemes import StoreOptions, is_remote
 
 
 def inspect(
@@ -53,25 +49,35 @@ def inspect(
     extra), read with the AWS CLI's credentials and endpoint, or ``profile`` and ``endpoint_url``; of it, only each
     DCP checkpoint's ``.metadata`` and bytes entries are read (``inventory.traffic`` counts the requests).
     """
-    weights = _model_weights(model, RemoteOptions(profile, endpoint_url)) if model is not None else None
-    if is_s3(path):
-        with remote_reading.opened(str(path), profile=profile, endpoint_url=endpoint_url) as stored:
-            inventory = stored.read(keep=False)[0]
-            return diagnose(replace(inventory, traffic=stored.store.traffic()), strict=strict, model=weights)
-    found = discover(Path(path), dereference=dereference)
-    inventory, _ = _read_unchanged(found, keep=False)
-    return diagnose(inventory, strict=strict, model=weights)
+    options = StoreOptions(profile, endpoint_url)
+    weights = _model_weights(model, options) if model is not None else None
+    with _listing(path, options, dereference=dereference) as listing:
+        inventory, _ = _read_unchanged(listing, keep=False)
+        return diagnose(replace(inventory, traffic=listing.traffic()), strict=strict, model=weights)
 
 
-def _read_unchanged(found: Discovery, *, keep: bool = True) -> tuple[CheckpointInventory, Parsed]:
+@contextlib.contextmanager
+def _listing(
+    path: str | Path, options: StoreOptions, *, dereference: bool = False, mirror: Path | None = None
+) -> Iterator[Listing]:
+    """What one listing finds under the checkpoint argument ``path``: a local walk (``dereference``: every link
+    followed), or one listing of a store (its objects fetched under ``mirror``), open for the block."""
+    if is_remote(path):
+        with stored.opened(str(path), options, mirror) as listing:
+            yield listing
+    else:
+        yield DiskListing(discover(Path(path), dereference=dereference))
+
+
+def _read_unchanged(listing: Listing, *, keep: bool = True) -> tuple[CheckpointInventory, Parsed]:
     """What reading found (``keep``: and kept for a writer), about one version of the checkpoint: a change while
     it was read (a run still saving it) is reported as that, also when it made a file look damaged."""
     try:
-        read = read_parsed(found, keep=keep)
+        read = read_parsed(listing, keep=keep)
     except InputError:
-        found.check_unchanged()
+        listing.check_unchanged()
         raise
-    found.check_unchanged()
+    listing.check_unchanged()
     return read
 
 
@@ -81,8 +87,8 @@ def latest_checkpoint(run: str | Path, *, profile: str | None = None, endpoint_u
     ``.metadata``, an empty directory, a prefix a repair is still writing) is passed over. ``run`` may be a
     prefix in a store (``"s3://bucket/run/"``): its step is returned as a URL. Raises ``InputError`` when there
     is none."""
-    if is_s3(run):
-        return remote_reading.latest_step(str(run), profile=profile, endpoint_url=endpoint_url)
+    if is_remote(run):
+        return stored.latest_step(str(run), StoreOptions(profile, endpoint_url))
     return latest_step(Path(run))
 
 
@@ -108,69 +114,74 @@ def plan(
     for everything ``fix`` would refuse.
     """
     request = _request(fill, optimizer, model, reset_phantom_step, operations)
-    read = _read(checkpoint, dereference)
-    weights = _weights_of(request, RemoteOptions())
-    return _finished(read.diagnosis, read.found.target, read.parsed, request, weights).plan
+    weights = _weights_of(request, StoreOptions())
+    with _opened(checkpoint, StoreOptions(), dereference) as read:
+        return _finished(read, request, weights).plan
 
 
-def _remote(checkpoint: str | Path | Diagnosis) -> bool:
-    return is_s3(checkpoint.path if isinstance(checkpoint, Diagnosis) else checkpoint)
+def _path_of(checkpoint: str | Path | Diagnosis) -> str | Path:
+    return checkpoint.path if isinstance(checkpoint, Diagnosis) else checkpoint
 
 
 def _request(
     fill: Fill | None, optimizer: str | None, model: str | Path | None, reset_phantom_step: bool, operations: Operations
 ) -> PlanRequest:
-    model_path = model if model is None or is_s3(model) else Path(model)
+    model_path = model if model is None or is_remote(model) else Path(model)
     return PlanRequest(fill, optimizer, model_path, reset_phantom_step, operations)
 
 
 @dataclass(frozen=True)
 class _Read:
-    """A checkpoint as read for a repair: its diagnosis, what discovery found, and what reading parsed."""
+    """A checkpoint as read for a repair: its diagnosis, what its listing found, and what reading parsed."""
 
     diagnosis: Diagnosis
-    found: Discovery
+    listing: Listing
     parsed: Parsed
 
 
-def _read(checkpoint: str | Path | Diagnosis, dereference: bool) -> _Read:
-    """The checkpoint's diagnosis (the one given, or read once) and what discovery found and reading parsed;
-    ``dereference``: every link followed. A diagnosis is found again as its inspect found it."""
-    if isinstance(checkpoint, Diagnosis):
+@contextlib.contextmanager
+def _opened(
+    checkpoint: str | Path | Diagnosis, options: StoreOptions, dereference: bool, mirror: Path | None = None
+) -> Iterator[_Read]:
+    """The checkpoint read once for a repair, on a disk or in a store (its objects fetched under ``mirror``):
+    its diagnosis (a local one given is found again as its inspect found it, not read again), listing and what
+    was parsed, open for the block; ``dereference``: every local link followed."""
+    if isinstance(checkpoint, Diagnosis) and not is_remote(checkpoint.path):
         inventory = checkpoint.inventory
         if dereference and not inventory.dereference:
             raise UsageError(
                 "{argument} is decided when the checkpoint is read: pass it to inspect", argument="dereference"
             )
-        return _Read(checkpoint, discover(Path(inventory.path), dereference=inventory.dereference), Parsed())
-    found = discover(Path(checkpoint), dereference=dereference)
-    inventory, parsed = _read_unchanged(found)
-    return _Read(diagnose(inventory), found, parsed)
+        yield _Read(
+            checkpoint, DiskListing(discover(Path(inventory.path), dereference=inventory.dereference)), Parsed()
+        )
+        return
+    with _listing(_path_of(checkpoint), options, dereference=dereference, mirror=mirror) as listing:
+        inventory, parsed = _read_unchanged(listing)
+        yield _Read(diagnose(inventory), listing, parsed)
 
 
-def _model_weights(model: str | Path, remote: RemoteOptions) -> tuple[WeightMap, ...]:
+def _model_weights(model: str | Path, options: StoreOptions) -> tuple[WeightMap, ...]:
     """The weights of ``model``: a local file or directory, or an object or prefix in a store."""
-    if not is_s3(model):
-        return read_model_weights(Path(model))
-    with remote_reading.opened(str(model), profile=remote.profile, endpoint_url=remote.endpoint_url) as stored:
-        return stored.weights()
+    if not is_remote(model):
+        return model_weights(disk_model(Path(model)))
+    with stored.opened(str(model), options) as listing:
+        return model_weights(listing)
 
 
-def _weights_of(request: PlanRequest, remote: RemoteOptions) -> tuple[WeightMap, ...]:
+def _weights_of(request: PlanRequest, options: StoreOptions) -> tuple[WeightMap, ...]:
     """The weights of the model ``request`` names (none when it names none), read once for a whole run."""
-    return _model_weights(request.model, remote) if request.model is not None else ()
+    return _model_weights(request.model, options) if request.model is not None else ()
 
 
-def _finished(
-    diagnosis: Diagnosis, target: Path, parsed: Parsed, request: PlanRequest, weights: tuple[WeightMap, ...]
-) -> FinishedPlan:
+def _finished(read: _Read, request: PlanRequest, weights: tuple[WeightMap, ...]) -> FinishedPlan:
     """The repair plan ``request`` asks for, with the model's ``weights``, finished in every file's format (each
-    refusal raised) as read under ``target``."""
+    refusal raised) as read."""
     repair = plan_repair(
-        diagnosis, request.fill, optimizer=request.optimizer, model_weights=weights,
+        read.diagnosis, request.fill, optimizer=request.optimizer, model_weights=weights,
         reset_phantom_step=request.reset_phantom_step, operations=request.operations,
     )  # fmt: skip
-    return finish_plan(target, diagnosis.inventory, repair, parsed)
+    return finish_plan(read.listing.local, read.diagnosis.inventory, repair, read.parsed)
 
 
 def model_changes(
@@ -193,91 +204,6 @@ def model_changes(
             remedy=Remedy("add_from_model"),
         )
     return Operations(tuple(rename), tuple(drop), drop_not_in_model, add_from_model, to_group)
-
-
-@dataclass(frozen=True)
-class RemoteOptions:
-    """How to reach object storage: an AWS profile and an endpoint, each None for the AWS CLI's own choice."""
-
-    profile: str | None = None
-    endpoint_url: str | None = None
-
-
-def _fixed_downloaded(
-    stored: remote_reading.RemoteCheckpoint,
-    diagnosis: Diagnosis,
-    out: str | Path,
-    request: PlanRequest,
-    weights: tuple[WeightMap, ...],
-    copy: CopyRequest,
-    reporter: Reporter,
-) -> FixResult:
-    """``fix`` of a checkpoint in a store into a local ``out``: downloaded beside it (``remote_reading.downloaded``)
-    and repaired from there as a local checkpoint, every unchanged file hard-linked."""
-    target = stored.local_target(out)
-    with stored.downloaded(target, force=copy.force, reporter=reporter) as local:
-        read = _read(local, False)
-        finished = _finished(read.diagnosis, read.found.target, read.parsed, request, weights)
-        verification = write_copy(read.found, finished, target, copy, reporter)
-    return FixResult(diagnosis, finished.plan, target, verification, stored.store.traffic())
-
-
-@contextlib.contextmanager
-def _planned_in_store(
-    checkpoint: str | Path | Diagnosis, request: PlanRequest, weights: tuple[WeightMap, ...], remote: RemoteOptions
-) -> Iterator[tuple[remote_reading.RemoteCheckpoint, Diagnosis, FinishedPlan]]:
-    """A checkpoint in a store, read once, diagnosed, and its repair planned in every file's format (each refusal
-    raised before a byte moves), while it is open."""
-    path = checkpoint.path if isinstance(checkpoint, Diagnosis) else str(checkpoint)
-    with remote_reading.opened(path, profile=remote.profile, endpoint_url=remote.endpoint_url) as stored:
-        inventory, parsed = stored.read(keep=True)
-        diagnosis = diagnose(inventory)
-        yield stored, diagnosis, _finished(diagnosis, stored.mirror, parsed, request, weights)
-
-
-def _upload_key(found: Discovery, out: str) -> str:
-    """Where a local checkpoint goes in a store: ``out``, or for a file and an ``out`` ending in a slash, the
-    file's name under it, as ``cp`` does."""
-    return f"{out}{found.root.name}" if out.endswith("/") and not found.is_directory else out
-
-
-def _fixed_uploaded(
-    checkpoint: str | Path | Diagnosis,
-    out: str,
-    request: PlanRequest,
-    weights: tuple[WeightMap, ...],
-    force: bool,
-    dereference: bool,
-    remote: RemoteOptions,
-    reporter: Reporter,
-) -> FixResult:
-    """``fix`` of a local checkpoint into a store: repaired into a temporary directory under ``TMPDIR`` (unchanged
-    files hard-linked where it shares the checkpoint's file system, not synced; locked while the run lives, and
-    removed by the next run after a kill), proven there, then uploaded (``remote_writing.upload_copy``). The
-    checkpoint's own directory is never written to."""
-    read = _read(checkpoint, dereference)
-    finished = _finished(read.diagnosis, read.found.target, read.parsed, request, weights)
-    key = _upload_key(read.found, out)
-    private = Path(tempfile.gettempdir()) / "optim-repair-upload"  # the stand-in its temporaries are named for
-    remove_stale(private, reporter.notice)  # what a killed upload left
-    with temporary_sibling(private, directory=True) as tmp:
-        staged = tmp / read.found.root.name
-        link = os.stat(tmp).st_dev == os.stat(read.found.target).st_dev
-        with taken_back_on_failure():  # the staged copy is this run's own, never a copy the user was given
-            verification = write_copy(read.found, finished, staged, CopyRequest(link=link, sync=False), reporter)
-        traffic = remote_writing.upload_copy(
-            staged, key, force=force, profile=remote.profile, endpoint_url=remote.endpoint_url, reporter=reporter
-        )
-    return FixResult(read.diagnosis, finished.plan, key, replace(verification, proof="upload"), traffic)
-
-
-def output_path(checkpoint: Path, out: str | Path) -> Path:
-    """Where ``fix`` writes: ``out``, or, for a file and an ``out`` ending in a slash, the file's name inside
-    that directory, as ``cp`` does."""
-    text = os.fspath(out)
-    if text.endswith(("/", os.sep)) and not checkpoint.is_dir():
-        return Path(text) / checkpoint.name
-    return Path(text)
 
 
 @dataclass(frozen=True)
@@ -311,22 +237,12 @@ def dry_run(
     """What ``fix`` with the same arguments would add and write, and the room there is for it; writes nothing.
     Either side may be in a store, as for ``fix``."""
     request = _request(fill, optimizer, model, reset_phantom_step, operations)
-    remote = RemoteOptions(profile, endpoint_url)
-    weights = _weights_of(request, remote)
-    if _remote(checkpoint):
-        with _planned_in_store(checkpoint, request, weights, remote) as (stored, diagnosis, finished):
-            needed = sum(item.size for item in stored.listing.values()) + finished.added_bytes()
-            target: Path | str = os.fspath(out) if is_s3(out) else stored.local_target(out)
-        free = None if isinstance(target, str) else free_space(target)
-        return DryRun(diagnosis, finished.plan, target, needed, free)
-    read = _read(checkpoint, dereference)
-    finished = _finished(read.diagnosis, read.found.target, read.parsed, request, weights)
-    if is_s3(out):
-        needed = space_needed(read.found, finished, link=False)
-        return DryRun(read.diagnosis, finished.plan, _upload_key(read.found, os.fspath(out)), needed, None)
-    local = output_path(read.found.root, out)
-    needed = space_needed(read.found, finished, link=link)
-    return DryRun(read.diagnosis, finished.plan, local, needed, free_space(local))
+    options = StoreOptions(profile, endpoint_url)
+    weights = _weights_of(request, options)
+    with _opened(checkpoint, options, dereference) as read:
+        finished = _finished(read, request, weights)
+        target, needed, free = copies.estimate(read.listing, finished, out, link=link)
+    return DryRun(read.diagnosis, finished.plan, target, needed, free)
 
 
 @dataclass(frozen=True)
@@ -393,24 +309,17 @@ def fix(
     """
     request = _request(fill, optimizer, model, reset_phantom_step, operations)
     reporter = Reporter(progress, notice)
-    remote = RemoteOptions(profile, endpoint_url)
-    if verify == "download" and not (_remote(checkpoint) and is_s3(out)):
+    options = StoreOptions(profile, endpoint_url)
+    source = _path_of(checkpoint)
+    if verify == "download" and not (is_remote(source) and is_remote(out)):
         raise UsageError("{argument} is for copies made inside a store (s3:// to s3://)", argument="verify")
-    weights = _weights_of(request, remote)
-    if _remote(checkpoint):
-        with _planned_in_store(checkpoint, request, weights, remote) as (stored, diagnosis, finished):
-            if not is_s3(out):
-                local = CopyRequest(force=force, link=True, sync=sync)
-                return _fixed_downloaded(stored, diagnosis, out, request, weights, local, reporter)
-            verification, traffic = remote_writing.write_remote(
-                stored, finished, os.fspath(out), force=force, read_back=verify == "download", reporter=reporter
-            )
-        return FixResult(diagnosis, finished.plan, os.fspath(out), verification, traffic)
-    if is_s3(out):
-        return _fixed_uploaded(checkpoint, os.fspath(out), request, weights, force, dereference, remote, reporter)
-    read = _read(checkpoint, dereference)
-    finished = _finished(read.diagnosis, read.found.target, read.parsed, request, weights)
-    target = output_path(read.found.root, out)
-    copy = CopyRequest(force=force, link=link, sync=sync)
-    verification = write_copy(read.found, finished, target, copy, Reporter(progress, notice))
-    return FixResult(read.diagnosis, finished.plan, target, verification)
+    weights = _weights_of(request, options)
+    copy = CopyRequest(force=force, link=link, sync=sync, read_back=verify == "download")
+    with contextlib.ExitStack() as held:
+        mirror = None
+        if is_remote(source) and not is_remote(out):  # its objects are fetched beside the copy, to link from
+            mirror = held.enter_context(copies.mirror_beside(str(source), out, force=force, reporter=reporter))
+        read = held.enter_context(_opened(checkpoint, options, dereference, mirror))
+        finished = _finished(read, request, weights)
+        written, verification, traffic = copies.write(read.listing, finished, out, copy, options, reporter)
+    return FixResult(read.diagnosis, finished.plan, written, verification, traffic)

@@ -32,7 +32,7 @@ from optim_repair.cli.boundary import (
 )
 from optim_repair.decisions.optimizers import OPTIMIZERS
 from optim_repair.errors import ClosedPipe, ExitCode, Stopped
-from optim_repair.storage.names import is_s3
+from optim_repair.storage.schemes import is_remote
 from optim_repair.version import versions
 
 app = typer.Typer(
@@ -67,7 +67,7 @@ def _step(
 ) -> str | Path:
     """The checkpoint a command works on: ``checkpoint``, or with ``--latest`` its run's newest complete step."""
     if not latest:
-        return checkpoint if is_s3(checkpoint) else Path(checkpoint)
+        return checkpoint if is_remote(checkpoint) else Path(checkpoint)
     step = api.latest_checkpoint(checkpoint, profile=profile, endpoint_url=endpoint_url)
     on_stderr(render.message_printer(screen))(f"newest complete step: {step}")
     return step

@@ -56,6 +56,8 @@ class CopyRequest:
     """Hard-link the files the repair does not change instead of copying them."""
     sync: bool = True
     """Sync every file and directory written to the disk before verifying it."""
+    read_back: bool = False
+    """For a copy made inside a store: read every object back, instead of proving it by the store's checksums."""
 
 
 DEFAULT_COPY = CopyRequest()

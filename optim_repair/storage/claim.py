@@ -26,9 +26,8 @@ from typing import TypeVar
 
 from optim_repair import signals
 from optim_repair.errors import InputError, ObjectExists, OutputError, UsageError, shown
-from optim_repair.storage import s3_writes
+from optim_repair.storage.interface import WritableStore
 from optim_repair.storage.objects import Copied, Small
-from optim_repair.storage.s3 import S3Store
 
 MARKER = ".optim-repair-incomplete"
 """The object a run writes first into its output prefix (or beside its output object) and deletes last."""
@@ -63,7 +62,7 @@ def marker_key(output: str) -> str:
 class Claim:
     """This run's claim on an output: its marker, the keys it plans to write, and what it has written."""
 
-    def __init__(self, store: S3Store, marker: str, planned: Sequence[str]) -> None:
+    def __init__(self, store: WritableStore, marker: str, planned: Sequence[str]) -> None:
         self.store, self.marker, self.planned = store, marker, tuple(planned)
         self._lease = lease_seconds()
         self._etag: str | None = None
@@ -89,7 +88,7 @@ class Claim:
             clear_stopped(self.store, self.marker, found, notice)
         try:
             with signals.held():  # the marker and this run's record of it: both, or neither
-                self._etag = s3_writes.put_bytes(self.store, self.marker, self._body()).etag
+                self._etag = self.store.put_bytes(self.marker, self._body()).etag
         except ObjectExists:
             again = self.store.read_small(self.marker, MARKER_LIMIT)
             raise _busy(self.store, self.marker, again) from None
@@ -114,7 +113,7 @@ class Claim:
             if etag is None:
                 return
             try:
-                self._etag = s3_writes.replace_own(self.store, self.marker, self._body(), etag).etag
+                self._etag = self.store.replace_own(self.marker, self._body(), etag).etag
             except (ObjectExists, InputError) as exc:
                 if isinstance(exc, InputError) and "no such object" not in exc.reason:
                     raise
@@ -156,7 +155,7 @@ class Claim:
         self._stop_renewing()
         with signals.held():
             if self._etag is not None:
-                s3_writes.delete_own(self.store, self.marker, self._etag)
+                self.store.delete_own(self.marker, self._etag)
                 self._etag = None
 
     def undo(self) -> None:
@@ -170,7 +169,7 @@ class Claim:
                     owned[key] = found[1].etag
             _delete_each(self.store, owned.items())
             if self._etag is not None:
-                s3_writes.delete_own(self.store, self.marker, self._etag)
+                self.store.delete_own(self.marker, self._etag)
                 self._etag = None
 
     def _stop_renewing(self) -> None:
@@ -179,7 +178,7 @@ class Claim:
             self._renewer.join()
 
 
-def _busy(store: S3Store, marker: str, found: Small | None) -> OutputError:
+def _busy(store: WritableStore, marker: str, found: Small | None) -> OutputError:
     """The error of a marker that a live run holds."""
     run, lease, _ = _parsed(found)
     since = f" (renewed {found.age:.0f} s ago)" if found is not None and found.age is not None else ""
@@ -204,7 +203,7 @@ def _parsed(found: Small | None) -> tuple[str | None, float, tuple[str, ...]]:
     return run, lease, tuple(planned)
 
 
-def clear_stopped(store: S3Store, marker: str, found: Small, notice: Callable[[str], None]) -> None:
+def clear_stopped(store: WritableStore, marker: str, found: Small, notice: Callable[[str], None]) -> None:
     """Clear the marker ``found`` if its run stopped (its lease lapsed, by the store's clock): the objects it lists
     that its run wrote, unchanged since, then the marker. A live run's marker is refused (exit 5); a marker that
     names no run (not optim-repair's) is an object like any other."""
@@ -226,17 +225,19 @@ def clear_stopped(store: S3Store, marker: str, found: Small, notice: Callable[[s
     notice(f"removing the {len(owned)} objects a stopped run left at {store.where(marker)}")
     with signals.held():
         _delete_each(store, owned)
-        s3_writes.delete_own(store, marker, found.etag)
+        store.delete_own(marker, found.etag)
 
 
-def _delete_each(store: S3Store, owned: Iterable[tuple[str, str]]) -> None:
-    with contextlib.closing(store.each(lambda item: s3_writes.delete_own(store, *item), list(owned))) as done:
+def _delete_each(store: WritableStore, owned: Iterable[tuple[str, str]]) -> None:
+    with contextlib.closing(store.each(lambda item: store.delete_own(*item), list(owned))) as done:
         for _ in done:
             pass
 
 
 @contextlib.contextmanager
-def claimed(store: S3Store, marker: str, planned: Sequence[str], notice: Callable[[str], None]) -> Iterator[Claim]:
+def claimed(
+    store: WritableStore, marker: str, planned: Sequence[str], notice: Callable[[str], None]
+) -> Iterator[Claim]:
     """The claim on ``marker`` for ``planned`` keys, held for the block: released when it ends, everything the run
     wrote deleted when it raises."""
     claim = Claim(store, marker, planned)

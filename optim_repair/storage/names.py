@@ -1,4 +1,4 @@
-"""Where objects are: ``s3://`` URLs, endpoints, and the names a listing gives.
+"""What a store is told and what it answers with: endpoints, and the names a listing gives.
 
 An endpoint is never shown with its credentials, and each listed name is checked where it is listed, so that no
 store's name is ever joined onto a local path unchecked.
@@ -9,50 +9,12 @@ from __future__ import annotations
 import re
 import urllib.parse
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from optim_repair.errors import InputError, UsageError
 
-SCHEME = "s3://"
 NAME_LIMIT = 1024
 """The longest key S3 stores, in bytes: a longer name in a listing is a store's lie."""
 _USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
-
-
-@dataclass(frozen=True)
-class S3Url:
-    """An object or a prefix in a bucket."""
-
-    bucket: str
-    key: str
-
-    def __str__(self) -> str:
-        return f"{SCHEME}{self.bucket}/{self.key}"
-
-    @property
-    def prefix(self) -> str:
-        """The key as a prefix of the objects under it (``step-1000/``; ``""`` for the whole bucket)."""
-        return self.key if not self.key or self.key.endswith("/") else f"{self.key}/"
-
-    def object(self, relative: str) -> str:
-        """The key of the object ``relative`` under this prefix."""
-        return f"{self.prefix}{relative}"
-
-    def named(self, relative: str) -> str:
-        """``relative`` under this prefix, as a URL for messages."""
-        return f"{SCHEME}{self.bucket}/{self.object(relative)}"
-
-
-def is_s3(text: object) -> bool:
-    """Whether a checkpoint argument names object storage."""
-    return isinstance(text, str) and text.startswith(SCHEME)
-
-
-def parse_url(text: str) -> S3Url:
-    bucket, _, key = text[len(SCHEME) :].partition("/")
-    if not bucket:
-        raise UsageError(f"{text} names no bucket (s3://BUCKET/PREFIX/)")
-    return S3Url(bucket, key)
 
 
 def redacted(text: str) -> str:

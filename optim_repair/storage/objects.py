@@ -53,3 +53,12 @@ def crc32_of(path: Path) -> str:
 def encoded_crc32(value: int) -> str:
     """A CRC32 as S3 writes it (base64 of the big-endian value)."""
     return base64.b64encode(value.to_bytes(4, "big")).decode()
+
+
+@dataclass(frozen=True)
+class Composed:
+    """What the store says of an object composed of new bytes and a copied range (its CRC-32, None without one,
+    and its ETag), and the CRC-32 it must have (None where the original has none to derive it from)."""
+
+    written: Copied
+    expected: str | None

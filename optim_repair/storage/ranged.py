@@ -12,8 +12,8 @@ import io
 from collections.abc import Sequence
 from typing import Any
 
+from optim_repair.storage.interface import Store
 from optim_repair.storage.objects import StoredObject
-from optim_repair.storage.s3 import S3Store
 
 READAHEAD = 8 << 10
 """What a read that nothing prefetched fetches beyond what it asks for."""
@@ -25,7 +25,7 @@ class RangedObject(io.RawIOBase):
     listed ETag."""
 
     def __init__(
-        self, store: S3Store, key: str, stored: StoredObject, spans: list[tuple[int, bytes]] | None = None
+        self, store: Store, key: str, stored: StoredObject, spans: list[tuple[int, bytes]] | None = None
     ) -> None:
         """``spans``: what was fetched of it already, shared with each object opened over the same list."""
         super().__init__()

@@ -188,11 +188,13 @@ def _whole_read_disagrees(
     if not any(METADATA in files for _, _, files in os.walk(in_dir)):
         return None
     from optim_repair import api
+    from optim_repair.checkpoint.reading import DiskListing
     from optim_repair.errors import OptimRepairError
     from optim_repair.render import inspect_document
 
     def whole() -> Any:
-        inventory, _ = api._read_unchanged(api.discover(Path(path), dereference=dereference), keep=True)
+        listing = DiskListing(api.discover(Path(path), dereference=dereference))
+        inventory, _ = api._read_unchanged(listing, keep=True)
         return api.diagnose(inventory)
 
     def outcome(result: Any, error: BaseException | None) -> str:

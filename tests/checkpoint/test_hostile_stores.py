@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from optim_repair import api
 from optim_repair.errors import InputError
 from optim_repair.formats.dcp import METADATA_FILE
-from optim_repair.storage import answers, claim, s3, s3_writes
+from optim_repair.storage import answers, claim
+from optim_repair.storage.s3 import S3Store
 from tests.conftest import run_cli
 from tests.factories import dcp as dk
 from tests.factories import faulty_store, s3server, trainers
@@ -226,12 +227,12 @@ def test_a_live_runs_marker_is_refused_and_a_stopped_runs_cleared_only_of_what_i
     server: s3server.Server, stored: tuple[str, Built], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bucket, _ = stored
-    store = s3.S3Store(bucket)
+    store = S3Store(bucket)
     marker = f"fixed/{claim.MARKER}"
     monkeypatch.setenv(claim.LEASE_VARIABLE, "2")
     held = claim.Claim(store, marker, ["fixed/a", "fixed/b", "fixed/c"])
     held.take(lambda _: None)
-    held.writing("fixed/a", lambda: s3_writes.put_bytes(store, "fixed/a", b"the stopped run's"))
+    held.writing("fixed/a", lambda: store.put_bytes("fixed/a", b"the stopped run's"))
     server.client().put_object(Bucket=bucket, Key="fixed/b", Body=b"another writer's, under a planned name")
     result = run_cli(["fix", f"s3://{bucket}/{PREFIX}", "--out", f"s3://{bucket}/fixed/"], code=5)
     assert "is writing a copy here" in _one_line(result.stderr)
@@ -245,14 +246,14 @@ def test_a_live_runs_marker_is_refused_and_a_stopped_runs_cleared_only_of_what_i
 
 def test_the_run_whose_claim_was_taken_over_does_not_commit(server: s3server.Server, stored: tuple[str, Built]) -> None:
     bucket, _ = stored
-    store = s3.S3Store(bucket)
+    store = S3Store(bucket)
     marker = f"fixed/{claim.MARKER}"
     held = claim.Claim(store, marker, ["fixed/a"])
     held.take(lambda _: None)
     held._stop_renewing()
     server.client().delete_object(Bucket=bucket, Key=marker)  # another run cleared it after its lease lapsed
     with pytest.raises(Exception, match="this run's claim was taken over by another run"):
-        held.commit(lambda: s3_writes.put_bytes(store, "fixed/a", b"late"))
+        held.commit(lambda: store.put_bytes("fixed/a", b"late"))
     assert s3server.keys(server, bucket, "fixed/") == set()
 
 
@@ -361,12 +362,12 @@ def test_a_stopped_runs_marker_cannot_name_keys_outside_what_it_claimed(
     """A marker is an object anyone with write access may have put: the keys it lists are cleaned up only inside
     the prefix it claims, even where they carry its run's id."""
     bucket, _ = stored
-    store = s3.S3Store(bucket)
+    store = S3Store(bucket)
     monkeypatch.setenv(claim.LEASE_VARIABLE, "1")
     held = claim.Claim(store, f"fixed/{claim.MARKER}", ["fixed/a", "elsewhere/b"])
     held.take(lambda _: None)
-    held.writing("fixed/a", lambda: s3_writes.put_bytes(store, "fixed/a", b"inside"))
-    held.writing("elsewhere/b", lambda: s3_writes.put_bytes(store, "elsewhere/b", b"outside"))
+    held.writing("fixed/a", lambda: store.put_bytes("fixed/a", b"inside"))
+    held.writing("elsewhere/b", lambda: store.put_bytes("elsewhere/b", b"outside"))
     held._stop_renewing()
     time.sleep(2.1)
     run_cli(["fix", f"s3://{bucket}/{PREFIX}", "--out", f"s3://{bucket}/fixed/"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from optim_repair import api
-from optim_repair.storage.names import parse_url
+from optim_repair.storage.schemes import parse_url
 from tests.factories import dcp as dk
 
 NAMED = os.environ.get("OPTIM_REPAIR_S3_TEST_PREFIX", "")

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from optim_repair.checkpoint.discovery import discover
-from optim_repair.checkpoint.reading import read_parsed
+from optim_repair.checkpoint.reading import DiskListing, read_parsed
 from optim_repair.formats.dcp import read_metadata
 from optim_repair.formats.dcp.metadata_reader import read_summary
 from tests.conftest import run_cli
@@ -157,7 +157,7 @@ def test_what_dcp_save_gathers_from_real_ranks_is_inspected_summarized(saved: fs
     assert summary.summarized and set(summary.storage) < set(whole.storage)
     assert summary.items.keys() == whole.items.keys() and summary.planner_data == whole.planner_data
     found = discover(saved.dcp)
-    assert read_parsed(found, keep=False)[0] == read_parsed(found, keep=True)[0]
+    assert read_parsed(DiskListing(found), keep=False)[0] == read_parsed(DiskListing(found), keep=True)[0]
     document = json.loads(run_cli(["inspect", saved.dcp, "--json"], code=None).stdout)
     (opt,) = document["optimizers"]
     assert sorted(opt["missing"]) == sorted(fsdp.HEAD)

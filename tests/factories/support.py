@@ -25,7 +25,7 @@ import torch
 import optim_repair
 from optim_repair.api import FixResult
 from optim_repair.checkpoint.discovery import discover
-from optim_repair.checkpoint.reading import read_parsed
+from optim_repair.checkpoint.reading import DiskListing, read_parsed
 from optim_repair.formats.torchfile import open_torch_file
 from optim_repair.records.inventory import CheckpointInventory, ParamGroup
 from tests.factories.built import Built
@@ -249,7 +249,7 @@ def group_of(group: dict[str, Any]) -> ParamGroup:
 
 def read_checkpoint(path: Path) -> CheckpointInventory:
     """The inventory of every optimizer under ``path``, as ``inspect`` reads it."""
-    return read_parsed(discover(path))[0]
+    return read_parsed(DiskListing(discover(path)))[0]
 
 
 def unprivileged(probe: Path) -> list[str]:

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from typer.testing import Result
 
 from optim_repair.checkpoint.discovery import discover
-from optim_repair.checkpoint.reading import read_parsed
+from optim_repair.checkpoint.reading import DiskListing, read_parsed
 from optim_repair.errors import InputError, UnsafeInputError
 from optim_repair.formats.dcp import METADATA_FILE, DcpMetadata, DcpTensor, read_metadata
 from optim_repair.formats.dcp.metadata_reader import read_summary
@@ -105,8 +105,8 @@ def test_a_summary_says_what_the_whole_metadata_says(build: str, root: Path) -> 
 def test_inspect_reports_what_a_whole_read_reports(build: str, root: Path) -> None:
     path = CHECKPOINTS[build](root)
     found = discover(path)
-    summarized, _ = read_parsed(found, keep=False)
-    whole, _ = read_parsed(found, keep=True)
+    summarized, _ = read_parsed(DiskListing(found), keep=False)
+    whole, _ = read_parsed(DiskListing(found), keep=True)
     assert summarized == whole
 
 

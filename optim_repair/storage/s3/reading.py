@@ -1,11 +1,11 @@
-"""S3 and S3-compatible stores through boto3: one counted client for a bucket, its listings and its reads.
+"""Reading an S3 or S3-compatible store through boto3: one counted client for a bucket, its listings and reads.
 
 boto3 is imported when the first ``s3://`` argument is met (the ``optim-repair[s3]`` extra). Credentials and
 endpoints come as the AWS CLI finds them (the environment, ``~/.aws`` profiles, SSO; ``AWS_ENDPOINT_URL``),
 with ``profile`` and ``endpoint_url`` given by the caller first. Retries on throttling and transient errors
 are the client's own. Every request and every byte is counted (``Traffic``). A read names the version it
 read (``IfMatch`` its ETag), so an object replaced meanwhile is refused, never mixed with its old bytes. Every
-answer is judged before it is believed (``answers``, ``names``); writes are ``s3_writes``.
+answer is judged before it is believed (``answers``, ``names``); the writes are ``store``'s.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Any, BinaryIO, TypeVar
 from optim_repair.errors import InputError, OptimRepairError, UsageError, shown_name
 from optim_repair.records.traffic import Traffic
 from optim_repair.storage.answers import check_range, cut, failure, receive
-from optim_repair.storage.names import SCHEME, checked_endpoint, checked_name, redacted
+from optim_repair.storage.interface import Store
+from optim_repair.storage.names import checked_endpoint, checked_name, redacted
 from optim_repair.storage.objects import Copied, Small, StoredObject, encoded_crc32
 
 COALESCE_GAP = 1 << 20
@@ -57,7 +58,10 @@ class _Counter:
             self.copied += copied
 
 
-class S3Store:
+_Reader = TypeVar("_Reader", bound="S3Reader")
+
+
+class S3Reader:
     """One bucket's objects, through one client whose every request is counted and every answer checked: names
     where they are listed, ranges against what was asked, bodies against a deadline."""
 
@@ -91,11 +95,11 @@ class S3Store:
         self._count = _Counter()
         self._client.meta.events.register("before-send.s3", lambda **_: self._count.add(requests=1))
 
-    def sibling(self, bucket: str) -> S3Store:
+    def sibling(self: _Reader, bucket: str) -> _Reader:
         """The store of ``bucket`` through the same client, counted with this one, as the same run."""
         if bucket == self.bucket:
             return self
-        other = object.__new__(S3Store)
+        other = object.__new__(type(self))
         other.__dict__.update(self.__dict__)
         other.bucket = bucket
         return other
@@ -106,7 +110,7 @@ class S3Store:
 
     def where(self, key: str) -> str:
         """The object ``key`` as a URL, for messages."""
-        return f"{SCHEME}{self.bucket}/{key}"
+        return f"s3://{self.bucket}/{key}"
 
     def request(self, operation: str, key: str, *, writing: bool = False, **kwargs: Any) -> Any:
         """The client's ``operation`` on this bucket (about ``key``, for messages); every refusal and transport
@@ -234,7 +238,7 @@ class S3Store:
             raise InputError(cut(received, end - start), path=self.where(key))
         return b"".join(parts)
 
-    def identical(self, key: str, stored: StoredObject, other: str, source: S3Store) -> bool:
+    def identical(self, key: str, stored: StoredObject, other: str, source: Store) -> bool:
         """Whether this store's object ``other`` holds the bytes of ``source``'s ``key`` (as listed), both read
         back in chunks."""
         copy = self.head(other)

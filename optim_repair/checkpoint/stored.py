@@ -19,35 +19,29 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO, Literal, cast
+from typing import BinaryIO, cast
 
 from optim_repair.checkpoint.discovery import model_only
-from optim_repair.checkpoint.reading import NO_OPTIMIZER, check_found, read_torch_file
-from optim_repair.checkpoint.staging import remove_stale, temporary_sibling
-from optim_repair.checkpoint.writing import free_space
+from optim_repair.checkpoint.reading import Listed
 from optim_repair.errors import (
     InputError,
-    NotATorchFile,
     OutputError,
-    Remedy,
-    UnsafeInputError,
     UsageError,
     os_error_reason,
 )
 from optim_repair.formats.dcp import METADATA_FILE, SHARD_SUFFIX, DcpMetadata, read_dcp
-from optim_repair.formats.planned import Parsed
 from optim_repair.formats.registry import is_dcp_metadata, role_of
 from optim_repair.formats.safetensors import read_weights
 from optim_repair.formats.torchfile import TorchFile, read_inventory
 from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, reading_plan
-from optim_repair.progress import Meter, Reporter
-from optim_repair.records.inventory import CheckpointInventory, FileInventory, Skipped, WeightMap
+from optim_repair.records.inventory import CheckpointInventory, FileInventory, WeightMap
 from optim_repair.records.steps import step_number
+from optim_repair.records.traffic import Traffic
 from optim_repair.storage.claim import MARKER
-from optim_repair.storage.names import S3Url, parse_url
+from optim_repair.storage.interface import Store, WritableStore
 from optim_repair.storage.objects import StoredObject
 from optim_repair.storage.ranged import RangedObject
-from optim_repair.storage.s3 import S3Store
+from optim_repair.storage.schemes import StoreOptions, StoreUrl, open_store, parse_url
 
 TAIL = 256 << 10
 """What the first GET of a torch file reads from its end: the end records and a central directory of about three
@@ -57,10 +51,10 @@ HEADER_GAP = 64 << 10
 between them, never of large ones."""
 
 
-class RemoteShards:
+class StoredShards:
     """The shards of one DCP checkpoint in a store, as its listing gave them."""
 
-    def __init__(self, store: S3Store, url: S3Url, rel: str, members: Mapping[str, StoredObject]) -> None:
+    def __init__(self, store: Store, url: StoreUrl, rel: str, members: Mapping[str, StoredObject]) -> None:
         """``members``: the objects of the DCP checkpoint at ``rel`` under the prefix ``url``, by their names there."""
         self._store, self._url, self._rel, self._members = store, url, rel, members
 
@@ -91,66 +85,86 @@ def members(listing: Mapping[str, StoredObject], rel: str) -> dict[str, StoredOb
 
 
 @dataclass
-class RemoteCheckpoint:
-    """A checkpoint in a store: one torch file, or a prefix and what one listing found under it; and a local
-    directory holding the ``.metadata`` of each DCP checkpoint in it."""
+class StoredCheckpoint:
+    """A checkpoint in a store: one torch file, or a prefix and what one listing found under it, read as a
+    ``reading.Listing``; and where its objects are fetched to on this machine."""
 
-    url: S3Url
-    store: S3Store
+    url: StoreUrl
+    store: WritableStore
     listing: Mapping[str, StoredObject]
     """Every object, by its name relative to the prefix (for a torch file: the file alone, named ``""``)."""
     dcp: tuple[str, ...]
     """The DCP checkpoints under the prefix, each by its path relative to it (``""``: the prefix itself)."""
-    mirror: Path
+    local: Path
+    """Where its objects go on this machine, under the names they have in the store: each DCP ``.metadata`` as it
+    is read (the DCP reader reads it there), every object when it is downloaded (``download``). Its torch files
+    are parsed as if there, so that a plan made from the store writes a local copy of the download."""
     fetched: dict[str, list[tuple[int, bytes]]]
     """What was fetched of each file read by ranges, by its name: every reader of it (inspect's, the proof of a
     repair) shares it, so nothing is fetched twice."""
     neighbours: Mapping[str, StoredObject] = field(default_factory=dict)
     """For a torch file: the safetensors objects beside it, by their keys (HF's ``model.safetensors``), read for
     parameter shapes as a local file's neighbours are."""
+    whole: set[str] = field(default_factory=set)
+    """The objects fetched whole into ``local`` (each DCP ``.metadata`` read)."""
 
     @property
     def is_file(self) -> bool:
         return "" in self.listing
 
-    def read(self, *, keep: bool) -> tuple[CheckpointInventory, Parsed]:
-        """The inventory of every optimizer in it (``keep``: with each DCP ``.metadata`` read whole and each torch
-        file parsed, for a writer)."""
-        kept: dict[str, DcpMetadata] = {}
-        torch_files: dict[str, TorchFile] = {}
-        if self.is_file:
-            if role_of(self.url.key) == "safetensors":
-                raise InputError(model_only(Path(self.url.key), []), path=str(self.url))
-            file = self._torch_file("", torch_files)
-            if not file.optimizers:
-                reason = model_only(Path(self.url.key), []) if file.weights else NO_OPTIMIZER
-                raise InputError(reason, path=str(self.url))
-            inventory = CheckpointInventory(str(self.url), "torch", False, (file,), weights=self._weights_beside())
-            return inventory, Parsed(torch_files)
-        files = [self._dcp(rel, kept if keep else None) for rel in self.dcp]
-        skipped: list[Skipped] = []
-        weights: list[WeightMap] = []
+    @property
+    def root(self) -> str:
+        return str(self.url)
+
+    def named(self, rel: str) -> str:
+        return self.url.named(rel) if rel else str(self.url)
+
+    def listed(self) -> Iterator[Listed]:
+        """Its DCP checkpoints, then every torch and safetensors object outside them."""
+        for rel in self.dcp:
+            yield Listed(rel, "dcp")
+        if "" in self.dcp:
+            return
         inside = tuple(f"{rel}/" for rel in self.dcp if rel)
         for name in self.listing:
-            if "" in self.dcp or name.startswith(inside):
-                continue
-            if role_of(name) == "safetensors":
-                try:
-                    weights.append(read_weights(Path(name), name, opener=self.opener(name, [(0, TAIL)])))
-                except InputError as exc:
-                    skipped.append(Skipped(name, exc.reason))
-            if role_of(name) != "torch":
-                continue
-            try:
-                read_torch_file(partial(self._torch_file, name, torch_files), name, str(self.url), files, skipped)
-            except UsageError as exc:  # a legacy-format file
-                skipped.append(Skipped(name, exc.reason))
-        check_found(files, skipped, str(self.url))
-        fmt: Literal["torch", "dcp"] = "dcp" if self.dcp and all(file.format == "dcp" for file in files) else "torch"
-        inventory = CheckpointInventory(str(self.url), fmt, True, tuple(files), tuple(skipped), tuple(weights))
-        return inventory, Parsed(torch_files, kept)
+            role = role_of(name)
+            if role in ("torch", "safetensors") and not name.startswith(inside):
+                yield Listed(name, role)
 
-    def _weights_beside(self) -> tuple[WeightMap, ...]:
+    def read_dcp(self, rel: str, name: str, keep: dict[str, DcpMetadata] | None) -> FileInventory:
+        """The DCP checkpoint ``rel``: its ``.metadata`` downloaded into the mirror, read there as on a disk, its
+        shards read by range (``StoredShards``)."""
+        directory = self._path(rel)
+        directory.mkdir(parents=True, exist_ok=True)
+        metadata = f"{rel}/{METADATA_FILE}" if rel else METADATA_FILE
+        if metadata not in self.whole:
+            with (directory / METADATA_FILE).open("wb") as target:
+                self.store.download(self.url.object(metadata), self.listing[metadata], target)
+            self.whole.add(metadata)
+        shards = StoredShards(self.store, self.url, rel, members(self.listing, rel))
+        return read_dcp(directory, name, keep=keep, shards=shards)
+
+    def read_torch(self, rel: str, name: str, keep: dict[str, TorchFile]) -> FileInventory:
+        """The torch file ``rel`` by ranges: its end first, then its pickle and the local header of every record,
+        in as few requests as lie apart (``zipformat.reading_plan``)."""
+        size = self.listing[rel].size
+        if size == 0:
+            raise InputError("empty file", path=name)
+        opener = self.opener(rel, [(max(size - TAIL, 0), TAIL)])
+        with opener() as stream:
+            plan = reading_plan(stream)
+            if plan is not None:
+                cast(RangedObject, stream).prefetch(plan, gap=HEADER_GAP)
+            stream.seek(0)
+            if stream.read(len(ZIP_MAGIC)) != ZIP_MAGIC:  # its pickle is bounded by mapping it, as on a disk
+                reason = "is no zip archive (a legacy-format torch file?): not read in object storage yet"
+                raise UsageError(reason, path=name)
+        return read_inventory(self._path(rel), rel, name, keep=keep, opener=opener)
+
+    def read_safetensors(self, rel: str, name: str) -> WeightMap:
+        return read_weights(self._path(rel), name, opener=self.opener(rel, [(0, TAIL)]))
+
+    def weights_beside(self) -> tuple[WeightMap, ...]:
         """Parameter shapes from the safetensors objects beside a torch file; a damaged one is passed over, as on a
         disk (only a source of shapes, no reason to refuse the file)."""
         weights = []
@@ -163,60 +177,37 @@ class RemoteCheckpoint:
                 continue
         return tuple(weights)
 
-    def weights(self) -> tuple[WeightMap, ...]:
-        """The model weights it holds (``--model``), found as in a local model file or directory: safetensors
-        headers, torch files of weights, DCP checkpoints."""
-        if self.is_file:
-            if role_of(self.url.key) == "safetensors":
-                return (read_weights(Path(self.url.key), str(self.url), opener=self.opener("", [(0, TAIL)])),)
-            found = self._torch_file("", {}).weights
-        else:
-            found = tuple(weight for rel in self.dcp for weight in self._dcp(rel, None).weights)
-            inside = tuple(f"{rel}/" for rel in self.dcp if rel)
-            for name in self.listing:
-                if "" in self.dcp or name.startswith(inside):
-                    continue
-                if role_of(name) == "safetensors":
-                    found += (read_weights(Path(name), name, opener=self.opener(name, [(0, TAIL)])),)
-                elif role_of(name) == "torch":
-                    with contextlib.suppress(UnsafeInputError, NotATorchFile, UsageError):  # no weights there
-                        found += self._torch_file(name, {}).weights
-        if not found:
-            raise InputError("holds no model weights (the model given)", path=str(self.url))
-        return found
+    def model_only(self) -> str:
+        return model_only(Path(self.url.key), [])
 
-    def local_target(self, out: str | os.PathLike[str]) -> Path:
-        """Where a local copy of it goes: ``out``, or for a torch file and an ``out`` ending in a slash, the file's
-        name inside that directory, as ``cp`` does."""
-        text = os.fspath(out)
-        name = PurePosixPath(self.url.key).name
-        return Path(text) / name if self.is_file and text.endswith(("/", os.sep)) else Path(text)
+    def unwalked(self) -> tuple[str, ...]:
+        return ()
 
-    @contextlib.contextmanager
-    def downloaded(self, target: Path, *, force: bool, reporter: Reporter) -> Iterator[Path]:
-        """All of it, downloaded into a temporary directory beside ``target`` (where a copy of it is to go), locked
-        while the run lives and removed after it (or by the next run, after a kill): the checkpoint's path in it.
-        Refused before a byte moves when ``target`` exists (without ``force``) or its file system lacks room."""
-        total = sum(item.size for item in self.listing.values())
-        if (target.exists() or target.is_symlink()) and not force:
-            raise OutputError("already exists", path=str(target), remedy=Remedy("force", note=" to replace it"))
-        if Path(os.path.abspath(target)).parent.is_dir() and total > free_space(target):
-            reason = f"has {free_space(target):,} bytes free, too few to download {total:,}"
-            raise OutputError(reason, path=str(target.parent))
-        remove_stale(target, reporter.notice)
-        with temporary_sibling(target, directory=True) as tmp:
-            local = tmp / (PurePosixPath(self.url.key).name or self.url.bucket)
-            reporter.notice(f"downloading {len(self.listing)} objects ({total:,} bytes) beside {target}")
-            self.download(local, Meter(reporter.progress, total).writing)
-            yield local
+    def finished(self, inventory: CheckpointInventory) -> CheckpointInventory:
+        return inventory
 
-    def download(self, into: Path, progress: Callable[[int], None]) -> None:
-        """Every object into the new directory ``into`` (for a torch file: into that file), ``WORKERS`` at a time,
-        each checked against the CRC32 the store keeps of it; ``progress`` hears of each object's bytes. Each name
-        was checked where it was listed (``S3Store.listing``): none leads outside ``into``."""
+    def traffic(self) -> Traffic:
+        return self.store.traffic()
+
+    def check_unchanged(self) -> None:
+        """Nothing to check after reading: every read named the version listed, so a change meanwhile was
+        refused where it was met."""
+
+    def size(self) -> int:
+        """The bytes of all its objects."""
+        return sum(item.size for item in self.listing.values())
+
+    def _path(self, rel: str) -> Path:
+        return self.local / rel if rel else self.local
+
+    def download(self, progress: Callable[[int], None]) -> None:
+        """Every object not yet fetched whole into ``local`` (a new directory, or for a torch file that file),
+        ``WORKERS`` at a time, each checked against the CRC32 the store keeps of it; ``progress`` hears of each
+        object's bytes. Each name was checked where it was listed (``Store.listing``): none leads outside
+        ``local``."""
 
         def fetch(name: str) -> int:
-            target = into / name if name else into
+            target = self._path(name)
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
                 with target.open("xb") as stream:
@@ -225,18 +216,13 @@ class RemoteCheckpoint:
                 raise OutputError(f"cannot write ({os_error_reason(exc)})", path=str(target)) from exc
             return self.listing[name].size
 
-        with contextlib.closing(self.store.each(fetch, list(self.listing))) as done:
+        for name in self.whole:
+            progress(self.listing[name].size)
+        left = [name for name in self.listing if name not in self.whole]
+        with contextlib.closing(self.store.each(fetch, left)) as done:
             for size in done:
                 progress(size)
-
-    def _dcp(self, rel: str, keep: dict[str, DcpMetadata] | None) -> FileInventory:
-        directory = self.mirror / rel if rel else self.mirror
-        directory.mkdir(parents=True, exist_ok=True)
-        metadata = f"{rel}/{METADATA_FILE}" if rel else METADATA_FILE
-        with (directory / METADATA_FILE).open("wb") as target:
-            self.store.download(self.url.object(metadata), self.listing[metadata], target)
-        shards = RemoteShards(self.store, self.url, rel, members(self.listing, rel))
-        return read_dcp(directory, rel, keep=keep, shards=shards)
+        self.whole.update(left)
 
     def opener(self, name: str, first: Sequence[tuple[int, int]] = ()) -> Callable[[], BinaryIO]:
         """Opens the object ``name`` by ranges, every one it opens sharing what was fetched of it (``fetched``),
@@ -252,29 +238,13 @@ class RemoteCheckpoint:
 
         return opener
 
-    def _torch_file(self, name: str, keep: dict[str, TorchFile]) -> FileInventory:
-        size = self.listing[name].size
-        if size == 0:
-            raise InputError("empty file", path=name or str(self.url))
-        opener = self.opener(name, [(max(size - TAIL, 0), TAIL)])
-        with opener() as stream:
-            plan = reading_plan(stream)
-            if plan is not None:
-                cast(RangedObject, stream).prefetch(plan, gap=HEADER_GAP)
-            stream.seek(0)
-            if stream.read(len(ZIP_MAGIC)) != ZIP_MAGIC:  # its pickle is bounded by mapping it, as on a disk
-                reason = "is no zip archive (a legacy-format torch file?): not read in object storage yet"
-                raise UsageError(reason, path=name or str(self.url))
-        source = name or str(self.url)
-        return read_inventory(Path(name or self.url.key), name, source, keep=keep, opener=opener)
 
-
-def latest_step(text: str, *, profile: str | None, endpoint_url: str | None) -> str:
+def latest_step(text: str, options: StoreOptions) -> str:
     """The newest complete step under the prefix ``text`` (``s3://bucket/run/``), as a URL: as locally, a step
     whose DCP checkpoints lack their ``.metadata``, or that holds nothing, is passed over, and so is one a repair
     is still writing (it holds a claim's marker)."""
     url = parse_url(text)
-    store = S3Store(url.bucket, profile=profile, endpoint_url=endpoint_url)
+    store = open_store(url, options)
     steps: dict[str, list[tuple[str, StoredObject]]] = {}
     for name, stored in store.listing(url.prefix).items():
         step, _, inside = name.partition("/")
@@ -304,11 +274,11 @@ def _complete(held: Sequence[tuple[str, StoredObject]]) -> bool:
 
 
 @contextlib.contextmanager
-def opened(text: str, *, profile: str | None, endpoint_url: str | None) -> Iterator[RemoteCheckpoint]:
-    """The checkpoint ``text`` (``s3://bucket/prefix/``, or a torch file's key), listed once; its local directory
-    is removed on the way out."""
+def opened(text: str, options: StoreOptions, mirror: Path | None = None) -> Iterator[StoredCheckpoint]:
+    """The checkpoint ``text`` (``s3://bucket/prefix/``, or a torch file's key), listed once, its objects fetched
+    under ``mirror`` (a new directory: one the caller holds, or a temporary one removed on the way out)."""
     url = parse_url(text)
-    store = S3Store(url.bucket, profile=profile, endpoint_url=endpoint_url)
+    store = open_store(url, options)
     fetched: dict[str, list[tuple[int, bytes]]] = {}
     neighbours: dict[str, StoredObject] = {}
     if role_of(url.key) in ("torch", "safetensors"):
@@ -329,5 +299,23 @@ def opened(text: str, *, profile: str | None, endpoint_url: str | None) -> Itera
             raise InputError("holds no objects", path=str(url))
         parents = (PurePosixPath(name).parent.as_posix() for name in listing if is_dcp_metadata(name))
         dcp = tuple(sorted("" if parent == "." else parent for parent in parents))
-    with tempfile.TemporaryDirectory(prefix="optim-repair-remote-") as mirror:
-        yield RemoteCheckpoint(url, store, listing, dcp, Path(mirror), fetched, neighbours)
+    with contextlib.ExitStack() as stack:
+        if mirror is None:
+            mirror = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="optim-repair-remote-")))
+        local = mirror / local_name(url)
+        if "" not in listing:
+            local.mkdir()
+        yield StoredCheckpoint(url, store, listing, dcp, local, fetched, neighbours)
+
+
+def local_name(url: StoreUrl) -> str:
+    """The name a checkpoint in a store has on a disk: its last part (its bucket's name for a whole bucket)."""
+    return PurePosixPath(url.key).name or url.bucket
+
+
+def local_target(text: str, out: str | os.PathLike[str]) -> Path:
+    """Where a local copy of the checkpoint ``text`` in a store goes: ``out``, or for a torch file and an ``out``
+    ending in a slash, the file's name inside that directory, as ``cp`` does."""
+    out_text, url = os.fspath(out), parse_url(text)
+    one_file = role_of(url.key) in ("torch", "safetensors")
+    return Path(out_text) / local_name(url) if one_file and out_text.endswith(("/", os.sep)) else Path(out_text)

@@ -23,7 +23,8 @@ from optim_repair import api
 from optim_repair.errors import ObjectExists, OutputError, UsageError
 from optim_repair.formats.dcp import METADATA_FILE
 from optim_repair.render import fix_document, inspect_document
-from optim_repair.storage import claim, s3, s3_writes
+from optim_repair.storage import claim
+from optim_repair.storage.s3 import S3Store, store
 from tests.conftest import run_cli
 from tests.factories import dcp as dk
 from tests.factories import s3server, trainers
@@ -211,7 +212,7 @@ def test_large_objects_are_copied_and_uploaded_in_parts(
     smallest part, so that a 12 MiB shard takes three."""
     model = torch.nn.ModuleDict({"used": torch.nn.Linear(1800, 1800), "unused": torch.nn.Linear(4, 4)})
     for name, value in (("COPY_LIMIT", 5 << 20), ("COPY_PART", 5 << 20), ("PUT_LIMIT", 5 << 20), ("PUT_PART", 5 << 20)):
-        monkeypatch.setattr(s3_writes, name, value)
+        monkeypatch.setattr(store, name, value)
     optimizer = torch.optim.AdamW(model.parameters())
     model["used"](torch.randn(2, 1800)).sum().backward()
     optimizer.step()
@@ -346,9 +347,9 @@ def test_a_write_that_finds_an_object_there_is_exit_5_and_deletes_nothing(
     server: s3server.Server, stored: tuple[str, Built], tmp_path: Path
 ) -> None:
     bucket, built = stored
-    store = s3.S3Store(bucket)
+    opened = S3Store(bucket)
     with pytest.raises(ObjectExists, match="exists: another writer put an object there first") as raised:
         metadata = built.path / METADATA_FILE
-        s3_writes.put_file(store, f"{PREFIX}{METADATA_FILE}", metadata, metadata.stat().st_size)
+        opened.put_file(f"{PREFIX}{METADATA_FILE}", metadata, metadata.stat().st_size)
     assert raised.value.exit_code == 5 and raised.value.code == "exists"
     assert s3server.keys(server, bucket, PREFIX) == {path.name for path in built.path.iterdir()}

@@ -9,7 +9,7 @@ ending signal it deletes what it wrote, and what a run stopped harder (SIGKILL, 
 by the next run once its lease has lapsed. Copies are proven by the store's CRC32 of the whole object (or its
 MD5 ETag) against the original's; what this run uploads is checked against the CRC32 the store computed on
 receipt. A torch file is spliced (``PlannedTorchFile.splice``, proven before a byte is written) and composed
-inside the store (``storage.compose``): its CRC-32, derived from the original's, proves the kept bytes
+inside the store (``WritableStore.compose``): its CRC-32, derived from the original's, proves the kept bytes
 unchanged, or ``read_back`` reads them back.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO, NamedTuple
 
 from optim_repair.checkpoint.planning import FinishedPlan
-from optim_repair.checkpoint.remote_reading import RemoteCheckpoint, members
+from optim_repair.checkpoint.stored import StoredCheckpoint, members
 from optim_repair.errors import InputError, OutputError, Remedy, UsageError, VerificationError
 from optim_repair.formats.dcp.adapter import PlannedDcp
 from optim_repair.formats.dcp.verifier import verify_planned_dcp
@@ -34,19 +34,17 @@ from optim_repair.formats.torchfile.adapter import PlannedTorchFile, Spliced
 from optim_repair.progress import Meter, Reporter
 from optim_repair.records.traffic import Traffic
 from optim_repair.records.verification import Verification
-from optim_repair.storage import s3_writes
 from optim_repair.storage.answers import CHANGED
 from optim_repair.storage.claim import MARKER, Claim, claimed, marker_key
-from optim_repair.storage.compose import compose
-from optim_repair.storage.names import S3Url, parse_url
+from optim_repair.storage.interface import WritableStore
 from optim_repair.storage.objects import Copied, StoredObject, crc32_of
-from optim_repair.storage.s3 import S3Store
+from optim_repair.storage.schemes import StoreOptions, StoreUrl, is_remote, open_store, parse_url
 
 _CHUNK = 8 << 20
 """What a read-back compares at a time."""
 
 
-def _refused_early(store: S3Store, url: S3Url, force: bool) -> None:
+def _refused_early(store: WritableStore, url: StoreUrl, force: bool) -> None:
     """Refuse an output prefix that holds objects (without ``force``) before anything is written; where a marker
     is there, the claim decides (a stopped run's objects are cleared first)."""
     listed = store.listing(url.prefix)
@@ -54,7 +52,7 @@ def _refused_early(store: S3Store, url: S3Url, force: bool) -> None:
         _refuse_existing(store, url, force, ignore=MARKER)
 
 
-def _refuse_existing(store: S3Store, url: S3Url, force: bool, *, ignore: str) -> list[str]:
+def _refuse_existing(store: WritableStore, url: StoreUrl, force: bool, *, ignore: str) -> list[str]:
     """The objects under the output prefix (but this run's marker ``ignore``): refused unless ``force``, which
     deletes them, once the run holds the prefix and the whole plan is known to succeed."""
     existing = [name for name in store.listing(url.prefix) if name != ignore]
@@ -63,8 +61,10 @@ def _refuse_existing(store: S3Store, url: S3Url, force: bool, *, ignore: str) ->
     return existing
 
 
-def _abort_left_uploads(store: S3Store, prefix: str, notice: Callable[[str], None], *, exact: bool = False) -> None:
-    aborted = s3_writes.abort_uploads(store, prefix, exact=exact)
+def _abort_left_uploads(
+    store: WritableStore, prefix: str, notice: Callable[[str], None], *, exact: bool = False
+) -> None:
+    aborted = store.abort_uploads(prefix, exact=exact)
     if aborted:
         notice(f"aborted {aborted} unfinished uploads a stopped run left at {store.where(prefix)}")
 
@@ -73,16 +73,16 @@ class _Output(NamedTuple):
     """Where and how a repaired copy is written in a store: its store and URL, a local directory for what is staged,
     and the caller's choices."""
 
-    store: S3Store
-    url: S3Url
+    store: WritableStore
+    url: StoreUrl
     staging: Path
     force: bool
     read_back: bool
     reporter: Reporter
 
 
-def write_remote(
-    remote: RemoteCheckpoint,
+def write_in_store(
+    source: StoredCheckpoint,
     finished: FinishedPlan,
     out: str,
     *,
@@ -90,45 +90,47 @@ def write_remote(
     read_back: bool,
     reporter: Reporter,
 ) -> tuple[Verification, Traffic]:
-    """Write the repaired copy of ``remote`` to the prefix ``out`` of a store, proven as the module says; with
+    """Write the repaired copy of ``source`` to the prefix ``out`` of a store, proven as the module says; with
     ``read_back``, every copy is also read back and compared byte for byte. Everything that can be refused is
     refused before the output is touched."""
-    if not out.startswith("s3://"):
+    if not is_remote(out):
         raise UsageError("a checkpoint in object storage is written to object storage (s3://...) in this version")
     target_url = parse_url(out)
-    source = remote.url.prefix
-    if target_url.bucket == remote.url.bucket and (
-        target_url.prefix.startswith(source) or source.startswith(target_url.prefix)
+    if target_url.scheme != source.url.scheme:
+        raise UsageError(f"a checkpoint in {source.url.scheme}:// is copied inside that store, not to {out}")
+    held = source.url.prefix
+    if target_url.bucket == source.url.bucket and (
+        target_url.prefix.startswith(held) or held.startswith(target_url.prefix)
     ):
         raise UsageError(f"{out} holds the checkpoint or lies inside it; write the copy to a prefix beside it")
-    target = remote.store.sibling(target_url.bucket)
+    target = source.store.sibling(target_url.bucket)
     with tempfile.TemporaryDirectory(prefix="optim-repair-staged-") as staging:
         output = _Output(target, target_url, Path(staging), force, read_back, reporter)
-        write = _write_file if remote.is_file else _write_prefix
-        verification = write(remote, finished, output)
-    return verification, remote.store.traffic()
+        write = _write_file if source.is_file else _write_prefix
+        verification = write(source, finished, output)
+    return verification, source.store.traffic()
 
 
-def _write_file(remote: RemoteCheckpoint, finished: FinishedPlan, output: _Output) -> Verification:
-    """The repaired copy of the torch file ``remote`` as one new object (``url``, or the file's name under it when
+def _write_file(source: StoredCheckpoint, finished: FinishedPlan, output: _Output) -> Verification:
+    """The repaired copy of the torch file ``source`` as one new object (``url``, or the file's name under it when
     it ends in a slash), which appears whole or not at all."""
     target, url, staging, force, read_back, reporter = output
-    key = url.object(PurePosixPath(remote.url.key).name) if url.key.endswith("/") or not url.key else url.key
+    key = url.object(PurePosixPath(source.url.key).name) if url.key.endswith("/") or not url.key else url.key
     planned = finished.files[""]
     assert isinstance(planned, PlannedTorchFile)  # the adapter of a torch file
-    prepared = planned.splice(remote.opener(""), staging / "spliced")
+    prepared = planned.splice(source.opener(""), staging / "spliced")
     _refuse_object(target, key, force)
     with claimed(target, marker_key(key), [key], reporter.notice) as claim:
         _abort_left_uploads(target, key, reporter.notice, exact=True)
         if _refuse_object(target, key, force):
-            s3_writes.delete(target, [key])
+            target.delete([key])
         claim.commit(
-            lambda: claim.writing(key, lambda: _write_spliced(remote, "", prepared, target, key, read_back=read_back))
+            lambda: claim.writing(key, lambda: _write_spliced(source, "", prepared, target, key, read_back=read_back))
         )
     return replace(prepared.proven, proof="read back" if read_back else "S3 CRC32")
 
 
-def _refuse_object(store: S3Store, key: str, force: bool) -> bool:
+def _refuse_object(store: WritableStore, key: str, force: bool) -> bool:
     """Whether an object is at ``key``, where one is to be written: refused unless ``force``."""
     there = "" in store.listing(key) if key.endswith("/") else store.owner(key) is not None
     if there and not force:
@@ -136,34 +138,34 @@ def _refuse_object(store: S3Store, key: str, force: bool) -> bool:
     return there
 
 
-def _write_prefix(remote: RemoteCheckpoint, finished: FinishedPlan, output: _Output) -> Verification:
-    """The repaired copy of the prefix ``remote`` into the prefix ``url``: the plan's files staged and proven
+def _write_prefix(source: StoredCheckpoint, finished: FinishedPlan, output: _Output) -> Verification:
+    """The repaired copy of the prefix ``source`` into the prefix ``url``: the plan's files staged and proven
     locally, and every splice proven, before the output is claimed; then copies, splices and uploads, each
     ``.metadata`` last."""
     target, url, staging, force, read_back, reporter = output
-    verification, staged = _stage(remote, finished, staging / "copy")
+    verification, staged = _stage(source, finished, staging / "copy")
     spliced = {
-        name: planned.splice(remote.opener(name), staging / f"spliced-{index}")
+        name: planned.splice(source.opener(name), staging / f"spliced-{index}")
         for index, (name, planned) in enumerate(finished.files.items())
         if isinstance(planned, PlannedTorchFile) and planned.changes_anything
     }
     verification = sum((prepared.proven for prepared in spliced.values()), verification)
-    copies = [(name, stored) for name, stored in remote.listing.items() if name not in staged and name not in spliced]
+    copies = [(name, stored) for name, stored in source.listing.items() if name not in staged and name not in spliced]
     _refused_early(target, url, force)
     planned_keys = [url.object(name) for name in (*(name for name, _ in copies), *spliced, *staged)]
     with claimed(target, marker_key(url.prefix), planned_keys, reporter.notice) as claim:
         existing = _refuse_existing(target, url, force, ignore=MARKER)
         _abort_left_uploads(target, url.prefix, reporter.notice)
         if existing:
-            s3_writes.delete(target, [url.object(name) for name in existing])
-        proofs = _copy_all(remote, target, url, claim, copies, spliced, staged, read_back, reporter)
+            target.delete([url.object(name) for name in existing])
+        proofs = _copy_all(source, target, url, claim, copies, spliced, staged, read_back, reporter)
     return replace(verification, proof=" and ".join(sorted(proofs)) or None)
 
 
 def _copy_all(
-    remote: RemoteCheckpoint,
-    target: S3Store,
-    url: S3Url,
+    source: StoredCheckpoint,
+    target: WritableStore,
+    url: StoreUrl,
     claim: Claim,
     copies: Sequence[tuple[str, StoredObject]],
     spliced: Mapping[str, Spliced],
@@ -172,38 +174,38 @@ def _copy_all(
     reporter: Reporter,
 ) -> set[str]:
     total = sum(stored.size for _, stored in copies) + sum(path.stat().st_size for path in staged.values())
-    meter = Meter(reporter.progress, total + sum(remote.listing[name].size for name in spliced))
+    meter = Meter(reporter.progress, total + sum(source.listing[name].size for name in spliced))
 
     def copy(item: tuple[str, StoredObject]) -> tuple[str, int]:
         name, stored = item
         key = url.object(name)
         copied = claim.writing(
-            key, lambda: s3_writes.copy(target, remote.url.object(name), stored, key, source_bucket=remote.url.bucket)
+            key, lambda: target.copy(source.url.object(name), stored, key, source_bucket=source.url.bucket)
         )
-        return _prove(remote, target, url, name, stored, copied, read_back), stored.size
+        return _prove(source, target, url, name, stored, copied, read_back), stored.size
 
     proofs = set()
-    with contextlib.closing(remote.store.each(copy, copies)) as done:
+    with contextlib.closing(source.store.each(copy, copies)) as done:
         for proof, size in done:
             proofs.add(proof)
             meter.writing(size)
     for name, prepared in spliced.items():
         key = url.object(name)
-        claim.writing(key, partial(_write_spliced, remote, name, prepared, target, key, read_back=read_back))
+        claim.writing(key, partial(_write_spliced, source, name, prepared, target, key, read_back=read_back))
         proofs.add("read back" if read_back else "S3 CRC32")
-        meter.writing(remote.listing[name].size)
+        meter.writing(source.listing[name].size)
     _upload(target, url, claim, staged, meter)
     return proofs
 
 
-def _upload(store: S3Store, url: S3Url, claim: Claim, files: Mapping[str, Path], meter: Meter) -> None:
+def _upload(store: WritableStore, url: StoreUrl, claim: Claim, files: Mapping[str, Path], meter: Meter) -> None:
     """Upload ``files`` (by their names under the output prefix), every ``.metadata`` after every other file (the
     commit, as torch's writer makes it, once the claim is renewed), each checked against the CRC32 the store
     computed on receipt."""
 
     def put(name: str) -> int:
         path, key = files[name], url.object(name)
-        answer = claim.writing(key, lambda: s3_writes.put_file(store, key, path, path.stat().st_size))
+        answer = claim.writing(key, lambda: store.put_file(key, path, path.stat().st_size))
         if answer.crc32 is not None and answer.crc32 != crc32_of(path):
             raise VerificationError("the store holds other bytes than were sent", path=url.named(name))
         return path.stat().st_size
@@ -217,21 +219,19 @@ def _upload(store: S3Store, url: S3Url, claim: Claim, files: Mapping[str, Path],
             meter.writing(claim.commit(partial(put, name)))
 
 
-def upload_copy(
-    copy: Path, out: str, *, force: bool, profile: str | None, endpoint_url: str | None, reporter: Reporter
-) -> Traffic:
+def upload_copy(copy: Path, out: str, *, force: bool, options: StoreOptions, reporter: Reporter) -> Traffic:
     """Upload ``copy`` (a verified repaired copy: a file, or a directory) to ``out`` in a store: a file to that
-    key, never over one that exists; a directory into an empty prefix, as ``write_remote`` commits one."""
+    key, never over one that exists; a directory into an empty prefix, as ``write_in_store`` commits one."""
     url = parse_url(out)
-    store = S3Store(url.bucket, profile=profile, endpoint_url=endpoint_url)
+    store = open_store(url, options)
     if copy.is_file():
         _refuse_object(store, url.key, force)
         with claimed(store, marker_key(url.key), [url.key], reporter.notice) as claim:
             _abort_left_uploads(store, url.key, reporter.notice, exact=True)
             if _refuse_object(store, url.key, force):
-                s3_writes.delete(store, [url.key])
+                store.delete([url.key])
             answer = claim.commit(
-                lambda: claim.writing(url.key, lambda: s3_writes.put_file(store, url.key, copy, copy.stat().st_size))
+                lambda: claim.writing(url.key, lambda: store.put_file(url.key, copy, copy.stat().st_size))
             )
             if answer.crc32 is not None and answer.crc32 != crc32_of(copy):
                 raise VerificationError("the store holds other bytes than were sent", path=out)
@@ -242,12 +242,12 @@ def upload_copy(
         existing = _refuse_existing(store, url, force, ignore=MARKER)
         _abort_left_uploads(store, url.prefix, reporter.notice)
         if existing:
-            s3_writes.delete(store, [url.object(name) for name in existing])
+            store.delete([url.object(name) for name in existing])
         _upload(store, url, claim, files, Meter(reporter.progress, sum(path.stat().st_size for path in files.values())))
     return store.traffic()
 
 
-def _stage(remote: RemoteCheckpoint, finished: FinishedPlan, staging: Path) -> tuple[Verification, dict[str, Path]]:
+def _stage(source: StoredCheckpoint, finished: FinishedPlan, staging: Path) -> tuple[Verification, dict[str, Path]]:
     """Write what the repair changes into ``staging`` and prove it there against the original's metadata (every
     original byte, found through the new metadata, must lie where it lay, in the copy of its own shard)."""
     proven = Verification(0, 0)
@@ -255,10 +255,10 @@ def _stage(remote: RemoteCheckpoint, finished: FinishedPlan, staging: Path) -> t
     for rel, planned in finished.files.items():
         if not isinstance(planned, PlannedDcp):
             continue  # a torch file, spliced
-        src = remote.mirror / rel if rel else remote.mirror
+        src = source.local / rel if rel else source.local
         dest = staging / rel if rel else staging
         dest.mkdir(parents=True, exist_ok=True)
-        taken = members(remote.listing, rel).keys()
+        taken = members(source.listing, rel).keys()
         write_planned_dcp(src, planned.planned, dest, taken=taken.__contains__)
         if not planned.changes_anything:
             continue
@@ -269,22 +269,22 @@ def _stage(remote: RemoteCheckpoint, finished: FinishedPlan, staging: Path) -> t
 
 
 def _prove(
-    remote: RemoteCheckpoint, target: S3Store, url: S3Url, name: str, stored: StoredObject, copied: Copied,
+    source: StoredCheckpoint, target: WritableStore, url: StoreUrl, name: str, stored: StoredObject, copied: Copied,
     read_back: bool,
 ) -> str:  # fmt: skip
     """How the copy of ``name`` is proven the original's: read back, or the store's CRC32 of the whole object (or
     its MD5 ETag, for an object stored in one part) against the original's. Raises ``VerificationError``."""
     where = url.named(name)
     if read_back:
-        if not target.identical(remote.url.object(name), stored, url.object(name), remote.store):
-            raise VerificationError(f"differs from {remote.url.named(name)}", path=where)
+        if not target.identical(source.url.object(name), stored, url.object(name), source.store):
+            raise VerificationError(f"differs from {source.url.named(name)}", path=where)
         return "read back"
-    original = remote.store.checksum(remote.url.object(name))
+    original = source.store.checksum(source.url.object(name))
     if original.etag != stored.etag:
-        raise InputError(CHANGED, path=remote.url.named(name))
+        raise InputError(CHANGED, path=source.url.named(name))
     if original.crc32 is not None and copied.crc32 is not None:
         if original.crc32 != copied.crc32:
-            raise VerificationError(f"its CRC32 differs from that of {remote.url.named(name)}", path=where)
+            raise VerificationError(f"its CRC32 differs from that of {source.url.named(name)}", path=where)
         return "S3 CRC32"
     if "-" not in stored.etag and copied.etag == stored.etag:
         return "S3 ETag (MD5)"
@@ -296,16 +296,16 @@ def _prove(
 
 
 def _write_spliced(
-    remote: RemoteCheckpoint, name: str, spliced: Spliced, store: S3Store, new_key: str, *, read_back: bool
+    source: StoredCheckpoint, name: str, spliced: Spliced, store: WritableStore, new_key: str, *, read_back: bool
 ) -> Copied:
-    """Compose the spliced copy of the torch file ``name`` of ``remote`` as the new object ``new_key`` of ``store``:
-    its new head and tail around the original's kept range, copied inside the store (``storage.compose``). Its
+    """Compose the spliced copy of the torch file ``name`` of ``source`` as the new object ``new_key`` of ``store``:
+    its new head and tail around the original's kept range, copied inside the store (``WritableStore.compose``). Its
     CRC-32, derived from the original's, proves the kept bytes unchanged; ``read_back`` reads them back instead."""
     made = spliced.made
-    key, stored = remote.url.object(name) if name else remote.url.key, remote.listing[name]
+    key, stored = source.url.object(name) if name else source.url.key, source.listing[name]
     head, tail = spliced.head_and_tail()
-    composed = compose(store, new_key, head, (remote.store, key, stored), (made.start, made.end), tail,
-                       remote.store.checksum(key).crc32)  # fmt: skip
+    composed = store.compose(new_key, head, (source.store, key, stored), (made.start, made.end), tail,
+                       source.store.checksum(key).crc32)  # fmt: skip
     where = store.where(new_key)
     if read_back:
         _read_back(store, new_key, spliced.joined, where)
@@ -317,7 +317,7 @@ def _write_spliced(
     return composed.written
 
 
-def _read_back(store: S3Store, key: str, copy: Callable[[], BinaryIO], where: str) -> None:
+def _read_back(store: WritableStore, key: str, copy: Callable[[], BinaryIO], where: str) -> None:
     """The new object, read back in chunks, holds the bytes of the joined file ``copy`` opens."""
     stored = store.head(key)
     with copy() as expected:
