@@ -21,7 +21,6 @@ from optim_repair.checkpoint import store_writing
 from optim_repair.checkpoint.discovery import Discovery, discover
 from optim_repair.checkpoint.planning import FinishedPlan
 from optim_repair.checkpoint.reading import DiskListing, Listing
-from optim_repair.checkpoint.staging import remove_stale, taken_back_on_failure, temporary_sibling
 from optim_repair.checkpoint.stored import StoredCheckpoint, local_target
 from optim_repair.checkpoint.writing import free_space, space_needed, write_copy
 from optim_repair.errors import OutputError, Remedy
@@ -29,6 +28,7 @@ from optim_repair.progress import Meter, Reporter
 from optim_repair.records.request import CopyRequest
 from optim_repair.records.traffic import Traffic
 from optim_repair.records.verification import Verification
+from optim_repair.storage.disk_staging import remove_stale, taken_back_on_failure, temporary_sibling
 from optim_repair.storage.schemes import StoreOptions, is_remote
 
 Written = tuple[Path | str, Verification, Traffic | None]

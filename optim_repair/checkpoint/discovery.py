@@ -27,11 +27,11 @@ from pathlib import Path
 
 from optim_repair.errors import InputError, os_error_reason
 from optim_repair.formats.dcp import METADATA_FILE, SHARD_SUFFIX, is_dcp_directory
-from optim_repair.formats.inputs import kind_of
 from optim_repair.formats.registry import Role, role_of
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX
 from optim_repair.formats.torchfile import TORCH_SUFFIXES
 from optim_repair.records.steps import step_number
+from optim_repair.storage.disk import kind_of
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,13 @@ from pathlib import Path
 
 from optim_repair.checkpoint.discovery import Discovery, Entry
 from optim_repair.checkpoint.planning import FinishedPlan
-from optim_repair.checkpoint.staging import move_into_place, refuse_to_replace, remove_stale, temporary_sibling
 from optim_repair.errors import InputError, OutputError, Remedy, VerificationError, os_error_reason, shown_name
 from optim_repair.formats.copied import verify_copied_file, verify_copied_link
-from optim_repair.formats.inputs import open_regular, size_of
-from optim_repair.formats.ranges import kernel_copy
 from optim_repair.progress import QUIET, Meter, Notice, Reporter
 from optim_repair.records.request import DEFAULT_COPY, CopyRequest
 from optim_repair.records.verification import NOTHING, Verification
+from optim_repair.storage.disk import kernel_copy, open_regular, size_of
+from optim_repair.storage.disk_staging import move_into_place, refuse_to_replace, remove_stale, temporary_sibling
 
 
 def check_output(source: Path, out: Path, *, force: bool) -> None:

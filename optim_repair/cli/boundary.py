@@ -21,7 +21,6 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from optim_repair import render, signals
-from optim_repair.checkpoint.staging import taken_back_on_failure
 from optim_repair.errors import (
     ClosedPipe,
     ExitCode,
@@ -33,6 +32,7 @@ from optim_repair.errors import (
     os_error_reason,
 )
 from optim_repair.records.repair_plan import Fill
+from optim_repair.storage.disk_staging import taken_back_on_failure
 
 _COMMON_EXITS = {
     ExitCode.USAGE: "usage error",

@@ -6,9 +6,8 @@ import os
 from pathlib import Path
 
 from optim_repair.errors import VerificationError
-from optim_repair.formats.inputs import open_regular
-from optim_repair.formats.ranges import same_range
 from optim_repair.records.verification import Verification
+from optim_repair.storage.disk import open_regular, same_range
 
 
 def same_file(original: Path, copy: Path) -> bool:

@@ -1,8 +1,9 @@
-"""Object storage: the checkpoints optim-repair reads by range and writes by server-side copy (``s3://``).
+"""The I/O under the formats: the local disk, and the object stores checkpoints are read from and written to.
 
+On a disk: ``disk`` opens input files as regular files only and moves and compares their bytes; ``disk_staging``
+is a copy's temporary sibling, moved into place once proven; ``ranged`` reads byte ranges as files. In a store:
 ``interface`` says what a store must do (``Store``, ``WritableStore``) and ``schemes`` which store serves a URL;
-``s3`` is the S3 store (boto3, the ``optim-repair[s3]`` extra). ``claim`` is a run's claim on where it writes;
+``s3`` is the S3 store (boto3, the ``optim-repair[s3]`` extra); ``claim`` is a run's claim on where it writes;
 ``names`` and ``answers`` check what a store says before it is believed; ``crc`` gives the checksum an object
-composed inside a store must have; ``ranged`` reads an object as a file. Local paths do not pass through here: the
-formats read them as files.
+composed inside a store must have. Nothing here knows a format.
 """

@@ -1,7 +1,9 @@
-"""An object of a store read as a file: seekable, fetched by ranges, what was fetched kept in memory.
+"""Byte ranges read as files, one seek rule for all: a range of a file, files joined, an object of a store.
 
-The torch-file reader reads a ``RangedObject`` as it reads a local file. What it will need is fetched first, in few
-GETs (``prefetch``: the end records and the central directory, the pickle); any other read is one GET.
+``RangeFile`` is their base: read-only, seekable as a file is. ``FileSlice`` reads a range of an open file (a DCP
+entry, for ``zipfile``); ``Joined`` reads files end to end (a spliced torch file). The torch-file reader reads a
+``RangedObject`` as it reads a local file: what it will need is fetched first, in few GETs (``prefetch``: the end
+records and the central directory, the pickle); any other read is one GET.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import bisect
 import errno
 import io
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
 from optim_repair.storage.interface import Store
 from optim_repair.storage.objects import StoredObject
@@ -19,23 +21,12 @@ READAHEAD = 8 << 10
 """What a read that nothing prefetched fetches beyond what it asks for."""
 
 
-class RangedObject(io.RawIOBase):
-    """One object of a store as a read-only, seekable file: what was fetched (``prefetch``) is served from memory,
-    and a read of anything else is one ranged GET of it and up to ``READAHEAD`` after it. Every GET names the
-    listed ETag."""
+class RangeFile(io.RawIOBase):
+    """A read-only file of ``_size`` bytes whose position seeks as a file's does: past its end freely, and never
+    before its start (``EINVAL``, which ``zipfile`` takes for no zip archive, as it does from a file)."""
 
-    def __init__(
-        self, store: Store, key: str, stored: StoredObject, spans: list[tuple[int, bytes]] | None = None
-    ) -> None:
-        """``spans``: what was fetched of it already, shared with each object opened over the same list."""
-        super().__init__()
-        self._store, self._key, self._stored = store, key, stored
-        self._spans = [] if spans is None else spans
-        self._position = 0
-
-    @property
-    def name(self) -> str:
-        return self._store.where(self._key)
+    _size = 0
+    _position = 0
 
     def readable(self) -> bool:
         return True
@@ -47,11 +38,75 @@ class RangedObject(io.RawIOBase):
         return self._position
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._stored.size}[whence]
-        if base + offset < 0:  # as a file answers it: zipfile takes that for no zip archive
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
+        if base + offset < 0:
             raise OSError(errno.EINVAL, "Invalid argument")
         self._position = base + offset
         return self._position
+
+
+class FileSlice(RangeFile):
+    """``length`` bytes of an open file from ``offset``, as a file of their own (a DCP entry, for ``zipfile``)."""
+
+    def __init__(self, stream: BinaryIO, offset: int, length: int) -> None:
+        super().__init__()
+        self._stream, self._offset, self._size = stream, offset, length
+
+    def readinto(self, buffer: Any) -> int:
+        size = max(0, min(len(buffer), self._size - self._position))
+        self._stream.seek(self._offset + self._position)
+        data = self._stream.read(size)
+        buffer[: len(data)] = data
+        self._position += len(data)
+        return len(data)
+
+
+class Joined(RangeFile):
+    """Files read as one, end to end: each part a readable, seekable file and the range of it that is joined (a
+    spliced torch file: its new head, the original's kept bytes, its new tail). Closing it closes them."""
+
+    def __init__(self, parts: Sequence[tuple[BinaryIO, int, int]]) -> None:
+        super().__init__()
+        self._parts, self._starts = [part for part in parts if part[2] > 0], []
+        for _, _, length in self._parts:
+            self._starts.append(self._size)
+            self._size += length
+
+    def close(self) -> None:
+        for stream, _, _ in self._parts:
+            stream.close()
+        super().close()
+
+    def readinto(self, buffer: Any) -> int:
+        index = bisect.bisect_right(self._starts, self._position) - 1
+        if self._position >= self._size or index < 0:
+            return 0
+        stream, start, length = self._parts[index]
+        within = self._position - self._starts[index]
+        stream.seek(start + within)
+        data = stream.read(min(len(buffer), length - within))
+        buffer[: len(data)] = data
+        self._position += len(data)
+        return len(data)
+
+
+class RangedObject(RangeFile):
+    """One object of a store as a read-only, seekable file: what was fetched (``prefetch``) is served from memory,
+    and a read of anything else is one ranged GET of it and up to ``READAHEAD`` after it. Every GET names the
+    listed ETag."""
+
+    def __init__(
+        self, store: Store, key: str, stored: StoredObject, spans: list[tuple[int, bytes]] | None = None
+    ) -> None:
+        """``spans``: what was fetched of it already, shared with each object opened over the same list."""
+        super().__init__()
+        self._store, self._key, self._stored = store, key, stored
+        self._spans = [] if spans is None else spans
+        self._size = stored.size
+
+    @property
+    def name(self) -> str:
+        return self._store.where(self._key)
 
     def prefetch(self, wanted: Sequence[tuple[int, int]], *, gap: int) -> None:
         """Fetch the ranges ``wanted`` (clipped to the object) that are not fetched yet, those closer than ``gap``

@@ -40,10 +40,10 @@ from optim_repair.formats.dcp.metadata_records import (
     path_fault,
 )
 from optim_repair.formats.dcp.metadata_summary import summarize
-from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickle_limits import check_pickle
 from optim_repair.formats.unpickling import AllowlistUnpickler, collection_paused
 from optim_repair.records.dtypes import DTYPES, itemsize, numel
+from optim_repair.storage.disk import open_regular
 
 
 class MetadataRecord:

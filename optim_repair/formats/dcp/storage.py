@@ -15,10 +15,10 @@ from typing import Any, Protocol
 
 from optim_repair.errors import InputError, os_error_reason, shown
 from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpMetadata, DcpStorage, display_path
-from optim_repair.formats.inputs import open_beneath, size_of
 from optim_repair.formats.pickled import PickleGraph
 from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, check_archive, open_zip
 from optim_repair.formats.unpickling import ZIP_ERRORS
+from optim_repair.storage.disk import open_beneath, size_of
 
 MAX_BYTES_ENTRY = 64 << 20
 """The most one bytes entry (a ``torch.save``'d object: a param group, a ``params`` list, non-tensor

@@ -22,12 +22,12 @@ from optim_repair.formats.dcp.metadata import (
 from optim_repair.formats.dcp.metadata_reader import read_metadata
 from optim_repair.formats.dcp.planning import NewEntry, PlannedEntries, Rekeyed
 from optim_repair.formats.dcp.storage import LocalShards, read_ranges, read_saved_object, untransform
-from optim_repair.formats.inputs import open_beneath
 from optim_repair.formats.pickled import load_graph, tensor_meta
-from optim_repair.formats.ranges import FileSlice, same_range
 from optim_repair.records.dtypes import contiguous_strides
 from optim_repair.records.repair_plan import FreshTensor
 from optim_repair.records.verification import Verification
+from optim_repair.storage.disk import open_beneath, same_range
+from optim_repair.storage.ranged import FileSlice
 
 
 def _check_ranges(

@@ -17,10 +17,10 @@ from optim_repair.formats.dcp.metadata_memo import memo_objects
 from optim_repair.formats.dcp.metadata_writer import Place, extended_metadata, rebuilt_metadata
 from optim_repair.formats.dcp.planning import PlannedEntries
 from optim_repair.formats.pickle_writing import dump_graph, new_tensor, storage_for
-from optim_repair.formats.ranges import write_all
 from optim_repair.formats.torchfile.zipwriter import ZipWriter
 from optim_repair.records.dtypes import numel
 from optim_repair.records.repair_plan import AddedValue, FreshTensor
+from optim_repair.storage.disk import write_all
 
 
 def _shard_name(taken: Callable[[str], bool]) -> str:

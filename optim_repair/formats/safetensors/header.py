@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, os_error_reason
-from optim_repair.formats.inputs import open_regular
+from optim_repair.storage.disk import open_regular
 
 SAFETENSORS_SUFFIX = ".safetensors"
 _MAX_HEADER = 100 * 1024 * 1024

@@ -22,7 +22,6 @@ from optim_repair.errors import UsageError
 from optim_repair.formats.pickle_writing import dump_graph
 from optim_repair.formats.pickled import load_graph
 from optim_repair.formats.planned import Parsed, PlannedFile, Tally, added_bytes
-from optim_repair.formats.ranges import Joined
 from optim_repair.formats.torchfile import TorchFile, open_torch_file, plan_torch_file, write_torch_file
 from optim_repair.formats.torchfile.splice import Splice, splice
 from optim_repair.formats.torchfile.verifier import verify_torch_file
@@ -32,6 +31,7 @@ from optim_repair.progress import Meter
 from optim_repair.records.inventory import FileInventory
 from optim_repair.records.repair_plan import Addition, ParamChange, RepairPlan
 from optim_repair.records.verification import Verification
+from optim_repair.storage.ranged import Joined
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from optim_repair.errors import InputError, os_error_reason
-from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile, open_legacy
 from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, ZipTorchFile, open_zip
+from optim_repair.storage.disk import open_regular
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 """Names of the torch files a directory argument reads (UniRL, HF Trainer, Accelerate, Lightning)."""

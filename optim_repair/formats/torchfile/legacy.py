@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import BinaryIO, ClassVar, Literal
 
 from optim_repair.errors import InputError, NotATorchFile, TorchRefuses, UnsafeInputError, shown
-from optim_repair.formats.inputs import size_of
 from optim_repair.formats.pickled import PickleGraph, load_graph
+from optim_repair.storage.disk import size_of
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001

@@ -10,13 +10,13 @@ from collections.abc import Sequence
 from typing import Any, BinaryIO
 
 from optim_repair.errors import Remedy, RepairRefused, shown
-from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickled import is_dtensor, resolve, tensor_meta
 from optim_repair.formats.torchfile.files import TorchFile
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile
 from optim_repair.records import keys
 from optim_repair.records.dtypes import CHUNK, itemsize
 from optim_repair.records.repair_plan import Addition, FreshTensor, ParamChange
+from optim_repair.storage.disk import open_regular
 
 
 def entry_values(optimizer: dict[Any, Any], param: object) -> list[tuple[str, Any]]:

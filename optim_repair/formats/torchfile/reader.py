@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, shown
-from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickled import describe_address, is_tensor, option_value, state_value, tensor_meta, walk
 from optim_repair.formats.torchfile.files import Opener, TorchFile, open_torch_file
 from optim_repair.records import keys
@@ -28,6 +27,7 @@ from optim_repair.records.inventory import (
     WeightMap,
     key_style,
 )
+from optim_repair.storage.disk import open_regular
 
 PHANTOM_PROBE_BYTES = 4096
 """How many leading bytes of a moment inspect reads, only when every ``step`` of an optimizer is 1."""

@@ -12,12 +12,11 @@ import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
-from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickled import StorageRef
-from optim_repair.formats.ranges import kernel_copy, write_all
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile
 from optim_repair.formats.torchfile.zipformat import ZipTorchFile, data_offset, read_record
 from optim_repair.formats.torchfile.zipwriter import ZipWriter
+from optim_repair.storage.disk import kernel_copy, open_regular, write_all
 
 
 class NewStorage(NamedTuple):

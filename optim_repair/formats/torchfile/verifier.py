@@ -15,9 +15,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, VerificationError, shown
-from optim_repair.formats.inputs import open_regular
 from optim_repair.formats.pickled import Reduced, StorageRef, describe_address, global_name, resolve, tensor_meta
-from optim_repair.formats.ranges import same_range
 from optim_repair.formats.safe_globals import PickledObject
 from optim_repair.formats.torchfile.files import Opener, TorchFile, open_torch_file
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile
@@ -27,6 +25,7 @@ from optim_repair.formats.unpickling import ZIP_ERRORS
 from optim_repair.records import keys
 from optim_repair.records.repair_plan import Addition, FreshTensor, ParamChange
 from optim_repair.records.verification import Verification
+from optim_repair.storage.disk import open_regular, same_range
 
 
 def _float_bits(value: float | complex) -> bytes:

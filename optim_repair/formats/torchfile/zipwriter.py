@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from optim_repair.formats.ranges import kernel_copy, write_all
+from optim_repair.storage.disk import kernel_copy, write_all
 
 ALIGNMENT = 64
 """torch aligns every record's data on 64 bytes, so that storages can be memory-mapped."""

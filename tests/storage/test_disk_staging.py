@@ -1,4 +1,4 @@
-"""The temporary sibling of --out (``optim_repair.checkpoint.staging``): atomic creation, links, stale temporaries."""
+"""The temporary sibling of --out (``optim_repair.storage.disk_staging``): atomic creation, links, stale temporaries."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from optim_repair.checkpoint import staging
 from optim_repair.errors import OutputError
+from optim_repair.storage import disk_staging as staging
 from tests.conftest import run_cli
 from tests.factories import defects
 from tests.factories.support import fix, leftovers

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from optim_repair.errors import InputError
-from optim_repair.formats.ranges import kernel_copy
+from optim_repair.storage.disk import kernel_copy
 
 
 @pytest.mark.parametrize("offset", [0, 4096])

@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from optim_repair.errors import OutputError, Remedy, os_error_reason
-from optim_repair.formats.inputs import kind_of
 from optim_repair.signals import held
+from optim_repair.storage.disk import kind_of
 
 STALE_AFTER_SECONDS = 10
 """A temporary nobody holds is left alone this long after its last change (its run may be starting)."""
