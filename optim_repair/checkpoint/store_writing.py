@@ -33,7 +33,7 @@ from optim_repair.formats.registry import is_dcp_metadata
 from optim_repair.formats.torchfile.adapter import PlannedTorchFile, Spliced
 from optim_repair.progress import Meter, Reporter
 from optim_repair.records.traffic import Traffic
-from optim_repair.records.verification import Verification
+from optim_repair.records.verification import HolderProof, Verification
 from optim_repair.storage.answers import CHANGED
 from optim_repair.storage.claim import MARKER, Claim, claimed, marker_key
 from optim_repair.storage.interface import WritableStore
@@ -42,6 +42,9 @@ from optim_repair.storage.schemes import StoreOptions, StoreUrl, is_remote, open
 
 _CHUNK = 8 << 20
 """What a read-back compares at a time."""
+STORE_COPIES = HolderProof(unchanged_files=True)
+"""What a store proves of a copy made in it: every object the repair does not write, copied whole inside the store
+and proven by its checksums (``_prove``), so that the verifier of what the repair wrote does not read them."""
 
 
 def _refused_early(store: WritableStore, url: StoreUrl, force: bool) -> None:
@@ -262,7 +265,7 @@ def _stage(source: StoredCheckpoint, finished: FinishedPlan, staging: Path) -> t
         write_planned_dcp(src, planned.planned, dest, taken=taken.__contains__)
         if not planned.changes_anything:
             continue
-        proven += verify_planned_dcp(src, dest, planned.planned, whole=True)
+        proven += verify_planned_dcp(src, dest, planned.planned, holder=STORE_COPIES)
         for path in dest.iterdir():
             staged[f"{rel}/{path.name}" if rel else path.name] = path
     return proven, staged

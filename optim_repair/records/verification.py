@@ -22,3 +22,21 @@ class Verification:
 
 
 NOTHING = Verification(0, 0)
+
+
+@dataclass(frozen=True)
+class HolderProof:
+    """What the holder of a copy proves by its own means, so that a verifier checks where those bytes lie and does
+    not read them: an object store proves a server-side copy, or an object it composed, by its checksums of whole
+    objects. A verifier is given it; by default (``READ_EVERYTHING``) it reads every byte itself."""
+
+    unchanged_files: bool = False
+    """Every file the repair does not write is a whole copy the holder proves (a DCP checkpoint's shards copied
+    inside a store): the directory the verifier reads holds only what the repair wrote, and every original entry
+    must lie where it lay, in the copy of its own file."""
+    kept: tuple[int, int, int] | None = None
+    """``(start, end, moved)``: the copy's bytes from ``start + moved`` are the original's from ``start`` to ``end``
+    (a spliced torch file composed inside a store): a storage there must lie ``moved`` bytes on, and is not read."""
+
+
+READ_EVERYTHING = HolderProof()

@@ -25,19 +25,19 @@ from optim_repair.formats.dcp.storage import LocalShards, read_ranges, read_save
 from optim_repair.formats.pickled import load_graph, tensor_meta
 from optim_repair.records.dtypes import contiguous_strides
 from optim_repair.records.repair_plan import FreshTensor
-from optim_repair.records.verification import Verification
+from optim_repair.records.verification import READ_EVERYTHING, HolderProof, Verification
 from optim_repair.storage.disk import open_beneath, same_range
 from optim_repair.storage.ranged import FileSlice
 
 
 def _check_ranges(
-    src: Path, dest: Path, original: DcpMetadata, copy: DcpMetadata, rekeyed: Rekeyed, whole: bool
+    src: Path, dest: Path, original: DcpMetadata, copy: DcpMetadata, rekeyed: Rekeyed, holder: HolderProof
 ) -> int:
     """Every original entry's bytes, found through the copy's own metadata under its new key, are the original's
     (but those of dropped entries and rewritten ``params`` lists); each pair of shards is opened once and read in
-    offset order (not at all when the copy's is a hard link to it). With ``whole``, the caller proves every
-    original shard's copy identical as a whole (a server-side copy, by the store's checksums), so each entry must
-    lie where it lay, in the copy of its own shard. Returns the bytes proven."""
+    offset order (not at all when the copy's is a hard link to it). Where the ``holder`` proves every original
+    shard's copy identical as a whole (a server-side copy, by the store's checksums), each entry must lie where it
+    lay, in the copy of its own shard. Returns the bytes proven."""
     by_files: dict[tuple[str, str], list[tuple[str, DcpStorage, DcpStorage]]] = {}
     for index, info in original.storage.items():
         new = rekeyed.new_key(index[0])
@@ -47,7 +47,7 @@ def _check_ranges(
         if copied is None or copied.transforms != info.transforms or copied.length != info.length:
             raise VerificationError(f"the bytes of {index[0]} differ from the original's", path=dest)
         by_files.setdefault((info.relative_path, copied.relative_path), []).append((index[0], info, copied))
-    if whole:
+    if holder.unchanged_files:
         for (original_file, copied_file), ranges in by_files.items():
             if original_file != copied_file or any(info.offset != copied.offset for _, info, copied in ranges):
                 raise VerificationError(f"the bytes of {ranges[0][0]} moved from where they lay", path=dest)
@@ -117,15 +117,18 @@ def _check_fresh_tensor(shard: Path, info: DcpStorage, value: FreshTensor, where
                 raise VerificationError(f"does not hold {shown(value.fill)} everywhere", path=where)
 
 
-def verify_planned_dcp(src: Path, dest: Path, planned: PlannedEntries, *, whole: bool = False) -> Verification:
+def verify_planned_dcp(
+    src: Path, dest: Path, planned: PlannedEntries, *, holder: HolderProof = READ_EVERYTHING
+) -> Verification:
     """Prove, through ``dest``'s own new metadata, that every original entry's bytes are unchanged, every other
     file is identical and the planned entries are present; raise ``VerificationError`` if not. The copy's
     metadata and every file of it are read from disk. Counts the original tensor entries and the bytes of
-    every original entry compared. With ``whole``, ``dest`` holds only what the repair wrote, and the caller
-    proves every other file's copy identical as a whole (in object storage, by the store's checksums)."""
+    every original entry compared. Where the ``holder`` proves every file the repair does not write
+    (``HolderProof.unchanged_files``: in object storage, by the store's checksums), ``dest`` holds only what the
+    repair wrote."""
     try:
-        verification = _verify_entries(src, dest, planned, whole)
-        if not whole:
+        verification = _verify_entries(src, dest, planned, holder)
+        if not holder.unchanged_files:
             _verify_members(src, dest, planned.original)
     except (InputError, OSError) as exc:
         raise VerificationError(f"the copy cannot be read back ({exc})", path=str(dest)) from exc
@@ -163,7 +166,7 @@ def _verify_members(src: Path, dest: Path, original: DcpMetadata, rel: str = "")
             raise VerificationError(f"differs from {source}", path=target)
 
 
-def _verify_entries(src: Path, dest: Path, planned: PlannedEntries, whole: bool) -> Verification:
+def _verify_entries(src: Path, dest: Path, planned: PlannedEntries, holder: HolderProof) -> Verification:
     original, entries, rekeyed = planned.original, planned.entries, planned.rekeyed
     copy = read_metadata(dest, str(dest), ours=True)
     renamed = {key: rekeyed.new_key(key) for key in original.items}
@@ -179,7 +182,7 @@ def _verify_entries(src: Path, dest: Path, planned: PlannedEntries, whole: bool)
         path = rekeyed.paths[new] if new != key else original.path_of(key)
         if copy.items[new] != item or copy.path_of(new) != path:
             raise VerificationError(f"the metadata of {key} changed", path=dest)
-    compared = _check_ranges(src, dest, original, copy, rekeyed, whole)
+    compared = _check_ranges(src, dest, original, copy, rekeyed, holder)
     property_fields = original.pickle.property_fields if original.pickle else 5
     for entry in entries:
         _check_addition(dest, copy, entry, property_fields)

@@ -30,7 +30,7 @@ from optim_repair.formats.torchfile.zipformat import ZipTorchFile
 from optim_repair.progress import Meter
 from optim_repair.records.inventory import FileInventory
 from optim_repair.records.repair_plan import Addition, ParamChange, RepairPlan
-from optim_repair.records.verification import Verification
+from optim_repair.records.verification import HolderProof, Verification
 from optim_repair.storage.ranged import Joined
 
 
@@ -104,7 +104,7 @@ class PlannedTorchFile:
         spliced = Spliced(made, scratch, original, Verification(0, 0))
         proven = verify_torch_file(
             Path(source), Path(source), source, self.additions, changes=self.changes, parsed=torch_file,
-            openers=(original, spliced.joined), kept=(made.start, made.end, made.moved),
+            openers=(original, spliced.joined), holder=HolderProof(kept=(made.start, made.end, made.moved)),
         )  # fmt: skip
         return replace(spliced, proven=proven)
 

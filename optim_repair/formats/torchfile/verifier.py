@@ -24,7 +24,7 @@ from optim_repair.formats.torchfile.zipformat import read_record
 from optim_repair.formats.unpickling import ZIP_ERRORS
 from optim_repair.records import keys
 from optim_repair.records.repair_plan import Addition, FreshTensor, ParamChange
-from optim_repair.records.verification import Verification
+from optim_repair.records.verification import READ_EVERYTHING, HolderProof, Verification
 from optim_repair.storage.disk import open_regular, same_range
 
 
@@ -243,16 +243,15 @@ def verify_torch_file(
     parsed: TorchFile | None = None,
     on_bytes: Callable[[int], None] = lambda nbytes: None,
     openers: tuple[Opener, Opener] | None = None,
-    kept: tuple[int, int, int] | None = None,
+    holder: HolderProof = READ_EVERYTHING,
 ) -> Verification:
     """Prove ``copy`` equals ``original`` with ``changes`` (renames, drops) and ``additions`` applied; raise
     VerificationError otherwise.
 
     ``parsed`` is the original as reading parsed it (parsed anew when not given), never a graph the
     writer had; ``on_bytes`` hears of every storage compared, by its size. ``openers`` open the original and the
-    copy (by default, the files at their paths). With ``kept`` (start, end, moved), the caller proves that the
-    copy's bytes from ``start + moved`` are the original's from ``start`` to ``end`` (a store's checksum of a
-    spliced copy): a storage there is proven by lying ``moved`` bytes on, and is not read.
+    copy (by default, the files at their paths). What the ``holder`` of the copy proves itself
+    (``HolderProof.kept``: a store's checksum of a spliced copy) is checked for where it lies, not read.
     """
     first, second = openers or (partial(open_regular, original, source), partial(open_regular, copy, source))
     before = parsed or open_torch_file(original, source, opener=first)
@@ -277,8 +276,8 @@ def verify_torch_file(
             if twin is None or twin.nbytes != ref.nbytes:
                 raise VerificationError(f"storage {key} is missing from the copy", path=source)
             offset, length = before.storage_range(key)
-            inside = kept is not None and kept[0] <= offset and offset + length <= kept[1]
-            if inside and kept is not None:
+            kept = holder.kept
+            if kept is not None and kept[0] <= offset and offset + length <= kept[1]:
                 if after.storage_range(key)[0] != offset + kept[2]:
                     raise VerificationError(f"storage {key} does not lie where it was kept", path=source)
             elif not same_range(a, offset, b, after.storage_range(key)[0], length):
