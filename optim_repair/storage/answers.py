@@ -7,9 +7,10 @@ turned into the error a user is shown.
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from optim_repair.errors import InputError, ObjectExists, OptimRepairError, OutputError
 from optim_repair.storage.names import redacted
@@ -19,7 +20,11 @@ GRACE_SECONDS = 30.0
 FLOOR_BYTES_PER_SECOND = 64 << 10
 """A body that, past the grace, has come slower than the floor on average is given up: botocore's own timeout is
 per socket read, so a store that drips a byte a second would be waited for forever."""
+WHOLE_ANSWER_BYTES = 2 << 20
+"""The most an answer the client reads whole (a listing's page of a thousand keys, a HEAD) is taken to hold: it is
+given the grace and the time this takes at the floor's pace (``within``)."""
 _RECEIVE = 1 << 20
+_Answer = TypeVar("_Answer")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 
 
@@ -42,6 +47,33 @@ def receive(body: Any, length: int, sink: Callable[[bytes], None], where: str) -
             if received == length:
                 break
     return received
+
+
+def within(call: Callable[[], _Answer], where: str) -> _Answer:
+    """What ``call`` (a request whose answer the client reads whole) returns or raises, given the grace and the time
+    ``WHOLE_ANSWER_BYTES`` take at the floor's pace; past that, the store is given up (exit 4, naming ``where``).
+    The call runs in a thread of its own, left behind if it never ends: a daemon, which the process does not wait
+    for, holding one connection of the client's pool."""
+    seconds = GRACE_SECONDS + WHOLE_ANSWER_BYTES / FLOOR_BYTES_PER_SECOND
+    done = threading.Event()
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # raised again in the caller's thread, whatever it was
+            outcome.append((False, exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="optim-repair-request", daemon=True).start()
+    if not done.wait(seconds):
+        raise InputError(f"answers too slowly (no whole answer in {seconds:.0f} s)", path=where)
+    answered, value = outcome[0]
+    if not answered:
+        raise value
+    result: _Answer = value
+    return result
 
 
 def cut(received: int, expected: int) -> str:

@@ -122,6 +122,23 @@ def test_a_store_that_drips_is_given_up_past_the_grace(
     assert time.monotonic() - started < 10
 
 
+def test_a_listing_that_drips_is_given_up_at_its_deadline(
+    faulty: faulty_store.FaultyProxy, stored: tuple[str, Built], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A listing's answer is read whole by botocore, past the floor's reach: it has a deadline of its own (the
+    grace, and a page's worth of bytes at the floor's pace; lowered here to two seconds). Its answer drips for about
+    fifteen."""
+    bucket, _ = stored
+    monkeypatch.setattr(answers, "GRACE_SECONDS", 1.0)
+    monkeypatch.setattr(answers, "WHOLE_ANSWER_BYTES", answers.FLOOR_BYTES_PER_SECOND)
+    faulty.arm(Fault("drip", method="GET", match="list-type=2", delay=0.01))
+    started = time.monotonic()
+    result = run_cli(["inspect", f"s3://{bucket}/{PREFIX}", "--endpoint-url", faulty.endpoint], code=4)
+    assert f"s3://{bucket}/{PREFIX}: answers too slowly (no whole answer in 2 s)" in _one_line(result.stderr)
+    assert time.monotonic() - started < 8
+    assert faulty.hits["drip"] == 1
+
+
 def test_a_body_cut_off_is_exit_4_naming_the_key(faulty: faulty_store.FaultyProxy, stored: tuple[str, Built]) -> None:
     bucket, _ = stored
     faulty.arm(Fault("cut", method="GET", match=METADATA_FILE, after=10))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import email.utils
+import functools
 import http.client
 import importlib
 import threading
@@ -23,7 +24,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from optim_repair.errors import InputError, OptimRepairError, UsageError, shown_name
 from optim_repair.records.traffic import Traffic
-from optim_repair.storage.answers import check_range, cut, failure, receive
+from optim_repair.storage.answers import check_range, cut, failure, receive, within
 from optim_repair.storage.interface import Store
 from optim_repair.storage.names import checked_endpoint, checked_name, redacted
 from optim_repair.storage.objects import Copied, Small, StoredObject, encoded_crc32
@@ -40,6 +41,10 @@ READ_SECONDS = 60
 RUN_METADATA = "optim-repair-run"
 """The user metadata every object a run writes carries: the run's id, by which a write whose answer was lost (the
 retry finds the object there) is known for the run's own."""
+_WHOLE_ANSWERS = frozenset({"list_objects_v2", "list_multipart_uploads", "head_object"})
+"""The requests whose answers the client reads whole, each bounded by ``answers.within``. Object bodies are read
+against the floor as they come (``answers.receive``); a write's answer may rightly take long (a server-side copy of
+gigabytes), and is bounded by botocore's read timeout alone."""
 _CHUNK = 8 << 20
 _Item = TypeVar("_Item")
 _Result = TypeVar("_Result")
@@ -115,8 +120,9 @@ class S3Reader:
     def request(self, operation: str, key: str, *, writing: bool = False, **kwargs: Any) -> Any:
         """The client's ``operation`` on this bucket (about ``key``, for messages); every refusal and transport
         failure raised as the error a user is shown."""
+        call = functools.partial(getattr(self._client, operation), Bucket=self.bucket, **kwargs)
         try:
-            return getattr(self._client, operation)(Bucket=self.bucket, **kwargs)
+            return within(call, self.where(key)) if operation in _WHOLE_ANSWERS else call()
         except self._botocore.ClientError as exc:
             raise failure(exc.response, self.where(key), writing) from exc
         except self._botocore.NoCredentialsError as exc:
