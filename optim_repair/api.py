@@ -18,7 +18,7 @@ from optim_repair.errors import InputError, Remedy, UsageError
 from optim_repair.formats.planned import Parsed
 from optim_repair.progress import Notice, Progress, Reporter, ignore, silent
 from optim_repair.records.inventory import CheckpointInventory, WeightMap
-from optim_repair.records.repair_plan import Addition, Fill, PlanFill, RepairPlan
+from optim_repair.records.repair_plan import Addition, FillChoice, PlanFill, RepairPlan
 from optim_repair.records.request import NO_OPERATIONS, CopyRequest, Operations, PlanRequest
 from optim_repair.records.traffic import Traffic
 from optim_repair.records.verification import Verification
@@ -100,7 +100,7 @@ def compare(checkpoint: str | Path, model: str | Path) -> Diagnosis:
 def plan(
     checkpoint: str | Path | Diagnosis,
     *,
-    fill: Fill | None = None,
+    fill: FillChoice | None = None,
     optimizer: str | None = None,
     model: str | Path | None = None,
     reset_phantom_step: bool = False,
@@ -124,7 +124,11 @@ def _path_of(checkpoint: str | Path | Diagnosis) -> str | Path:
 
 
 def _request(
-    fill: Fill | None, optimizer: str | None, model: str | Path | None, reset_phantom_step: bool, operations: Operations
+    fill: FillChoice | None,
+    optimizer: str | None,
+    model: str | Path | None,
+    reset_phantom_step: bool,
+    operations: Operations,
 ) -> PlanRequest:
     model_path = model if model is None or is_remote(model) else Path(model)
     return PlanRequest(fill, optimizer, model_path, reset_phantom_step, operations)
@@ -224,7 +228,7 @@ def dry_run(
     checkpoint: str | Path | Diagnosis,
     out: str | Path,
     *,
-    fill: Fill | None = None,
+    fill: FillChoice | None = None,
     optimizer: str | None = None,
     model: str | Path | None = None,
     link: bool = False,
@@ -270,7 +274,7 @@ def fix(
     checkpoint: str | Path | Diagnosis,
     out: str | Path,
     *,
-    fill: Fill | None = None,
+    fill: FillChoice | None = None,
     optimizer: str | None = None,
     model: str | Path | None = None,
     force: bool = False,

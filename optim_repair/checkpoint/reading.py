@@ -132,7 +132,7 @@ def _read(
         elif item.role == "torch":
             read = partial(listing.read_torch, item.rel, item.rel, torch_files)
             try:
-                read_torch_file(read, item.rel, root, files, skipped)
+                read_torch_file(read, item.rel, root, files, skipped, weights)
             except UsageError as exc:  # a legacy-format file in a store
                 skipped.append(Skipped(item.rel, exc.reason))
     check_found(files, skipped, root, listing.unwalked())
@@ -159,11 +159,17 @@ def skipped_file(rel: str, exc: InputError) -> Skipped:
 
 
 def read_torch_file(
-    read: Callable[[], FileInventory], rel: str, root: str, files: list[FileInventory], skipped: list[Skipped]
+    read: Callable[[], FileInventory],
+    rel: str,
+    root: str,
+    files: list[FileInventory],
+    skipped: list[Skipped],
+    weights: list[WeightMap],
 ) -> None:
     """Read one torch file of a checkpoint directory (``read`` reads it) into ``files``, or say in ``skipped`` why
-    not: one that names other code, is no torch file, or holds no optimizer. A damaged one refuses the directory,
-    which it may have held the optimizer of."""
+    not: one that names other code, is no torch file, or holds no optimizer; the model weights of one that holds
+    none (``pytorch_model_fsdp.bin`` beside ``optimizer.bin``) go to ``weights``. A damaged one refuses the
+    directory, which it may have held the optimizer of."""
     try:
         inventory = read()
     except (UnsafeInputError, NotATorchFile) as exc:
@@ -178,6 +184,7 @@ def read_torch_file(
         files.append(inventory)
     else:
         skipped.append(Skipped(rel, "holds no optimizer state"))
+        weights.extend(inventory.weights)
 
 
 def check_found(files: list[FileInventory], skipped: list[Skipped], root: str, linked: tuple[str, ...] = ()) -> None:

@@ -31,7 +31,7 @@ from optim_repair.errors import (
     UsageError,
     os_error_reason,
 )
-from optim_repair.records.repair_plan import Fill
+from optim_repair.records.repair_plan import FillChoice
 from optim_repair.storage.disk_staging import taken_back_on_failure
 
 _COMMON_EXITS = {
@@ -96,7 +96,7 @@ class Group(TyperGroup):
 
 def choice(option: str, choices: list[str]) -> Callable[[str], str]:
     """A parser for an option with a few valid values, whose error says what to choose:
-    "invalid value 'zero' for --fill: choose empty or fresh"."""
+    "invalid value 'zero' for --fill: choose auto, empty or fresh"."""
 
     def parse(value: str) -> str:
         if value in choices:
@@ -108,7 +108,7 @@ def choice(option: str, choices: list[str]) -> Callable[[str], str]:
     return parse
 
 
-FILLS: dict[str, Fill] = {"empty": "empty", "fresh": "fresh"}
+FILLS: dict[str, FillChoice] = {"auto": "auto", "empty": "empty", "fresh": "fresh"}
 COLORS: dict[str, render.Color] = {"auto": "auto", "always": "always", "never": "never"}
 """The values ``choice`` admitted, as the types the library takes."""
 

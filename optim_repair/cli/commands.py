@@ -149,10 +149,10 @@ def fix(
     fill: Annotated[
         str | None,
         typer.Option(
-            metavar="empty|fresh",
-            parser=choice("--fill", ["empty", "fresh"]),
-            help="empty: add {} (default for torch files); fresh: the optimizer's exact first-step state "
-            "(default for DCP).",
+            metavar="auto|empty|fresh",
+            parser=choice("--fill", ["auto", "empty", "fresh"]),
+            help="fresh: the optimizer's exact first-step state, which resumes exactly through every loader; "
+            "empty: add {} (torch files only); auto (the default): fresh where it can be built, else {}, saying why.",
         ),
     ] = None,
     optimizer: Annotated[

@@ -12,7 +12,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from optim_repair.decisions.optimizers import PARAM_SHAPED_KEYS
-from optim_repair.records.inventory import OptimizerInventory, ParamKey, TensorMeta, WeightMap
+from optim_repair.records.inventory import (
+    CheckpointInventory,
+    FileInventory,
+    OptimizerInventory,
+    ParamKey,
+    TensorMeta,
+    WeightMap,
+)
 from optim_repair.records.keys import unwrapped
 from optim_repair.records.steps import step_prefix
 
@@ -152,6 +159,15 @@ def model_of(optimizer: OptimizerInventory, weights: Sequence[WeightMap]) -> tup
         for weight_map in weights
         if params and _explaining_rename(params, {name for name, _ in weight_map.tensors}) is not None
     )
+
+
+def weights_beside(file: FileInventory, inventory: CheckpointInventory) -> tuple[WeightMap, ...]:
+    """The weight maps beside the optimizers of ``file`` in the checkpoint, in the run step it lies in: its own,
+    then those of every other file (a model saved beside its optimizer in another file or format: accelerate's
+    ``pytorch_model_fsdp_0/`` beside ``optimizer_0/``, ``pytorch_model_fsdp.bin`` beside ``optimizer.bin``), then
+    the safetensors files'."""
+    others = (weight for other in inventory.files if other is not file for weight in other.weights)
+    return own_step(file.file, (*file.weights, *others, *inventory.weights))
 
 
 def own_step(file: str, weights: Sequence[WeightMap]) -> tuple[WeightMap, ...]:

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from optim_repair.decisions.comparison import ModelComparison, compare, model_of, own_step
+from optim_repair.decisions.comparison import ModelComparison, compare, model_of, weights_beside
 from optim_repair.decisions.identify import keeps_whole_optimizer_state
 from optim_repair.decisions.notices import (
     Loader,
@@ -308,7 +308,7 @@ def diagnose(
     its parameters."""
     optimizers: list[OptimizerDiagnosis] = []
     for file in inventory.files:
-        weights = own_step(file.file, (*file.weights, *inventory.weights))
+        weights = weights_beside(file, inventory)
         for optimizer in file.optimizers:
             found = diagnose_optimizer(optimizer, weights, loader_of(optimizer.key_style, file.format))
             maps = tuple(model) if model is not None else model_of(optimizer, weights)

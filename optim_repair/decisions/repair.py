@@ -5,20 +5,48 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from optim_repair.decisions.comparison import model_of, own_step
+from optim_repair.decisions.comparison import model_of, weights_beside
 from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis, diagnose_optimizer
 from optim_repair.decisions.identify import Identification, identify_optimizer
 from optim_repair.decisions.operations import apply_operations
 from optim_repair.decisions.optimizers import OPTIMIZERS, PARAM_SHAPED_KEYS, ParamSpec, fresh_state
 from optim_repair.errors import Remedy, RepairRefused, UsageError, shown
 from optim_repair.records.inventory import OptimizerInventory, ParamKey, TensorMeta, WeightMap
-from optim_repair.records.repair_plan import Addition, Fill, FilledOptimizer, ParamChange, PlanFill, RepairPlan
+from optim_repair.records.repair_plan import (
+    Addition,
+    Fill,
+    FillChoice,
+    FilledOptimizer,
+    ParamChange,
+    PlanFill,
+    RepairPlan,
+)
 from optim_repair.records.request import NO_OPERATIONS, Operations
 
 
 def default_fill(format: str) -> Fill:
-    """``{}`` for torch files; exact fresh state for DCP, which cannot store an empty mapping."""
+    """What the default fill gives when nothing was added: fresh state for DCP, which cannot store an empty
+    mapping; for a torch file, fresh state where it can be built and ``{}`` elsewhere, named ``empty``."""
     return "fresh" if format == "dcp" else "empty"
+
+
+_INDEX_EMPTY = (
+    "index keys name no parameters, so fresh state has no shapes; optimizer.load_state_dict, the loader of index "
+    "keys, keeps {} entries lazy and resumes exactly"
+)
+_NAME_EMPTY = (
+    "{} resumes exactly through optimizer.load_state_dict and set_optimizer_state_dict(full_state_dict=False), "
+    "not through full_state_dict=True, which gives those parameters a phantom step=1"
+)
+
+
+def _empty_note(opt: OptimizerDiagnosis, where: str, refused: RepairRefused) -> str:
+    """Why the default fill gave ``{}`` to an optimizer's parameters without state, and where that resumes."""
+    count = len(opt.missing) + len(opt.phantom)
+    if opt.optimizer.key_style == "index":
+        return f"{where}: {{}} for {count} parameter(s): {_INDEX_EMPTY}"
+    reason = refused.reason.removeprefix(f"{where}: ")
+    return f"{where}: {{}} for {count} parameter(s), as fresh state cannot be built ({reason}); {_NAME_EMPTY}"
 
 
 def _refuse_malformed(diagnosis: Diagnosis) -> None:
@@ -141,8 +169,8 @@ def _group_members(optimizer: OptimizerInventory, joined: dict[ParamKey, int]) -
 
 
 def _check_arguments(fill: str | None, optimizer: str | None) -> None:
-    if fill is not None and fill not in ("empty", "fresh"):
-        raise UsageError(f"fill must be 'empty' or 'fresh', not {shown(fill)}")
+    if fill is not None and fill not in ("auto", "empty", "fresh"):
+        raise UsageError(f"fill must be 'auto', 'empty' or 'fresh', not {shown(fill)}")
     if optimizer is not None and fill == "empty":
         fresh = Remedy("fill", "fresh")
         raise UsageError("{argument} only applies to the fresh fill", argument="optimizer", remedy=fresh)
@@ -153,7 +181,7 @@ def _check_arguments(fill: str | None, optimizer: str | None) -> None:
 
 def plan_repair(
     diagnosis: Diagnosis,
-    fill: Fill | None = None,
+    fill: FillChoice | None = None,
     *,
     optimizer: str | None = None,
     model_weights: Sequence[WeightMap] = (),
@@ -162,14 +190,17 @@ def plan_repair(
 ) -> RepairPlan:
     """The entries to add so that every optimizer has an entry for every listed parameter.
 
-    Without ``fill``, each file gets its format's default: ``{}`` for torch files, fresh state for DCP
-    and flattened state. ``reset_phantom_step`` also replaces every entry with ``step`` 1 and all-zero
-    moments (a phantom step's state) by what the fill gives a parameter without state. ``operations``
-    rename, drop and add parameters first (``operations``); the parameters they add are filled like
-    absent ones.
+    Without ``fill`` (``auto``), every optimizer gets the exact fresh state its optimizer creates on a first step,
+    which resumes exactly through every loader; where that cannot be built (the optimizer is not identified
+    exactly, or the parameters' shapes are unknown: index keys, no model weights) a torch file's entries get ``{}``,
+    and ``fill_notes`` says why and through which loaders ``{}`` resumes exactly. DCP and flattened state dicts,
+    which cannot hold ``{}``, are refused there instead. ``reset_phantom_step`` also replaces every entry with
+    ``step`` 1 and all-zero moments (a phantom step's state) by what the fill gives a parameter without state.
+    ``operations`` rename, drop and add parameters first; the parameters they add are filled like absent ones.
     """
     _check_arguments(fill, optimizer)
-    fill = fill or ("fresh" if optimizer is not None else None)  # naming the optimizer asks for its fresh state
+    given: Fill | None = None if fill == "auto" else fill
+    asked = given or ("fresh" if optimizer is not None else None)  # naming the optimizer asks for its fresh state
     _refuse_malformed(diagnosis)
     if reset_phantom_step and not any(opt.phantom for opt in diagnosis.optimizers):
         raise RepairRefused(
@@ -181,14 +212,13 @@ def plan_repair(
     kinds: list[FilledOptimizer] = []
     fills: set[Fill] = set()
     changes: list[ParamChange] = []
+    notes: list[str] = []
     for original in diagnosis.optimizers:
         file = next(f for f in diagnosis.inventory.files if f.file == original.optimizer.file)
         opt, joined = original, {}
         if operations:
             where = f"{original.optimizer.file or diagnosis.inventory.path}:{original.optimizer.location or '<root>'}"
-            model = tuple(model_weights) or model_of(
-                original.optimizer, own_step(file.file, (*file.weights, *diagnosis.inventory.weights))
-            )
+            model = tuple(model_weights) or model_of(original.optimizer, weights_beside(file, diagnosis.inventory))
             applied = apply_operations(original.optimizer, operations, model, where)
             opt = diagnose_optimizer(applied.optimizer, model, original.loader)
             changes.extend(applied.changes)
@@ -198,7 +228,18 @@ def plan_repair(
             continue
         inv = opt.optimizer
         stores_empty = file.format != "dcp" and inv.layout == "nested"
-        chosen = fill or ("empty" if stores_empty else "fresh")
+        where = f"{inv.file or diagnosis.inventory.path}:{inv.location or '<root>'}"
+        weights = tuple(model_weights) or weights_beside(file, diagnosis.inventory)
+        chosen = asked or "fresh"
+        kind, fresh = "", list[Addition]()
+        if chosen == "fresh":
+            try:
+                kind, fresh = _fresh_additions(opt, optimizer, weights, where, stores_empty=stores_empty, reset=reset)
+            except RepairRefused as refused:
+                if asked is not None or not stores_empty:
+                    raise
+                chosen = "empty"  # the default: {} where fresh state cannot be built, saying why
+                notes.append(_empty_note(opt, where, refused))
         if chosen == "empty" and not stores_empty:
             why = (
                 "a DCP checkpoint (DCP drops empty mappings when it saves)"
@@ -219,14 +260,11 @@ def plan_repair(
             )
             additions.extend(Addition(inv.file, inv.location, inv.address, param, (), True) for param in reset)
             continue
-        where = f"{inv.file or diagnosis.inventory.path}:{inv.location or '<root>'}"
-        weights = tuple(model_weights) or (*file.weights, *diagnosis.inventory.weights)
-        kind, fresh = _fresh_additions(opt, optimizer, weights, where, stores_empty=stores_empty, reset=reset)
         kinds.append(FilledOptimizer(inv.file, inv.location, kind))
         additions.extend(
             replace(addition, group=joined.get(addition.param), like=like.get(addition.param)) for addition in fresh
         )
-    described: PlanFill = fill or default_fill(diagnosis.inventory.format)
-    if fill is None and fills:
+    described: PlanFill = asked or default_fill(diagnosis.inventory.format)
+    if asked is None and fills:
         described = fills.pop() if len(fills) == 1 else "mixed"
-    return RepairPlan(described, tuple(additions), tuple(kinds), tuple(changes))
+    return RepairPlan(described, tuple(additions), tuple(kinds), tuple(changes), tuple(notes))

@@ -14,6 +14,8 @@ from optim_repair.records.dtypes import filled_chunks, itemsize, numel
 from optim_repair.records.inventory import ParamKey, Scalar
 
 Fill = Literal["empty", "fresh"]
+FillChoice = Literal["auto", "empty", "fresh"]
+"""What a user asks for: ``auto`` (the default, also None) is ``fresh`` where it can be built, else ``{}``."""
 PlanFill = Literal["empty", "fresh", "mixed"]
 """A plan's fill: ``mixed`` when a directory's torch files got ``{}`` and its DCP checkpoints fresh state."""
 
@@ -91,6 +93,9 @@ class RepairPlan:
     """For a fresh fill: each optimizer the plan fills, with its kind."""
     changes: tuple[ParamChange, ...] = ()
     """Parameters renamed or dropped (``fix --rename``, ``--drop``, ``--drop-not-in-model``)."""
+    fill_notes: tuple[str, ...] = ()
+    """Where the default fill gave ``{}`` because fresh state could not be built: one line an optimizer, saying why
+    and through which loaders ``{}`` resumes exactly."""
 
     def for_file(self, file: str) -> tuple[Addition, ...]:
         return tuple(addition for addition in self.additions if addition.file == file)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from optim_repair.records.repair_plan import Fill
+from optim_repair.records.repair_plan import FillChoice
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ NO_OPERATIONS = Operations()
 class PlanRequest:
     """The choices that decide a repair plan."""
 
-    fill: Fill | None = None
+    fill: FillChoice | None = None
     """``empty``, ``fresh``, or None for each format's default."""
     optimizer: str | None = None
     """The optimizer that wrote the state, when identification cannot tell (for a fresh fill)."""

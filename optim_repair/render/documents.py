@@ -139,6 +139,7 @@ class ErrorDoc(TypedDict):
 class PlannedDoc(InspectDoc):
     out: str
     fill: str
+    fill_notes: list[str]
     changed: list[ChangedDoc]
     added: list[AddedDoc]
 
@@ -238,6 +239,7 @@ def _planned_document(result: FixResult | DryRun) -> PlannedDoc:
         **inspect_document(result.diagnosis),
         "out": str(result.out),
         "fill": result.plan.fill,
+        "fill_notes": list(result.plan.fill_notes),
         "changed": _changed_docs(result),
         "added": _added_docs(result),
     }

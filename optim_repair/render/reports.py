@@ -304,7 +304,9 @@ def _changes(plan: RepairPlan) -> str:
 
 
 def _print_fill_notes(console: Console, diagnosis: Diagnosis, plan: RepairPlan) -> None:
-    """What FSDP1's loader, which a name-keyed torch file may be meant for, does with the ``{}`` entries added."""
+    """Why the default fill gave ``{}`` where it did, and what FSDP1's loader does with ``{}`` in name-keyed state."""
+    for note in plan.fill_notes:
+        _print_line(console, Shown(note), indent=0)
     for opt in diagnosis.optimizers:
         inv = opt.optimizer
         empty = [a for a in plan.additions if (a.file, a.address) == (inv.file, inv.address) and not a.state]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -142,17 +143,82 @@ def test_fresh_scalar_dtype_follows_the_existing_steps(root: Path, tmp_path: Pat
 @pytest.mark.parametrize("fill", ["bogus", "EMPTY"])
 def test_the_api_refuses_an_unknown_fill(root: Path, tmp_path: Path, fill: str) -> None:
     built = trainers.unirl_torch(root)
-    with pytest.raises(UsageError, match="fill must be 'empty' or 'fresh'"):
+    with pytest.raises(UsageError, match="fill must be 'auto', 'empty' or 'fresh'"):
         optim_repair.fix(built.path, tmp_path / "fixed", fill=fill)  # type: ignore[arg-type]
     assert not (tmp_path / "fixed").exists()
 
 
-def test_a_directory_with_dcp_and_torch_files_gets_each_formats_default(root: Path, tmp_path: Path) -> None:
+def test_a_directory_with_dcp_and_torch_files_gets_fresh_state_in_both_by_default(root: Path, tmp_path: Path) -> None:
     from tests.factories import dcp as dk
 
     built = trainers.unirl_torch(root)
     dk.unirl_dcp(built.path / "dcp")
     result = optim_repair.fix(built.path, tmp_path / "fixed")
+    assert result.plan.fill == "fresh" and result.plan.fill_notes == ()
+    by_file = {(a.file, bool(a.state)) for a in result.plan.additions}
+    assert by_file == {("checkpoint.pt", True), ("dcp/checkpoint-3", True)}
+
+
+def test_an_index_keyed_file_beside_a_dcp_checkpoint_gets_empty_entries_and_a_note(root: Path, tmp_path: Path) -> None:
+    """Index keys name no parameters, so the default gives their file {} (which optimizer.load_state_dict resumes
+    exactly) and says so; the DCP checkpoint beside it gets fresh state: the plan's fill is mixed."""
+    from tests.factories import dcp as dk
+
+    built = trainers.hf_trainer(root)
+    dk.unirl_dcp(built.path / "dcp")
+    result = optim_repair.fix(built.path, tmp_path / "fixed")
     assert result.plan.fill == "mixed"
     by_file = {(a.file, bool(a.state)) for a in result.plan.additions}
-    assert by_file == {("checkpoint.pt", False), ("dcp/checkpoint-3", True)}
+    assert by_file == {("optimizer.pt", False), ("dcp/checkpoint-3", True)}
+    (note,) = result.plan.fill_notes
+    assert note.startswith("optimizer.pt:<root>: {} for 2 parameter(s): index keys name no parameters")
+    assert "optimizer.load_state_dict, the loader of index keys, keeps {} entries lazy and resumes exactly" in note
+
+
+def test_name_keyed_state_without_model_weights_gets_empty_entries_and_says_where_they_resume(tmp_path: Path) -> None:
+    """No file gives the shapes of the parameters without state: the default gives them {} and says why, and
+    which loaders resume {} exactly (not torch's full-state loader); asking for fresh state is refused instead."""
+    from tests.conftest import run_cli
+
+    model = models.TwoHeadNet()
+    opt = models.make_optimizer(model)
+    models.train(model, opt, 2)
+    path = tmp_path / "optimizer.pt"
+    torch.save({"optimizer": get_optimizer_state_dict(model, opt)}, path)
+    result = run_cli(["fix", path, "--out", tmp_path / "fixed.pt", "--json"], code=0)
+    document = json.loads(result.stdout)
+    assert document["fill"] == "empty"
+    (note,) = document["fill_notes"]
+    assert note.startswith(f"{path}:optimizer: {{}} for 2 parameter(s), as fresh state cannot be built (no ")
+    assert "through optimizer.load_state_dict and set_optimizer_state_dict(full_state_dict=False)" in note
+    assert "not through full_state_dict=True, which gives those parameters a phantom step=1" in note
+    state = torch.load(tmp_path / "fixed.pt", weights_only=True)["optimizer"]["state"]
+    assert state["head_unused.weight"] == {} and state["head_unused.bias"] == {}
+    summary = run_cli(["fix", path, "--out", tmp_path / "again.pt"], code=0).stdout
+    assert "as fresh state cannot be built" in summary
+    run_cli(["fix", path, "--out", tmp_path / "fresh.pt", "--fill", "fresh"], code=3)
+
+
+@pytest.mark.parametrize("layout", ["full", "sharded"])
+def test_the_weights_saved_beside_the_optimizer_give_fresh_state_its_shapes(tmp_path: Path, layout: str) -> None:
+    """accelerate's FSDP layouts: the model beside the optimizer in a file or DCP checkpoint of its own
+    (``pytorch_model_fsdp.bin`` beside ``optimizer.bin``, ``pytorch_model_fsdp_0/`` beside ``optimizer_0/``)."""
+    import torch.distributed.checkpoint as dcp
+
+    model = models.TwoHeadNet()
+    opt = models.make_optimizer(model)
+    models.train(model, opt, 2)
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    if layout == "full":
+        torch.save(get_optimizer_state_dict(model, opt), checkpoint / "optimizer.bin")
+        torch.save(model.state_dict(), checkpoint / "pytorch_model_fsdp.bin")
+    else:
+        dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=checkpoint / "optimizer_0")
+        dcp.save({"model": model.state_dict()}, checkpoint_id=checkpoint / "pytorch_model_fsdp_0")
+    result = optim_repair.fix(checkpoint, tmp_path / "fixed")
+    assert result.plan.fill == "fresh" and result.plan.fill_notes == ()
+    assert {(a.param, bool(a.state)) for a in result.plan.additions} == {
+        ("head_unused.weight", True),
+        ("head_unused.bias", True),
+    }

@@ -89,7 +89,7 @@ def test_the_empty_fill_resets_to_lazy_state(tmp_path: Path) -> None:
     path = tmp_path / "checkpoint.pt"
     _phantom_checkpoint(path)
     out = tmp_path / "fixed.pt"
-    report = run_cli(["fix", path, "--out", out, "--reset-phantom-step"]).stdout
+    report = run_cli(["fix", path, "--out", out, "--reset-phantom-step", "--fill", "empty"]).stdout
     assert "in place of phantom step=1 entries: {} for head_unused.weight, head_unused.bias" in report
     assert "the 2 replaced phantom-step entries" in report
     state = torch.load(out, weights_only=True)["optimizer_state_dict"]["state"]

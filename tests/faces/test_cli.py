@@ -239,7 +239,8 @@ def test_fix_json_document(petrainer_checkpoint: Built, tmp_path: Path) -> None:
     assert verification["proof"] == "read back through the file system"
     assert verification["tensors"] == 36 and verification["bytes"] > 0
     assert "writing" in result.stderr, "progress goes to stderr"
-    assert_fixed_copy(built, out)
+    assert document["fill"] == "fresh" and document["fill_notes"] == [], "the weights beside give the shapes"
+    assert_fixed_copy(built, out, fill="fresh")
 
 
 def test_fix_human_report(lightning_checkpoint: Built, tmp_path: Path) -> None:
@@ -263,7 +264,7 @@ def test_fix_existing_out_exits_5_unless_forced(unirl_checkpoint: Built, tmp_pat
     one_error_line(result, str(out), "already exists", "--force")
     assert result.stdout == ""
     fix_cli(unirl_checkpoint.path, out, "--force", code=0)
-    assert_fixed_copy(unirl_checkpoint, out)
+    assert_fixed_copy(unirl_checkpoint, out, fill="fresh")
 
 
 def test_fix_nested_out_exits_5(unirl_checkpoint: Built, tmp_path: Path) -> None:
@@ -484,7 +485,10 @@ def test_color_choices_and_plain_tables(unirl_checkpoint: Built) -> None:
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
-        (["fix", "x.pt", "--out", "y.pt", "--fill", "zero"], "invalid value 'zero' for --fill: choose empty or fresh"),
+        (
+            ["fix", "x.pt", "--out", "y.pt", "--fill", "zero"],
+            "invalid value 'zero' for --fill: choose auto, empty or fresh",
+        ),
         (["inspect", "--bogus", "x"], "no such option: --bogus; see '"),
         (["frobnicate"], "no such command 'frobnicate'; see '"),
     ],
@@ -524,7 +528,7 @@ def test_out_with_a_trailing_slash_writes_into_that_directory(unirl_checkpoint: 
     written = target / "checkpoint.pt"
     assert json.loads(result.stdout)["out"] == str(written) and sorted(target.iterdir()) == [written]
     (opt,) = optim_repair.inspect(written).optimizers
-    assert opt.missing == () and set(opt.empty) == {"head_unused.weight", "head_unused.bias"}
+    assert opt.missing == () and opt.empty == (), "fresh state, the default where the weights give the shapes"
     absent = run_cli(["fix", source, "--out", f"{tmp_path / 'absent'}/"], code=5)
     one_error_line(absent, "no such directory for --out")
 

@@ -83,7 +83,7 @@ def test_inspect_and_fix_show_hostile_names_escaped(tmp_path: Path) -> None:
     inspected = _run("inspect", path, "--color", "never", code=1)
     _assert_shown_escaped(inspected.stdout)
     assert f"missing in {CHECKPOINT!r}:optimizer: {TITLE!r}, {FORGED!r}" in inspected.stdout
-    fixed = _run("fix", path, "--out", tmp_path / "fixed", "--color", "never", code=0)
+    fixed = _run("fix", path, "--out", tmp_path / "fixed", "--fill", "empty", "--color", "never", code=0)
     _assert_shown_escaped(fixed.stdout)
     _assert_shown_escaped(fixed.stderr)
     assert f"writing {CHECKPOINT!r}" in fixed.stderr

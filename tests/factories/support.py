@@ -28,6 +28,7 @@ from optim_repair.checkpoint.discovery import discover
 from optim_repair.checkpoint.reading import DiskListing, read_parsed
 from optim_repair.formats.torchfile import open_torch_file
 from optim_repair.records.inventory import CheckpointInventory, ParamGroup
+from optim_repair.records.repair_plan import Fill
 from tests.factories.built import Built
 from tests.factories.models import ParamKey
 
@@ -155,14 +156,19 @@ def assert_copy_faithful(
     return comparison
 
 
-def assert_fixed_copy(built: Built, out: Path) -> None:
-    """``out`` mirrors ``built.path``: each optimizer file has exactly its missing entries added as ``{}``,
-    everything else (and every other file) is unchanged."""
+def assert_fixed_copy(built: Built, out: Path, fill: Fill = "empty") -> None:
+    """``out`` mirrors ``built.path``: each optimizer file has exactly its missing entries added (as ``{}``, or with
+    ``fill="fresh"`` as a first step's state: ``step`` 0 and more), everything else (and every other file) is
+    unchanged."""
     for site, missing in built.missing.items():
         copy_file = out / site.file if site.file else out
         sd = resolve(load(copy_file), site.address)
         for param in missing:
-            assert sd["state"][param] == {}, f"{site}: {param!r} not added as {{}}"
+            entry = sd["state"][param]
+            if fill == "empty":
+                assert entry == {}, f"{site}: {param!r} not added as {{}}"
+            else:
+                assert len(entry) > 1 and float(entry["step"]) == 0, f"{site}: {param!r} not added as fresh state"
     files = sorted({site.file for site in built.sites})
     for file in files:
         original, copy = built.path / file if file else built.path, out / file if file else out

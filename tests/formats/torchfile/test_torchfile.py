@@ -403,6 +403,6 @@ def test_the_copy_is_pickled_with_the_protocol_torch_reads(tmp_path: Path) -> No
     rewrite_pickle(path, lambda data: b"\x80\x05" + data[2:] if data.startswith(b"\x80\x02") else data)
     torch.load(path, weights_only=True)
     out = tmp_path / "out.pt"
-    optim_repair.fix(path, out)
+    optim_repair.fix(path, out, fill="empty")
     copy = torch.load(out, weights_only=True)
     assert copy["optimizer_state_dict"]["state"]["head_unused.weight"] == {}
