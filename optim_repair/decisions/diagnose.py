@@ -229,6 +229,15 @@ def _is_phantom(optimizer: OptimizerInventory) -> bool:
     return bool(populated) and all(_phantom_entry(entry) for entry in populated)
 
 
+_NO_FULL_STATE_LOADER = Notice(
+    "lbfgs-loader",
+    "torch's set_optimizer_state_dict cannot load LBFGS state, complete as it is: with full_state_dict=True its "
+    "initializing step() has no closure (TypeError), without it every parameter but the first lacks state "
+    "('Missing optimizer state'); load it with optimizer.load_state_dict, its state under index keys",
+)
+"""For name-keyed LBFGS state, whose layout implies torch's ``set_optimizer_state_dict`` (measured on 2.13)."""
+
+
 def _whole_optimizer_state(optimizer: OptimizerInventory) -> Notice:
     params = tuple(dict.fromkeys(optimizer.params))
     first = f" ({params[0]})" if params else ""
@@ -273,6 +282,8 @@ def diagnose_optimizer(
         malformed += _shape_mismatches(entry, shapes)
     malformed += _partial_entries(optimizer)
     notices = [_whole_optimizer_state(optimizer)] if whole else []
+    if whole and loader == "set_optimizer_state_dict":
+        notices.append(_NO_FULL_STATE_LOADER)
     if all(entry.is_empty for entry in optimizer.entries):
         cold = "no parameter has optimizer state yet: the optimizer never stepped with a gradient for any of them"
         notices.append(Notice("cold", cold, "info"))

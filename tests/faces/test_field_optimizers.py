@@ -186,3 +186,14 @@ def test_lbfgs_state_is_not_per_parameter(tmp_path: Path) -> None:
         and "the other 5 parameter(s)" in notice["detail"]
     )
     assert "--optimizer" not in json.dumps(document)
+    (warning,) = [n for n in found["notices"] if n["code"] == "lbfgs-loader"]
+    assert warning["severity"] == "warning"
+    assert "torch's set_optimizer_state_dict cannot load LBFGS state, complete as it is" in warning["detail"]
+    saved = torch.load(path, weights_only=True)["optimizer_state_dict"]
+    for full in (True, False):  # what the notice says, measured on the installed torch
+        fresh_model = BranchNet()
+        fresh = torch.optim.LBFGS(fresh_model.parameters(), max_iter=2)
+        with pytest.raises((TypeError, RuntimeError)):
+            set_optimizer_state_dict(fresh_model, fresh, saved, options=StateDictOptions(full_state_dict=full))
+    fresh = torch.optim.LBFGS(BranchNet().parameters(), max_iter=2)
+    fresh.load_state_dict(opt.state_dict())  # its state under index keys loads
