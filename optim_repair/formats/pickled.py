@@ -60,6 +60,8 @@ class GlobalRef:
             _check_rebuild(self.name, args)
         if self.module == "torch" and (self.name in LEGACY_STORAGES or self.name in DTYPES):  # types torch cannot call
             raise TorchRefuses(f"its pickle calls torch.{self.name}, which torch's loader cannot call")
+        if (self.module, self.name) == ("torch", "device") and not _device_arguments(args):
+            raise TorchRefuses(f"its pickle calls torch.device with {shown(args)}, arguments torch.device refuses")
         return Reduced(self, args)
 
     def __reduce__(self) -> str:
@@ -118,6 +120,14 @@ _REBUILD_ARITY = {"_rebuild_tensor": (4, 4), "_rebuild_tensor_v2": (6, 7), "_reb
                   "_rebuild_device_tensor_from_cpu_tensor": (4, 4), "_rebuild_from_type_v2": (4, 4)}  # fmt: skip
 """The rebuild functions torch's loader allows, and how many arguments each takes (their signatures in ``torch._utils``
 and ``torch._tensor``, unchanged from torch 2.4 to 2.13): torch refuses another count with a TypeError."""
+
+
+def _device_arguments(args: tuple[Any, ...]) -> bool:
+    """Whether ``torch.device`` takes ``args``: a device string or ordinal, or a type and an index (a bool is no
+    index). Which device strings a torch build knows is left to it."""
+    if len(args) == 1:
+        return isinstance(args[0], str) or (isinstance(args[0], int) and not isinstance(args[0], bool))
+    return len(args) == 2 and isinstance(args[0], str) and isinstance(args[1], int) and not isinstance(args[1], bool)
 
 
 def _check_rebuild(name: str, args: tuple[Any, ...]) -> None:

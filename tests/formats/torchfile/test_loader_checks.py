@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 import struct
 import zipfile
 from collections.abc import Callable
@@ -212,6 +213,25 @@ def test_a_storage_type_called_as_a_function(tmp_path: Path) -> None:
     path = single_file(tmp_path, "checkpoint.pt", {"w": torch.zeros(2)})
     rewrite_pickle(path, _first(b"ccollections\nOrderedDict\n", b"ctorch\nBFloat16Storage\n"))
     refused_as_torch_would(path, "its pickle calls torch.BFloat16Storage, which torch's loader cannot call")
+
+
+@pytest.mark.parametrize(
+    ("args", "shown"),
+    [
+        (b")", "()"),
+        (b"X\x03\x00\x00\x00cpu\x88\x86", "('cpu', True)"),
+        (b"G?\xf8\x00\x00\x00\x00\x00\x00\x85", "(1.5,)"),
+    ],
+    ids=["no-arguments", "a-bool-index", "a-float"],
+)
+def test_a_device_torch_cannot_construct(tmp_path: Path, args: bytes, shown: str) -> None:
+    """``torch.device`` is allowlisted, and called with the arguments the pickle gives: torch refuses others with a
+    TypeError, which a fix would have copied into the repaired file."""
+    path = single_file(tmp_path, "checkpoint.pt", {"w": torch.zeros(2), "device": torch.device("cpu")})
+    # the string's memo entry is kept, holding the new arguments, so that the memo stays numbered as torch's
+    edit = re.compile(rb"X\x03\x00\x00\x00cpu(q.)\x85", re.DOTALL)
+    rewrite_pickle(path, lambda data: edit.sub(lambda found: args + found.group(1), data, count=1))
+    refused_as_torch_would(path, f"its pickle calls torch.device with {shown}, arguments torch.device refuses")
 
 
 def test_an_archive_comment_is_refused(tmp_path: Path) -> None:
