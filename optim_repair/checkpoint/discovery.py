@@ -30,7 +30,7 @@ from optim_repair.formats.dcp import METADATA_FILE, SHARD_SUFFIX, is_dcp_directo
 from optim_repair.formats.registry import Role, role_of
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX
 from optim_repair.formats.torchfile import TORCH_SUFFIXES
-from optim_repair.records.steps import step_number
+from optim_repair.records.steps import save_under_way, step_number
 from optim_repair.storage.disk import kind_of
 
 
@@ -359,7 +359,8 @@ def discover(path: Path, *, dereference: bool = False) -> Discovery:
 
 def _complete(step: Path) -> bool:
     """Whether a step of a run was written to the end: a non-empty file, or a directory holding some file in
-    which no DCP checkpoint lacks its ``.metadata`` (torch's writer commits it last)."""
+    which no DCP checkpoint lacks its ``.metadata`` (torch's writer commits it last) and no library's save is still
+    under way (``save_under_way``: the HF Trainer's ``trainer_state.json``, written last)."""
     if not step.is_dir():
         return step.is_file() and step.stat().st_size > 0
     files = False
@@ -367,7 +368,9 @@ def _complete(step: Path) -> bool:
     def fail(exc: OSError) -> None:
         raise exc
 
-    for _, _, names in os.walk(step, onerror=fail):
+    for directory, _, names in os.walk(step, onerror=fail):
+        if directory == str(step) and save_under_way(names):
+            return False
         files = files or bool(names)
         if any(name.endswith(SHARD_SUFFIX) for name in names) and METADATA_FILE not in names:
             return False

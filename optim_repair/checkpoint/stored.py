@@ -35,7 +35,7 @@ from optim_repair.formats.safetensors import read_weights
 from optim_repair.formats.torchfile import TorchFile, read_inventory
 from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, reading_plan
 from optim_repair.records.inventory import CheckpointInventory, FileInventory, WeightMap
-from optim_repair.records.steps import step_number
+from optim_repair.records.steps import save_under_way, step_number
 from optim_repair.records.traffic import Traffic
 from optim_repair.storage.claim import MARKER
 from optim_repair.storage.interface import Store, WritableStore
@@ -267,7 +267,7 @@ def _complete(held: Sequence[tuple[str, StoredObject]]) -> bool:
     if any(inside == "" for inside, _ in held):
         return all(stored.size > 0 for _, stored in held)
     names = {inside for inside, _ in held}
-    if any(PurePosixPath(name).name == MARKER for name in names):
+    if any(PurePosixPath(name).name == MARKER for name in names) or save_under_way(names):
         return False
     folders = {PurePosixPath(name).parent for name in names if name.endswith(SHARD_SUFFIX)}
     return all((folder / METADATA_FILE).as_posix().removeprefix("./") in names for folder in folders)

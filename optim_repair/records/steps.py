@@ -7,6 +7,7 @@ Lightning's ``epoch=E-step=S.ckpt`` name one step each; a run directory holds on
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from pathlib import PurePosixPath
 
 _STEP = re.compile(r"^(?:checkpoint-(\d+)|step-(\d+)|global_step(\d+)|epoch=(\d+)-step=(\d+)\.ckpt)$")
@@ -31,3 +32,16 @@ def step_prefix(rel: str) -> str | None:
         if step_number(parts[index]) is not None:
             return "/".join(parts[: index + 1])
     return None
+
+
+HF_STARTED = "training_args.bin"
+HF_COMMIT = "trainer_state.json"
+"""The HF Trainer writes ``training_args.bin`` with the model, first, and ``trainer_state.json`` last: a step that
+holds the one and not the other is still being saved (or its save died)."""
+
+
+def save_under_way(names: Collection[str]) -> bool:
+    """Whether the names of the files directly in a step show its library's save still under way: the HF Trainer's
+    ``training_args.bin`` without its ``trainer_state.json``. (A DCP checkpoint without ``.metadata`` is judged by
+    each listing itself.)"""
+    return HF_STARTED in names and HF_COMMIT not in names

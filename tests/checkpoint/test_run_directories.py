@@ -62,6 +62,20 @@ def test_every_library_s_step_names_are_ordered(tmp_path: Path, names: list[str]
     assert optim_repair.latest_checkpoint(tmp_path) == tmp_path / newest
 
 
+def test_an_hf_trainer_step_without_its_trainer_state_is_still_being_saved(tmp_path: Path) -> None:
+    """The HF Trainer writes ``training_args.bin`` with the model first and ``trainer_state.json`` last."""
+    from tests.factories import trainers
+
+    run = tmp_path / "run"
+    saved = trainers.hf_trainer(run, steps=3).path
+    assert (saved / "trainer_state.json").is_file() and (saved / "training_args.bin").is_file()
+    saving = trainers.hf_trainer(run, steps=5).path
+    (saving / "trainer_state.json").unlink()
+    assert optim_repair.latest_checkpoint(run) == saved
+    (saving / "training_args.bin").unlink()  # a step of another library, which has no such mark
+    assert optim_repair.latest_checkpoint(run) == saving
+
+
 def test_a_run_without_a_complete_step_is_an_input_error(tmp_path: Path) -> None:
     (tmp_path / "checkpoint-1").mkdir()
     with pytest.raises(InputError, match="holds no complete checkpoint step"):

@@ -232,3 +232,16 @@ def test_a_shard_named_with_a_trailing_slash_is_read_as_torch_reads_it(server: s
     local = inspect_document(api.inspect(built.path))
     remote = inspect_document(api.inspect(f"s3://{bucket}/{PREFIX}"))
     assert local["verdict"] == "repairable" and _local_view(remote, built.path) == local
+
+
+def test_latest_in_a_store_passes_over_an_hf_step_without_its_trainer_state(
+    server: s3server.Server, tmp_path: Path
+) -> None:
+    """As on a disk: the HF Trainer writes ``trainer_state.json`` last, so a step without it is still being saved."""
+    run = tmp_path / "run"
+    for steps in (3, 5):
+        trainers.hf_trainer(run, steps=steps)
+    (run / "checkpoint-5" / "trainer_state.json").unlink()
+    bucket = s3server.new_bucket(server)
+    s3server.upload(server, run, bucket, "run/")
+    assert api.latest_checkpoint(f"s3://{bucket}/run/") == f"s3://{bucket}/run/checkpoint-3/"
