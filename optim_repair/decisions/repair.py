@@ -125,6 +125,27 @@ def _scalar_dtype(opt: OptimizerDiagnosis) -> str:
     return "float32"
 
 
+def _moment_dtype(opt: OptimizerDiagnosis, weights: Sequence[WeightMap]) -> str | None:
+    """The dtype the optimizer keeps its moments in, where that is not its parameters' (torchtitan's bf16 state on
+    fp32 parameters, a fused AdamW with bf16 moments): every existing moment of one dtype, each unlike its own
+    parameter's in ``weights``. None where the moments follow their parameters, or nothing tells."""
+    lookup: dict[str, TensorMeta] = {}
+    for weight_map in weights:
+        for name, meta in weight_map.lookup().items():
+            lookup.setdefault(name, meta)
+    pairs = [
+        (value.dtype, lookup[entry.param].dtype)
+        for entry in opt.optimizer.entries
+        if isinstance(entry.param, str) and entry.param in lookup
+        for key, value in entry.values or ()
+        if key in PARAM_SHAPED_KEYS and isinstance(value, TensorMeta)
+    ]
+    kept = {moment for moment, _ in pairs}
+    if len(kept) == 1 and all(moment != param for moment, param in pairs):
+        return kept.pop()
+    return None
+
+
 def _own_shape(opt: OptimizerDiagnosis, param: ParamKey) -> TensorMeta:
     """A phantom entry's parameter, as its own moments give it (they have the parameter's dtype and shape)."""
     entry = next(entry for entry in opt.optimizer.entries if entry.param == param)
@@ -146,10 +167,11 @@ def _fresh_additions(
     shapes.update({param: _own_shape(opt, param) for param in reset})
     additions = []
     groups = {param: group for group in optimizer.groups for param in group.params}
-    scalar_dtype = _scalar_dtype(opt)
+    scalar_dtype, moments = _scalar_dtype(opt), _moment_dtype(opt, weights)
     for param in (*opt.missing, *reset):
         meta = shapes[param]
-        state = fresh_state(found.name, groups[param], ParamSpec(meta.dtype, meta.shape), scalar_dtype=scalar_dtype)
+        spec = ParamSpec(moments or meta.dtype, meta.shape)
+        state = fresh_state(found.name, groups[param], spec, scalar_dtype=scalar_dtype)
         if not state and not stores_empty:
             continue  # a stateless optimizer (plain SGD): its fresh state is no state, which DCP cannot store
         replaces = param in reset

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -222,3 +223,26 @@ def test_the_weights_saved_beside_the_optimizer_give_fresh_state_its_shapes(tmp_
         ("head_unused.weight", True),
         ("head_unused.bias", True),
     }
+
+
+def test_fresh_moments_take_the_dtype_the_optimizer_keeps_its_moments_in(tmp_path: Path) -> None:
+    """torchtitan keeps Adam's moments in bf16 on fp32 parameters: the fresh moments are bf16 too, not the
+    parameters' fp32, while a model whose moments follow its parameters gets its parameters' dtype."""
+    model = models.TwoHeadNet()
+    opt = models.make_optimizer(model)
+    models.train(model, opt, 2)
+    state_dict = copy.deepcopy(get_optimizer_state_dict(model, opt))  # its entries are the live optimizer's
+    for entry in state_dict["state"].values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            entry[key] = entry[key].to(torch.bfloat16)
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"model": model.state_dict(), "optimizer": state_dict}, path)
+    optim_repair.fix(path, tmp_path / "fixed.pt")
+    added = torch.load(tmp_path / "fixed.pt", weights_only=True)["optimizer"]["state"]["head_unused.weight"]
+    assert added["exp_avg"].dtype == added["exp_avg_sq"].dtype == torch.bfloat16
+    assert added["step"].dtype == state_dict["state"]["trunk.weight"]["step"].dtype
+    assert model.head_unused.weight.dtype == torch.float32 and added["exp_avg"].shape == (2, 8)
+    torch.save({"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, opt)}, path)
+    optim_repair.fix(path, tmp_path / "follows.pt")
+    added = torch.load(tmp_path / "follows.pt", weights_only=True)["optimizer"]["state"]["head_unused.weight"]
+    assert added["exp_avg"].dtype == torch.float32
