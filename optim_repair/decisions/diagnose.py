@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from optim_repair.decisions.comparison import ModelComparison, compare, model_of, weights_beside
-from optim_repair.decisions.identify import keeps_whole_optimizer_state
+from optim_repair.decisions.identify import keeps_whole_optimizer_state, state_key_sets_by_options
 from optim_repair.decisions.notices import (
     Loader,
     Notice,
@@ -164,15 +164,17 @@ def _value_kind(value: object) -> str:
     return f"a {getattr(value, 'type_name', type(value).__name__)}"
 
 
-def _partial_entries(optimizer: OptimizerInventory) -> list[Malformed]:
+def _partial_entries(optimizer: OptimizerInventory) -> tuple[list[Malformed], list[Notice]]:
     """Entries that lack keys other entries of their group have, and have no key of their own.
 
-    An entry is partial only when its keys are a strict subset of another entry's in the same group.
-    Entries whose key sets merely differ are not: factored optimizers keep different state by rank
-    (torch's Adafactor ``row_var``/``col_var`` for matrices, ``variance`` for vectors; transformers'
-    ``exp_avg_sq_row``/``exp_avg_sq_col`` against ``exp_avg_sq``).
+    An entry is partial only when its keys are a strict subset of another entry's in the same group, and
+    the optimizer its groups name never creates that key set: factored optimizers keep different state by rank
+    (torch's Adafactor ``row_var``/``col_var`` for matrices, ``variance`` for vectors). For an optimizer the
+    registry does not know by its option keys, which may keep different state by size (bitsandbytes' 8-bit AdamW:
+    32-bit state without its quantization keys below a size threshold), a differing key set is a notice, never
+    malformed.
     """
-    found = []
+    found: list[tuple[ParamKey, int, list[str]]] = []
     for index, group in enumerate(optimizer.groups):
         members = set(group.params)
         populated = [e for e in optimizer.entries if e.param in members and e.values]
@@ -182,15 +184,23 @@ def _partial_entries(optimizer: OptimizerInventory) -> list[Malformed]:
             wider = [(count, sorted(other)) for other, count in counts.items() if keys < other]
             if wider:
                 _, reference = max(wider)
-                lacking = [key for key in reference if key not in keys]
-                found.append(
-                    Malformed(
-                        entry.param,
-                        "partial-state",
-                        f"lacks {', '.join(lacking)}, which other entries of group {index} have",
-                    )
-                )
-    return found
+                found.append((entry.param, index, [key for key in reference if key not in keys]))
+    known = state_key_sets_by_options(optimizer.groups)
+    if known is None:
+        if not found:
+            return [], []
+        params = tuple(param for param, _, _ in found)
+        detail = (
+            f"{len(found)} entries lack keys other entries of their group have ({shown_params(params)}): the "
+            "optimizer is none optim-repair knows by its option keys, and some keep different state by a "
+            "parameter's size or rank (bitsandbytes' 8-bit AdamW keeps 32-bit state below its size threshold)"
+        )
+        return [], [Notice("differing-state-keys", detail, "info")]
+    return [
+        Malformed(param, "partial-state", f"lacks {', '.join(lacking)}, which other entries of group {index} have")
+        for param, index, lacking in found
+        if frozenset(next(e.keys for e in optimizer.entries if e.param == param)) not in known
+    ], []
 
 
 def _shape_mismatches(entry: StateEntry, weights: dict[str, TensorMeta]) -> list[Malformed]:
@@ -280,8 +290,9 @@ def diagnose_optimizer(
     for entry in optimizer.entries:
         malformed += _bad_entries(entry)
         malformed += _shape_mismatches(entry, shapes)
-    malformed += _partial_entries(optimizer)
-    notices = [_whole_optimizer_state(optimizer)] if whole else []
+    partial, differing = _partial_entries(optimizer)
+    malformed += partial
+    notices = [_whole_optimizer_state(optimizer), *differing] if whole else differing
     if whole and loader == "set_optimizer_state_dict":
         notices.append(_NO_FULL_STATE_LOADER)
     if all(entry.is_empty for entry in optimizer.entries):

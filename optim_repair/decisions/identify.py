@@ -72,6 +72,14 @@ def _one_candidate(candidates: Sequence[str], groups: Sequence[ParamGroup]) -> I
     return Identification("adamw", "adam or adamw")
 
 
+def state_key_sets_by_options(groups: Sequence[ParamGroup]) -> frozenset[frozenset[str]] | None:
+    """The state key sets the optimizers whose option keys the groups hold create (Adafactor's differ by a
+    parameter's rank), or None when no registry optimizer holds them: what a state entry may hold, as far as
+    its groups tell."""
+    specs = [spec for spec in SPECS if _matches_options(spec, groups)]
+    return frozenset().union(*(spec.state_key_sets for spec in specs)) if specs else None
+
+
 def guess_optimizer(groups: Sequence[ParamGroup], entries: Sequence[StateEntry]) -> Identification | None:
     """The optimizer that wrote ``groups`` and ``entries`` when it is identified exactly, else None."""
     return _one_candidate(_candidates(groups, entries), groups)

@@ -165,14 +165,22 @@ def adam_entry(param: ParamKey, shape: tuple[int, ...], step: float = 3.0, zero:
     )
 
 
-def optimizer(groups: list[list[ParamKey]], entries: list[StateEntry]) -> OptimizerInventory:
+def optimizer(
+    groups: list[list[ParamKey]], entries: list[StateEntry], like: type[torch.optim.Optimizer] | None = None
+) -> OptimizerInventory:
+    """An optimizer's inventory; its groups hold ``lr`` alone, or the option keys the installed torch's ``like``
+    writes."""
     style = "name" if any(isinstance(p, str) for g in groups for p in g) else "index"
+    options: tuple[tuple[str, object], ...] = (("lr", 0.1),)
+    if like is not None:
+        written = like([torch.nn.Parameter(torch.zeros(1))]).state_dict()["param_groups"][0]
+        options = tuple((key, value) for key, value in written.items() if key != "params")
     return OptimizerInventory(
         "",
         "opt",
         ("opt",),
         style,  # type: ignore[arg-type]
-        tuple(ParamGroup(tuple(g), (("lr", 0.1),)) for g in groups),
+        tuple(ParamGroup(tuple(g), options) for g in groups),  # type: ignore[arg-type]
         tuple(entries),
     )
 
@@ -187,10 +195,10 @@ def test_missing_keeps_param_group_order_and_deduplicates() -> None:
 
 def test_partial_state_is_judged_per_group() -> None:
     sgd_like = StateEntry(2, (("momentum_buffer", None),))
-    opt = optimizer([[0, 1], [2]], [adam_entry(0, (2,)), adam_entry(1, (2,)), sgd_like])
+    opt = optimizer([[0, 1], [2]], [adam_entry(0, (2,)), adam_entry(1, (2,)), sgd_like], like=torch.optim.AdamW)
     assert diagnose_optimizer(opt).malformed == ()
     lacking = StateEntry(1, (("step", tensor((), value=3.0)), ("exp_avg", tensor((2,)))))
-    opt = optimizer([[0, 1, 2]], [adam_entry(0, (2,)), lacking, adam_entry(2, (2,))])
+    opt = optimizer([[0, 1, 2]], [adam_entry(0, (2,)), lacking, adam_entry(2, (2,))], like=torch.optim.AdamW)
     (finding,) = diagnose_optimizer(opt).malformed
     assert (finding.code, finding.param) == ("partial-state", 1)
     assert "exp_avg_sq" in finding.detail
@@ -201,11 +209,12 @@ def test_entries_whose_keys_differ_by_rank_are_not_partial() -> None:
     step = ("step", tensor((), value=3.0))
     matrix = StateEntry(0, (step, ("row_var", tensor((3, 1))), ("col_var", tensor((1, 4)))))
     vector = StateEntry(1, (step, ("variance", tensor((3,)))))
-    opt = optimizer([[0, 1, 2]], [matrix, vector, StateEntry(2, (step, ("variance", tensor((2,)))))])
+    adafactor = torch.optim.Adafactor
+    opt = optimizer([[0, 1, 2]], [matrix, vector, StateEntry(2, (step, ("variance", tensor((2,)))))], like=adafactor)
     assert diagnose_optimizer(opt).malformed == ()
     lacking = StateEntry(3, (step, ("row_var", tensor((3, 1)))))
-    opt = optimizer([[0, 1, 2, 3]], [matrix, vector, StateEntry(2, (step, ("variance", tensor((2,))))), lacking])
-    (finding,) = diagnose_optimizer(opt).malformed
+    entries = [matrix, vector, StateEntry(2, (step, ("variance", tensor((2,))))), lacking]
+    (finding,) = diagnose_optimizer(optimizer([[0, 1, 2, 3]], entries, like=adafactor)).malformed
     assert (finding.code, finding.param) == ("partial-state", 3)
     assert finding.detail == "lacks col_var, which other entries of group 0 have"
 
@@ -330,3 +339,17 @@ def test_top_level_python_names_are_the_json_names(unirl_checkpoint: Built, tmp_
     assert [(a.file, a.location, a.param, list(a.keys), a.replaces) for a in result.added] == [
         (a["file"], a["location"], a["param"], a["keys"], a["replaced"]) for a in fixed["added"]
     ]
+
+
+def test_an_optimizer_not_known_by_its_options_keeps_differing_state_without_being_malformed() -> None:
+    """bitsandbytes' 8-bit AdamW keeps 32-bit state without its quantization keys for a parameter under its size
+    threshold: for an optimizer the registry does not know, differing key sets are a notice, never malformed."""
+    quantized = StateEntry(
+        0,
+        (("step", tensor((), value=3.0)), ("state1", tensor((64,))), ("absmax1", tensor((1,)))),
+    )
+    small = StateEntry(1, (("step", tensor((), value=3.0)), ("state1", tensor((2,)))))
+    found = diagnose_optimizer(optimizer([[0, 1]], [quantized, small]))
+    assert found.malformed == ()
+    (notice,) = [notice for notice in found.notices if notice.code == "differing-state-keys"]
+    assert notice.severity == "info" and notice.detail.startswith("1 entries lack keys other entries of their group")
