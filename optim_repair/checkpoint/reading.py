@@ -25,6 +25,8 @@ from optim_repair.formats.torchfile import TorchFile, read_inventory
 from optim_repair.records.inventory import CheckpointInventory, FileInventory, Skipped, WeightMap
 from optim_repair.records.traffic import Traffic
 
+LIGHTNING_META = "meta.pt"
+"""What Lightning's FSDPStrategy writes beside the ``.metadata`` of its sharded checkpoint (its own state)."""
 NO_OPTIMIZER = "holds no optimizer state (no dict with 'state' and 'param_groups')"
 """Why a torch file given as the checkpoint is none: it holds neither optimizer state nor model weights."""
 
@@ -274,7 +276,8 @@ class DiskListing:
         return f"is a link to {Path(target).as_posix()}, read there"
 
     def read_dcp(self, rel: str, name: str, keep: dict[str, DcpMetadata] | None) -> FileInventory:
-        return read_dcp(self._path(rel), name, keep=keep)
+        inventory = read_dcp(self._path(rel), name, keep=keep)
+        return replace(inventory, writer="lightning") if (self._path(rel) / LIGHTNING_META).is_file() else inventory
 
     def read_torch(self, rel: str, name: str, keep: dict[str, TorchFile]) -> FileInventory:
         return read_inventory(self._path(rel), rel, name, keep=keep)

@@ -16,13 +16,13 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO, cast
 
 from optim_repair.checkpoint.discovery import model_only
-from optim_repair.checkpoint.reading import Listed
+from optim_repair.checkpoint.reading import LIGHTNING_META, Listed
 from optim_repair.errors import (
     InputError,
     OutputError,
@@ -141,8 +141,9 @@ class StoredCheckpoint:
             with (directory / METADATA_FILE).open("wb") as target:
                 self.store.download(self.url.object(metadata), self.listing[metadata], target)
             self.whole.add(metadata)
-        shards = StoredShards(self.store, self.url, rel, members(self.listing, rel))
-        return read_dcp(directory, name, keep=keep, shards=shards)
+        inside = members(self.listing, rel)
+        inventory = read_dcp(directory, name, keep=keep, shards=StoredShards(self.store, self.url, rel, inside))
+        return replace(inventory, writer="lightning") if LIGHTNING_META in inside else inventory
 
     def read_torch(self, rel: str, name: str, keep: dict[str, TorchFile]) -> FileInventory:
         """The torch file ``rel`` by ranges: its end first, then its pickle and the local header of every record,

@@ -10,6 +10,7 @@ from typing import Literal
 from optim_repair.decisions.comparison import ModelComparison, compare, model_of, weights_beside
 from optim_repair.decisions.identify import keeps_whole_optimizer_state, state_key_sets_by_options
 from optim_repair.decisions.notices import (
+    LAZY_LOADERS,
     Loader,
     Notice,
     loader_notices,
@@ -91,8 +92,9 @@ class OptimizerDiagnosis:
     @property
     def resumes_as_is(self) -> bool:
         """Whether its loader resumes it exactly as it is: no entry is absent, or its loader
-        (``optimizer.load_state_dict``) creates absent entries lazily, as the optimizer would have."""
-        return not self.missing or self.loader == "load_state_dict"
+        (``optimizer.load_state_dict``, Lightning's sharded FSDP loader) creates absent entries lazily, as the
+        optimizer would have."""
+        return not self.missing or self.loader in LAZY_LOADERS
 
 
 @dataclass(frozen=True)
@@ -332,7 +334,7 @@ def diagnose(
     for file in inventory.files:
         weights = weights_beside(file, inventory)
         for optimizer in file.optimizers:
-            found = diagnose_optimizer(optimizer, weights, loader_of(optimizer.key_style, file.format))
+            found = diagnose_optimizer(optimizer, weights, loader_of(optimizer.key_style, file.format, file.writer))
             maps = tuple(model) if model is not None else model_of(optimizer, weights)
             optimizers.append(replace(found, model=compare(optimizer, maps)) if maps else found)
     notices = []

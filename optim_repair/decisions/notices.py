@@ -13,9 +13,13 @@ from optim_repair.decisions.identify import guess_optimizer
 from optim_repair.errors import shown_name
 from optim_repair.records.inventory import OptimizerInventory, ParamKey
 
-Loader = Literal["load_state_dict", "set_optimizer_state_dict", "dcp.load"]
+Loader = Literal["load_state_dict", "set_optimizer_state_dict", "dcp.load", "lightning-fsdp"]
 """The loader a layout implies: ``optimizer.load_state_dict`` for index keys (``optimizer.state_dict()``),
-torch's ``set_optimizer_state_dict`` for parameter names, ``dcp.load`` for a DCP checkpoint."""
+torch's ``set_optimizer_state_dict`` for parameter names, ``dcp.load`` for a DCP checkpoint, and for Lightning's
+sharded FSDP checkpoint (a DCP checkpoint with its ``meta.pt``) ``lightning-fsdp``: its FSDPStrategy's
+``load_sharded_optimizer_state_dict`` and ``FSDP.optim_state_dict_to_load``."""
+LAZY_LOADERS: frozenset[Loader] = frozenset({"load_state_dict", "lightning-fsdp"})
+"""The loaders that resume absent entries exactly, creating them as the optimizer would have."""
 Severity = Literal["info", "warning"]
 
 
@@ -112,6 +116,18 @@ def _index_keyed_sparse(missing: tuple[ParamKey, ...]) -> Notice:
     )
 
 
+def _lightning_sharded(missing: tuple[ParamKey, ...]) -> Notice:
+    """Lightning's sharded FSDP checkpoint resumes through loaders that leave absent entries absent."""
+    return Notice(
+        "lightning-sharded",
+        f"Lightning's FSDPStrategy resumes this sharded checkpoint (its meta.pt is beside it) through "
+        "load_sharded_optimizer_state_dict and FSDP.optim_state_dict_to_load, which resume the "
+        f"{len(missing)} absent entries exactly ({shown_params(missing)}); only dcp.load into a "
+        "get_optimizer_state_dict template needs a repair (Missing key): inspect --strict counts them",
+        "info",
+    )
+
+
 FSDP1_EMPTY_ERROR = "The state of _OptimStateKey(...) is empty"
 """What FSDP1's ``FSDP.optim_state_dict_to_load`` raises on a ``{}`` entry (with ``use_orig_params=False``, its
 default)."""
@@ -159,6 +175,8 @@ def loader_notices(
         return [_index_keyed_sparse(missing)] if missing else []
     if loader == "dcp.load":
         return [_dcp_missing_key(optimizer, missing)] if missing else []
+    if loader == "lightning-fsdp":
+        return [_lightning_sharded(missing)] if missing else []
     if optimizer.layout == "flattened":
         return [_flattened_missing(missing)] if missing else []
     phantom = _stock_loader_phantom(optimizer, len(missing), empty)
@@ -166,10 +184,10 @@ def loader_notices(
     return [*found, fsdp1_loader(len(missing), empty)] if missing or empty else found
 
 
-def loader_of(key_style: str, file_format: str) -> Loader:
+def loader_of(key_style: str, file_format: str, writer: str | None = None) -> Loader:
     """The loader a layout implies (see ``Loader``)."""
     if file_format == "dcp":
-        return "dcp.load"
+        return "lightning-fsdp" if writer == "lightning" else "dcp.load"
     return "load_state_dict" if key_style == "index" else "set_optimizer_state_dict"
 
 

@@ -179,6 +179,9 @@ class FileInventory:
     format: Literal["torch-zip", "torch-legacy", "dcp"]
     optimizers: tuple[OptimizerInventory, ...]
     weights: tuple[WeightMap, ...] = ()
+    writer: Literal["lightning"] | None = None
+    """The library whose own files beside it say which loader resumes it: ``lightning`` for a DCP checkpoint
+    holding Lightning's ``meta.pt`` (its FSDPStrategy's sharded checkpoint)."""
 
 
 @dataclass(frozen=True)

@@ -245,3 +245,15 @@ def test_latest_in_a_store_passes_over_an_hf_step_without_its_trainer_state(
     bucket = s3server.new_bucket(server)
     s3server.upload(server, run, bucket, "run/")
     assert api.latest_checkpoint(f"s3://{bucket}/run/") == f"s3://{bucket}/run/checkpoint-3/"
+
+
+def test_lightnings_sharded_checkpoint_in_a_store_is_judged_by_lightnings_loader(
+    server: s3server.Server, tmp_path: Path
+) -> None:
+    """As on a disk: Lightning's ``meta.pt`` beside a DCP checkpoint's ``.metadata`` names the loader."""
+    built = dk.unirl_dcp(tmp_path / "run")
+    torch.save({"epoch": 0, "global_step": dk.PRE_STEPS}, built.path / "meta.pt")
+    bucket = s3server.new_bucket(server)
+    s3server.upload(server, built.path, bucket, "lightning/")
+    document = json.loads(run_cli(["inspect", f"s3://{bucket}/lightning/", "--json"], code=0).stdout)
+    assert document["verdict"] == "healthy" and document["optimizers"][0]["loader"] == "lightning-fsdp"

@@ -108,6 +108,7 @@ def test_every_json_field_is_documented(field: str) -> None:
         "whole-optimizer-state",
         "lbfgs-loader",
         "differing-state-keys",
+        "lightning-sharded",
     ],
 )
 def test_every_finding_code_is_documented(code: str) -> None:

@@ -102,3 +102,22 @@ def test_a_dcp_directory_inside_the_argument_is_one_checkpoint(tmp_path: Path) -
     report = json.loads(run_cli(["inspect", tmp_path / "runs", "--json"], code=1).stdout)
     assert [(o["file"], o["location"]) for o in report["optimizers"]] == [(built.path.name, "optim")]
     assert report["skipped"] == []
+
+
+def test_lightnings_sharded_checkpoint_is_judged_by_lightnings_loader(tmp_path: Path) -> None:
+    """A DCP checkpoint with Lightning's ``meta.pt`` beside its ``.metadata`` is its FSDPStrategy's sharded
+    checkpoint, which Lightning resumes through loaders that leave absent entries absent: healthy, with a notice;
+    repairable under --strict (for dcp.load), and fixed as any DCP checkpoint."""
+    built = dk.unirl_dcp(tmp_path / "run")
+    assert json.loads(run_cli(["inspect", built.path, "--json"], code=1).stdout)["verdict"] == "repairable"
+    torch.save({"epoch": 0, "global_step": dk.PRE_STEPS}, built.path / "meta.pt")
+    document = json.loads(run_cli(["inspect", built.path, "--json"], code=0).stdout)
+    (found,) = document["optimizers"]
+    assert document["verdict"] == "healthy" and found["loader"] == "lightning-fsdp" and found["resumes_as_is"]
+    (notice,) = [notice for notice in found["notices"] if notice["code"] == "lightning-sharded"]
+    assert "resume the 2 absent entries exactly" in notice["detail"]
+    assert json.loads(run_cli(["inspect", built.path, "--strict", "--json"], code=1).stdout)["verdict"] == "repairable"
+    run_cli(["fix", built.path, "--out", tmp_path / "fixed"], code=0)
+    assert json.loads(run_cli(["inspect", tmp_path / "fixed", "--strict", "--json"], code=0).stdout)["verdict"] == (
+        "healthy"
+    )
