@@ -5,6 +5,7 @@ optim-repair's is in the one place the package, its reports and pyproject.toml r
 
 import functools
 import importlib.metadata
+import re
 from typing import NamedTuple
 
 __version__ = "0.1.0"
@@ -26,3 +27,9 @@ def versions() -> Versions:
     except importlib.metadata.PackageNotFoundError:
         torch_version = None
     return Versions(__version__, torch_version)
+
+
+def torch_release() -> tuple[int, int] | None:
+    """The installed torch's major and minor version (``2.13.0+cpu``: (2, 13)), or None without torch."""
+    found = re.match(r"(\d+)\.(\d+)", versions().torch or "")
+    return (int(found[1]), int(found[2])) if found else None

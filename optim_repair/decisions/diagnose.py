@@ -8,17 +8,18 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from optim_repair.decisions.comparison import ModelComparison, compare, model_of, weights_beside
-from optim_repair.decisions.identify import keeps_whole_optimizer_state, state_key_sets_by_options
+from optim_repair.decisions.identify import keeps_whole_optimizer_state, named_by_options, state_key_sets_by_options
 from optim_repair.decisions.notices import (
     LAZY_LOADERS,
     Loader,
     Notice,
+    dcp_missing_options,
     loader_notices,
     loader_of,
     phantom_entries,
     shown_params,
 )
-from optim_repair.decisions.optimizers import PARAM_SHAPED_KEYS
+from optim_repair.decisions.optimizers import PARAM_SHAPED_KEYS, options_asked
 from optim_repair.records.inventory import (
     CheckpointInventory,
     OptimizerInventory,
@@ -28,6 +29,7 @@ from optim_repair.records.inventory import (
     TensorMeta,
     WeightMap,
 )
+from optim_repair.version import torch_release
 
 Verdict = Literal["healthy", "repairable", "malformed"]
 
@@ -56,6 +58,9 @@ class OptimizerDiagnosis:
     phantom: tuple[ParamKey, ...] = ()
     """Entries with ``step`` 1 and all-zero moments (as far as inspect reads them): the state torch's full-state
     loader gives a parameter without state, which ``fix --reset-phantom-step`` turns back."""
+    missing_options: tuple[tuple[int, str], ...] = ()
+    """The (group, option) pairs its loader asks for and its groups lack (``dcp.load`` of a torch that writes
+    ``decoupled_weight_decay``, on a checkpoint written before it did)."""
 
     @property
     def file(self) -> str:
@@ -126,6 +131,8 @@ class Diagnosis:
             return "malformed"
         if any(opt.missing and (self.strict or not opt.resumes_as_is) for opt in self.optimizers):
             return "repairable"
+        if any(opt.missing_options for opt in self.optimizers):
+            return "repairable"  # dcp.load asks for options torch added since: fix adds them
         if any(opt.model and not opt.model.matches for opt in self.optimizers):
             return "repairable"  # names the model does not have: fix --rename or --drop-not-in-model
         return "healthy"
@@ -273,11 +280,31 @@ def _reference_shapes(weights: Iterable[WeightMap]) -> dict[str, TensorMeta]:
     return {name: meta for name, meta in shapes.items() if name not in ambiguous}
 
 
+def missing_options(
+    optimizer: OptimizerInventory, loader: Loader, release: tuple[int, int] | None
+) -> tuple[tuple[int, str], ...]:
+    """The (group, option) pairs ``dcp.load`` of torch ``release`` asks for that the groups lack: ``dcp.load`` reads
+    every key of its template, a ``get_optimizer_state_dict`` of that release's optimizer. Other loaders fill an
+    absent option in (``Optimizer.__setstate__``). Flattened groups are not judged."""
+    if loader != "dcp.load" or release is None or optimizer.layout != "nested":
+        return ()
+    asked = options_asked(named_by_options(optimizer.groups), release)
+    return tuple(
+        (index, key) for index, group in enumerate(optimizer.groups) for key in asked if key not in group.option_keys
+    )
+
+
 def diagnose_optimizer(
-    optimizer: OptimizerInventory, weights: Iterable[WeightMap] = (), loader: Loader | None = None
+    optimizer: OptimizerInventory,
+    weights: Iterable[WeightMap] = (),
+    loader: Loader | None = None,
+    release: tuple[int, int] | None = None,
 ) -> OptimizerDiagnosis:
-    """Every finding about one optimizer; ``loader`` defaults to the one its keys imply in a torch file."""
+    """Every finding about one optimizer; ``loader`` defaults to the one its keys imply in a torch file, and
+    ``release`` (the torch that will load it) to the installed torch."""
     loader = loader or loader_of(optimizer.key_style, "torch")
+    release = release or torch_release()
+    lacking = missing_options(optimizer, loader, release)
     shapes = _reference_shapes(weights)
     listed = set(optimizer.params)
     present = {entry.param for entry in optimizer.entries}
@@ -313,6 +340,8 @@ def diagnose_optimizer(
     if phantom and not _is_phantom(optimizer):
         notices.append(phantom_entries(phantom))
     notices += loader_notices(optimizer, loader, missing, len(empty))
+    if lacking and release is not None:
+        notices.append(dcp_missing_options(optimizer, lacking, release))
     return OptimizerDiagnosis(
         optimizer=optimizer,
         loader=loader,
@@ -321,6 +350,7 @@ def diagnose_optimizer(
         malformed=tuple(malformed),
         notices=tuple(notices),
         phantom=phantom,
+        missing_options=lacking,
     )
 
 

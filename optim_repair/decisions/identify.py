@@ -72,6 +72,11 @@ def _one_candidate(candidates: Sequence[str], groups: Sequence[ParamGroup]) -> I
     return Identification("adamw", "adam or adamw")
 
 
+def named_by_options(groups: Sequence[ParamGroup]) -> tuple[str, ...]:
+    """The registry optimizers whose option keys, as some torch version writes them, the groups hold."""
+    return tuple(spec.name for spec in SPECS if _matches_options(spec, groups))
+
+
 def state_key_sets_by_options(groups: Sequence[ParamGroup]) -> frozenset[frozenset[str]] | None:
     """The state key sets the optimizers whose option keys the groups hold create (Adafactor's differ by a
     parameter's rank), or None when no registry optimizer holds them: what a state entry may hold, as far as

@@ -116,6 +116,21 @@ def _index_keyed_sparse(missing: tuple[ParamKey, ...]) -> Notice:
     )
 
 
+def dcp_missing_options(
+    optimizer: OptimizerInventory, lacking: tuple[tuple[int, str], ...], release: tuple[int, int]
+) -> Notice:
+    """What ``dcp.load`` of the loading torch does with param-group options the checkpoint lacks."""
+    root = ".".join(str(part) for part in optimizer.address)
+    keys = [f"{root}.param_groups.{group}.{key}" for group, key in lacking]
+    shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    return Notice(
+        "dcp-missing-option",
+        f'torch {release[0]}.{release[1]}\'s dcp.load fails with "Missing key in checkpoint state_dict: {keys[0]}": '
+        f"its optimizer writes {shown}, which the torch that saved this checkpoint did not; fix adds each with the "
+        "value that torch gives a group without it",
+    )
+
+
 def _lightning_sharded(missing: tuple[ParamKey, ...]) -> Notice:
     """Lightning's sharded FSDP checkpoint resumes through loaders that leave absent entries absent."""
     return Notice(

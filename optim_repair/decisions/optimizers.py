@@ -9,17 +9,19 @@ builder follows). Which optimizer wrote a state dict is told apart from these sp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from optim_repair.decisions import fresh_states
 from optim_repair.decisions.fresh_states import SCALAR_DTYPES, FreshState, FreshValue, ParamSpec
 from optim_repair.errors import RepairRefused, shown
-from optim_repair.records.inventory import ParamGroup
+from optim_repair.records.inventory import ParamGroup, Scalar
 from optim_repair.records.repair_plan import FreshTensor
 
 __all__ = [
+    "ADDED_OPTIONS",
+    "LATEST_RELEASE",
     "NOT_OPTIMIZER_OPTIONS",
     "OPTIMIZERS",
     "PARAM_SHAPED_KEYS",
@@ -32,6 +34,7 @@ __all__ = [
     "OptimizerSpec",
     "ParamSpec",
     "fresh_state",
+    "options_asked",
 ]
 
 # --- the registry ---------------------------------------------------------------------------
@@ -165,6 +168,36 @@ adafactor    step s[]=0, then for p of 2+ dims row_var p[..., 1]=0 and
 muon         momentum_buffer p=0
 ============ ========================================================================
 """
+
+ADDED_OPTIONS: Mapping[str, Mapping[str, tuple[tuple[int, int], Scalar]]] = MappingProxyType(
+    {
+        "adam": {"decoupled_weight_decay": ((2, 8), False)},
+        "adamw": {"decoupled_weight_decay": ((2, 8), False)},
+    }
+)
+"""Option keys torch added to an optimizer's param groups: the release that added each, and the value a group
+without it gets on loading there (Adam's ``__setstate__`` sets an absent ``decoupled_weight_decay`` to False;
+AdamW's sets it to True whatever was loaded). ``dcp.load`` asks a checkpoint for every key of its template's
+groups, so a checkpoint written before the release lacks it."""
+
+
+LATEST_RELEASE = (99, 0)
+"""A release after every one ``ADDED_OPTIONS`` names: asked for every option, with its value."""
+
+
+def options_asked(names: Iterable[str], release: tuple[int, int]) -> dict[str, Scalar]:
+    """The options torch ``release`` writes for each optimizer of ``names`` that an older torch did not, with the
+    value a group without it gets there: those every one of ``names`` agrees on (Adam and AdamW, told apart by
+    nothing before 2.8, agree)."""
+    asked = [
+        {key: value for key, (since, value) in ADDED_OPTIONS.get(name, {}).items() if since <= release}
+        for name in names
+    ]
+    if not asked:
+        return {}
+    first = asked[0]
+    return {key: value for key, value in first.items() if all(other.get(key, not value) == value for other in asked)}
+
 
 WHOLE_OPTIMIZER_STATE = frozenset(
     {"lr", "max_iter", "max_eval", "tolerance_grad", "tolerance_change", "history_size", "line_search_fn"}

@@ -7,9 +7,16 @@ from dataclasses import replace
 
 from optim_repair.decisions.comparison import model_of, weights_beside
 from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis, diagnose_optimizer
-from optim_repair.decisions.identify import Identification, identify_optimizer
+from optim_repair.decisions.identify import Identification, identify_optimizer, named_by_options
 from optim_repair.decisions.operations import apply_operations
-from optim_repair.decisions.optimizers import OPTIMIZERS, PARAM_SHAPED_KEYS, ParamSpec, fresh_state
+from optim_repair.decisions.optimizers import (
+    LATEST_RELEASE,
+    OPTIMIZERS,
+    PARAM_SHAPED_KEYS,
+    ParamSpec,
+    fresh_state,
+    options_asked,
+)
 from optim_repair.errors import Remedy, RepairRefused, UsageError, shown
 from optim_repair.records.inventory import OptimizerInventory, ParamKey, TensorMeta, WeightMap
 from optim_repair.records.repair_plan import (
@@ -17,6 +24,7 @@ from optim_repair.records.repair_plan import (
     Fill,
     FillChoice,
     FilledOptimizer,
+    GroupOption,
     ParamChange,
     PlanFill,
     RepairPlan,
@@ -146,6 +154,16 @@ def _moment_dtype(opt: OptimizerDiagnosis, weights: Sequence[WeightMap]) -> str 
     return None
 
 
+def _group_options(opt: OptimizerDiagnosis) -> list[GroupOption]:
+    """The options the loading torch asks for and the optimizer's groups lack, each with the value that torch
+    gives a group without it."""
+    inv = opt.optimizer
+    values = options_asked(named_by_options(inv.groups), LATEST_RELEASE)
+    return [
+        GroupOption(inv.file, inv.location, inv.address, group, key, values[key]) for group, key in opt.missing_options
+    ]
+
+
 def _own_shape(opt: OptimizerDiagnosis, param: ParamKey) -> TensorMeta:
     """A phantom entry's parameter, as its own moments give it (they have the parameter's dtype and shape)."""
     entry = next(entry for entry in opt.optimizer.entries if entry.param == param)
@@ -235,6 +253,7 @@ def plan_repair(
     fills: set[Fill] = set()
     changes: list[ParamChange] = []
     notes: list[str] = []
+    options = [option for opt in diagnosis.optimizers for option in _group_options(opt)]
     for original in diagnosis.optimizers:
         file = next(f for f in diagnosis.inventory.files if f.file == original.optimizer.file)
         opt, joined = original, {}
@@ -289,4 +308,4 @@ def plan_repair(
     described: PlanFill = asked or default_fill(diagnosis.inventory.format)
     if asked is None and fills:
         described = fills.pop() if len(fills) == 1 else "mixed"
-    return RepairPlan(described, tuple(additions), tuple(kinds), tuple(changes), tuple(notes))
+    return RepairPlan(described, tuple(additions), tuple(kinds), tuple(changes), tuple(options), tuple(notes))

@@ -42,6 +42,19 @@ AddedValue = FreshTensor | Scalar
 
 
 @dataclass(frozen=True)
+class GroupOption:
+    """One option a param group lacks and the loading torch asks for (``decoupled_weight_decay``, which torch
+    before 2.8 did not write), to add with the value that torch assumes for it."""
+
+    file: str
+    location: str
+    address: tuple[ParamKey, ...]
+    group: int
+    key: str
+    value: Scalar
+
+
+@dataclass(frozen=True)
 class Addition:
     """One state entry to add to one optimizer, or (``replaces``) to put in place of a phantom-step entry."""
 
@@ -93,6 +106,8 @@ class RepairPlan:
     """For a fresh fill: each optimizer the plan fills, with its kind."""
     changes: tuple[ParamChange, ...] = ()
     """Parameters renamed or dropped (``fix --rename``, ``--drop``, ``--drop-not-in-model``)."""
+    options: tuple[GroupOption, ...] = ()
+    """Param-group options added: what the loading torch asks for and the checkpoint lacks."""
     fill_notes: tuple[str, ...] = ()
     """Where the default fill gave ``{}`` because fresh state could not be built: one line an optimizer, saying why
     and through which loaders ``{}`` resumes exactly."""
@@ -102,3 +117,6 @@ class RepairPlan:
 
     def changes_for(self, file: str) -> tuple[ParamChange, ...]:
         return tuple(change for change in self.changes if change.file == file)
+
+    def options_for(self, file: str) -> tuple[GroupOption, ...]:
+        return tuple(option for option in self.options if option.file == file)

@@ -8,6 +8,7 @@ Results go to stdout; messages, progress and errors to stderr.
 from optim_repair.render.documents import (
     SCHEMA_VERSION,
     AddedDoc,
+    AddedOptionDoc,
     ChangedDoc,
     DryRunDoc,
     ErrorDoc,
@@ -15,6 +16,7 @@ from optim_repair.render.documents import (
     InspectDoc,
     MalformedDoc,
     NoticeDoc,
+    OptionDoc,
     ShapeMismatchDoc,
     SkippedDoc,
     dry_run_document,
@@ -38,6 +40,7 @@ from optim_repair.render.reports import (
 __all__ = [
     "SCHEMA_VERSION",
     "AddedDoc",
+    "AddedOptionDoc",
     "ChangedDoc",
     "Color",
     "DryRunDoc",
@@ -46,6 +49,7 @@ __all__ = [
     "InspectDoc",
     "MalformedDoc",
     "NoticeDoc",
+    "OptionDoc",
     "Screen",
     "ShapeMismatchDoc",
     "SkippedDoc",

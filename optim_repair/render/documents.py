@@ -14,7 +14,7 @@ from optim_repair.api import DryRun, FixResult
 from optim_repair.decisions.comparison import ModelComparison
 from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis
 from optim_repair.decisions.notices import Notice
-from optim_repair.records.inventory import ParamKey
+from optim_repair.records.inventory import ParamKey, Scalar
 from optim_repair.records.traffic import Traffic
 from optim_repair.records.verification import Verification
 from optim_repair.version import versions
@@ -52,6 +52,19 @@ class ModelDoc(TypedDict):
     rename: str | None
 
 
+class OptionDoc(TypedDict):
+    group: int
+    key: str
+
+
+class AddedOptionDoc(TypedDict):
+    file: str
+    location: str
+    group: int
+    key: str
+    value: Scalar
+
+
 class OptimizerDoc(TypedDict):
     file: str
     location: str
@@ -63,6 +76,7 @@ class OptimizerDoc(TypedDict):
     params: int
     states: int
     missing: list[ParamKey]
+    missing_options: list[OptionDoc]
     empty: list[ParamKey]
     malformed: list[MalformedDoc]
     notices: list[NoticeDoc]
@@ -142,6 +156,7 @@ class PlannedDoc(InspectDoc):
     fill_notes: list[str]
     changed: list[ChangedDoc]
     added: list[AddedDoc]
+    added_options: list[AddedOptionDoc]
 
 
 class FixDoc(PlannedDoc):
@@ -188,6 +203,7 @@ def _optimizer_doc(opt: OptimizerDiagnosis) -> OptimizerDoc:
         "params": opt.params,
         "states": opt.states,
         "missing": list(opt.missing),
+        "missing_options": [{"group": group, "key": key} for group, key in opt.missing_options],
         "empty": list(opt.empty),
         "malformed": [{"param": m.param, "code": m.code, "detail": m.detail} for m in opt.malformed],
         "notices": _notice_docs(opt.notices),
@@ -242,6 +258,10 @@ def _planned_document(result: FixResult | DryRun) -> PlannedDoc:
         "fill_notes": list(result.plan.fill_notes),
         "changed": _changed_docs(result),
         "added": _added_docs(result),
+        "added_options": [
+            {"file": o.file, "location": o.location, "group": o.group, "key": o.key, "value": o.value}
+            for o in result.plan.options
+        ],
     }
 
 

@@ -295,11 +295,8 @@ def _changes(plan: RepairPlan) -> str:
     if replaced:
         parts.append(f"the {replaced} replaced phantom-step entries")
     renamed = sum(change.new is not None for change in plan.changes)
-    dropped = len(plan.changes) - renamed
-    if renamed:
-        parts.append(f"{renamed} renamed parameters")
-    if dropped:
-        parts.append(f"{dropped} dropped parameters")
+    counted = [(renamed, "renamed parameters"), (len(plan.changes) - renamed, "dropped parameters")]
+    parts += [f"{n} {what}" for n, what in [*counted, (len(plan.options), "added param-group options")] if n]
     return ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
 
 
@@ -326,6 +323,9 @@ def _print_changes(console: Console, plan: RepairPlan) -> None:
     if joined:
         added = f"added {len(joined)} model parameters to their param group: {_shown_names(tuple(joined))}"
         _print_line(console, Shown(added), indent=0)
+    for option in plan.options:  # what the loading torch asks for (decoupled_weight_decay, since 2.8)
+        where = ".".join(str(part) for part in (*option.address, "param_groups", option.group, option.key))
+        _print_line(console, Shown(f"added the param-group option {where} = {option.value!r}"), indent=0)
 
 
 def _traffic(traffic: Traffic) -> str:

@@ -69,7 +69,7 @@ def _fields(doc_type: type, prefix: str = "") -> list[str]:
 
 _SMALL = (
     render.MalformedDoc, render.NoticeDoc, render.SkippedDoc, render.AddedDoc, render.ShapeMismatchDoc,
-    render.ChangedDoc,
+    render.ChangedDoc, render.OptionDoc, render.AddedOptionDoc,
 )  # fmt: skip
 """Documented in one row each, as ``{a, b, c}``."""
 
@@ -109,6 +109,7 @@ def test_every_json_field_is_documented(field: str) -> None:
         "lbfgs-loader",
         "differing-state-keys",
         "lightning-sharded",
+        "dcp-missing-option",
     ],
 )
 def test_every_finding_code_is_documented(code: str) -> None:

@@ -51,4 +51,5 @@ def plan_file(path: Path, file: FileInventory, plan: RepairPlan, parsed: Parsed)
     meta = parsed.dcp.get(file.file) or read_metadata(path, str(path))
     groups = {optimizer.address: [group.params for group in optimizer.groups] for optimizer in file.optimizers}
     source = display_path(str(path), METADATA_FILE)
-    return PlannedDcp(plan_dcp(meta, source, plan.for_file(file.file), plan.changes_for(file.file), groups))
+    additions, changes, options = plan.for_file(file.file), plan.changes_for(file.file), plan.options_for(file.file)
+    return PlannedDcp(plan_dcp(meta, source, additions, changes, groups, options))

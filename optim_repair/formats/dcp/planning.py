@@ -19,7 +19,7 @@ from optim_repair.formats.dcp.metadata import DcpMetadata, DcpTensor, KeyPath
 from optim_repair.records import keys
 from optim_repair.records.inventory import ParamKey
 from optim_repair.records.keys import dotted
-from optim_repair.records.repair_plan import AddedValue, Addition, ParamChange
+from optim_repair.records.repair_plan import AddedValue, Addition, GroupOption, ParamChange
 
 
 @dataclass(frozen=True)
@@ -157,18 +157,40 @@ def plan_entries(meta: DcpMetadata, additions: Sequence[Addition], source: str) 
     return PlannedEntries(meta, tuple(entries))
 
 
+def _option_entries(meta: DcpMetadata, options: Sequence[GroupOption], source: str) -> list[NewEntry]:
+    """Each param-group option to add as a new bytes entry beside its group's others, keyed and pathed as they
+    are (``optim.param_groups.0.decoupled_weight_decay`` beside ``optim.param_groups.0.lr``)."""
+    entries = []
+    for option in options:
+        prefix = dotted((*option.address, keys.PARAM_GROUPS, option.group))
+        sibling = next(
+            (key for key in meta.items if key.startswith(f"{prefix}.") and "." not in key[len(prefix) + 1 :]), None
+        )
+        if sibling is None:
+            raise RepairRefused(f"holds no entries of param group {prefix} to add {option.key} beside", path=source)
+        key = f"{prefix}.{option.key}"
+        if key in meta.items:
+            raise RepairRefused(f"{key} already exists; refusing to overwrite it", path=source)
+        path = meta.path_of(sibling)
+        entries.append(NewEntry(key, (key,) if path == (sibling,) else (*path[:-1], option.key), option.value))
+    return entries
+
+
 def plan_dcp(
     meta: DcpMetadata,
     source: str,
     additions: Sequence[Addition],
     changes: Sequence[ParamChange] = (),
     groups: Mapping[KeyPath, Sequence[Sequence[ParamKey]]] | None = None,
+    options: Sequence[GroupOption] = (),
 ) -> PlannedEntries:
-    """The whole plan for one DCP checkpoint: ``additions`` as new entries, and the keys ``changes`` and joining
-    parameters rename, drop or add. ``groups`` holds each changed optimizer's ``params`` lists, by address,
-    as reading found them. Raises ``RepairRefused`` (or ``InputError`` for a ``.metadata`` no repair can
-    extend) for what the writer cannot do."""
+    """The whole plan for one DCP checkpoint: ``additions`` as new entries, the param-group ``options`` too, and
+    the keys ``changes`` and joining parameters rename, drop or add. ``groups`` holds each changed optimizer's
+    ``params`` lists, by address, as reading found them. Raises ``RepairRefused`` (or ``InputError`` for a
+    ``.metadata`` no repair can extend) for what the writer cannot do."""
     planned = plan_entries(meta, additions, source)
+    if options:
+        planned = PlannedEntries(meta, (*planned.entries, *_option_entries(meta, options, source)))
     joined = [addition for addition in additions if addition.group is not None]
     if changes or joined:
         planned = PlannedEntries(meta, planned.entries, rekey(meta, changes, groups or {}, source, joined))
