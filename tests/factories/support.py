@@ -191,7 +191,7 @@ def storage_ranges(path: Path) -> dict[str, tuple[int, int]]:
 
 def tensor_storage_key(path: Path, address: tuple[Any, ...]) -> str:
     """The storage key of the tensor at ``address`` in a torch file."""
-    from optim_repair.formats.pickled import resolve as resolve_graph
+    from optim_repair.formats.addresses import resolve as resolve_graph
     from optim_repair.formats.pickled import tensor_meta
 
     torch_file = open_torch_file(path, path.name)

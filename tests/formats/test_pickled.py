@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from optim_repair.errors import InputError, RepairRefused, UnsafeInputError
+from optim_repair.formats.addresses import walk
 from optim_repair.formats.pickle_writing import dump_graph, new_tensor, storage_for
 from optim_repair.formats.pickled import (
     GlobalRef,
@@ -22,7 +23,6 @@ from optim_repair.formats.pickled import (
     is_tensor,
     load_graph,
     tensor_meta,
-    walk,
 )
 from tests.factories.hostile import ShellOnLoad
 

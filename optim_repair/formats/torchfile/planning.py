@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from typing import Any, BinaryIO
 
 from optim_repair.errors import Remedy, RepairRefused, shown
-from optim_repair.formats.pickled import is_dtensor, resolve, tensor_meta
+from optim_repair.formats.addresses import resolve
+from optim_repair.formats.pickled import is_dtensor, tensor_meta
 from optim_repair.formats.torchfile.files import TorchFile
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile
 from optim_repair.records import keys

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, shown
-from optim_repair.formats.pickled import describe_address, is_tensor, option_value, state_value, tensor_meta, walk
+from optim_repair.formats.addresses import describe_address, walk
+from optim_repair.formats.pickled import is_tensor, option_value, state_value, tensor_meta
 from optim_repair.formats.torchfile.files import Opener, TorchFile, open_torch_file
 from optim_repair.records import keys
 from optim_repair.records.dtypes import decode_element, itemsize

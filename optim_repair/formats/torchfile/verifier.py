@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, VerificationError, shown
-from optim_repair.formats.pickled import Reduced, StorageRef, describe_address, global_name, resolve, tensor_meta
+from optim_repair.formats.addresses import describe_address, resolve
+from optim_repair.formats.pickled import Reduced, StorageRef, global_name, tensor_meta
 from optim_repair.formats.safe_globals import PickledObject
 from optim_repair.formats.torchfile.files import Opener, TorchFile, open_torch_file
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from optim_repair.errors import InputError
+from optim_repair.formats.addresses import resolve
 from optim_repair.formats.pickle_writing import dump_graph, new_tensor, storage_for
-from optim_repair.formats.pickled import Reduced, StorageRef, load_graph, resolve
+from optim_repair.formats.pickled import Reduced, StorageRef, load_graph
 from optim_repair.formats.torchfile.changes import changed_optimizer, put, with_entry
 from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile
