@@ -60,9 +60,12 @@ def _holds_dtensors(optimizer: dict[Any, Any]) -> bool:
 def _refuse_fresh_dtensors(torch_file: TorchFile, source: str, additions: Sequence[Addition]) -> None:
     """Fresh state for a parameter of DTensor state must be a DTensor sharded as that parameter is; a plain
     tensor is not what its loader expects, and no DTensor is made here."""
-    for addition in additions:
-        fresh = any(isinstance(value, FreshTensor) for _, value in addition.state)
-        if fresh and _holds_dtensors(resolve(torch_file.graph.root, addition.address)):
+    addresses = {
+        addition.address for addition in additions if any(isinstance(v, FreshTensor) for _, v in addition.state)
+    }
+    for address in addresses:  # each optimizer once: its state is walked once, whatever it adds
+        addition = next(addition for addition in additions if addition.address == address)
+        if _holds_dtensors(resolve(torch_file.graph.root, address)):
             raise RepairRefused(
                 f"{addition.location or 'the top level'} holds DTensor state (FSDP2, saved per rank): fresh state "
                 "would have to be a DTensor sharded as its parameter is, which optim-repair does not write; "
