@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,6 +34,7 @@ def inspect(
     dereference: bool = False,
     profile: str | None = None,
     endpoint_url: str | None = None,
+    for_torch: str | None = None,
 ) -> Diagnosis:
     """Read ``path`` (a torch file, a checkpoint directory or a DCP directory) and diagnose it.
 
@@ -48,12 +50,16 @@ def inspect(
     ``path`` may be a prefix in object storage, as a string (``"s3://bucket/step-1000/"``: the ``optim-repair[s3]``
     extra), read with the AWS CLI's credentials and endpoint, or ``profile`` and ``endpoint_url``; of it, only each
     DCP checkpoint's ``.metadata`` and bytes entries are read (``inventory.traffic`` counts the requests).
+
+    ``for_torch`` (``"2.13"``) names the torch release that will load it, whose loaders judge it (the param-group
+    options its ``dcp.load`` asks for); by default the installed torch.
     """
     options = StoreOptions(profile, endpoint_url)
     weights = _model_weights(model, options) if model is not None else None
     with _listing(path, options, dereference=dereference) as listing:
         inventory, _ = _read_unchanged(listing, keep=False)
-        return diagnose(replace(inventory, traffic=listing.traffic()), strict=strict, model=weights)
+        found = replace(inventory, traffic=listing.traffic())
+        return diagnose(found, strict=strict, model=weights, release=release_of(for_torch))
 
 
 @contextlib.contextmanager
@@ -67,6 +73,17 @@ def _listing(
             yield listing
     else:
         yield DiskListing(discover(Path(path), dereference=dereference))
+
+
+def release_of(for_torch: str | None) -> tuple[int, int] | None:
+    """The torch release ``for_torch`` names (``2.13``, ``2.13.0``, ``2.13.0+cu121``: (2, 13)); None for the
+    installed torch."""
+    if for_torch is None:
+        return None
+    found = re.fullmatch(r"(\d+)\.(\d+)(?:\.\d+)?(?:[+.\w-]*)", for_torch.strip())
+    if found is None:
+        raise UsageError(f"{{argument}} takes a torch release such as 2.13, not {for_torch!r}", argument="for_torch")
+    return int(found[1]), int(found[2])
 
 
 def _read_unchanged(listing: Listing, *, keep: bool = True) -> tuple[CheckpointInventory, Parsed]:
@@ -106,6 +123,7 @@ def plan(
     reset_phantom_step: bool = False,
     operations: Operations = NO_OPERATIONS,
     dereference: bool = False,
+    for_torch: str | None = None,
 ) -> RepairPlan:
     """What ``fix`` would add, and with what, without writing anything (a dry run).
 
@@ -115,7 +133,7 @@ def plan(
     """
     request = _request(fill, optimizer, model, reset_phantom_step, operations)
     weights = _weights_of(request, StoreOptions())
-    with _opened(checkpoint, StoreOptions(), dereference) as read:
+    with _opened(checkpoint, StoreOptions(), dereference, release=release_of(for_torch)) as read:
         return _finished(read, request, weights).plan
 
 
@@ -145,7 +163,11 @@ class _Read:
 
 @contextlib.contextmanager
 def _opened(
-    checkpoint: str | Path | Diagnosis, options: StoreOptions, dereference: bool, mirror: Path | None = None
+    checkpoint: str | Path | Diagnosis,
+    options: StoreOptions,
+    dereference: bool,
+    mirror: Path | None = None,
+    release: tuple[int, int] | None = None,
 ) -> Iterator[_Read]:
     """The checkpoint read once for a repair, on a disk or in a store (its objects fetched under ``mirror``):
     its diagnosis (a local one given is found again as its inspect found it, not read again), listing and what
@@ -162,7 +184,7 @@ def _opened(
         return
     with _listing(_path_of(checkpoint), options, dereference=dereference, mirror=mirror) as listing:
         inventory, parsed = _read_unchanged(listing)
-        yield _Read(diagnose(inventory), listing, parsed)
+        yield _Read(diagnose(inventory, release=release), listing, parsed)
 
 
 def _model_weights(model: str | Path, options: StoreOptions) -> tuple[WeightMap, ...]:
@@ -237,13 +259,14 @@ def dry_run(
     operations: Operations = NO_OPERATIONS,
     profile: str | None = None,
     endpoint_url: str | None = None,
+    for_torch: str | None = None,
 ) -> DryRun:
     """What ``fix`` with the same arguments would add and write, and the room there is for it; writes nothing.
     Either side may be in a store, as for ``fix``."""
     request = _request(fill, optimizer, model, reset_phantom_step, operations)
     options = StoreOptions(profile, endpoint_url)
     weights = _weights_of(request, options)
-    with _opened(checkpoint, options, dereference) as read:
+    with _opened(checkpoint, options, dereference, release=release_of(for_torch)) as read:
         finished = _finished(read, request, weights)
         target, needed, free = copies.estimate(read.listing, finished, out, link=link)
     return DryRun(read.diagnosis, finished.plan, target, needed, free)
@@ -288,6 +311,7 @@ def fix(
     verify: Literal["store", "download"] = "store",
     profile: str | None = None,
     endpoint_url: str | None = None,
+    for_torch: str | None = None,
 ) -> FixResult:
     """Write a repaired copy of ``checkpoint`` to ``out``, verified as read back; the input is never modified.
 
@@ -310,11 +334,12 @@ def fix(
     A checkpoint in object storage (``"s3://bucket/step-1000/"``, see ``inspect``) is written to an empty prefix
     (``out``, ``"s3://..."``; ``force`` empties it first) by server-side copies and one new shard, each
     ``.metadata`` last; the copies are proven by the store's checksums, or with ``verify="download"`` read back.
+    ``for_torch`` names the torch release that will load the copy, as for ``inspect``.
     """
     request = _request(fill, optimizer, model, reset_phantom_step, operations)
     reporter = Reporter(progress, notice)
     options = StoreOptions(profile, endpoint_url)
-    source = _path_of(checkpoint)
+    source, release = _path_of(checkpoint), release_of(for_torch)
     if verify == "download" and not (is_remote(source) and is_remote(out)):
         raise UsageError("{argument} is for copies made inside a store (s3:// to s3://)", argument="verify")
     weights = _weights_of(request, options)
@@ -323,7 +348,7 @@ def fix(
         mirror = None
         if is_remote(source) and not is_remote(out):  # its objects are fetched beside the copy, to link from
             mirror = held.enter_context(copies.mirror_beside(str(source), out, force=force, reporter=reporter))
-        read = held.enter_context(_opened(checkpoint, options, dereference, mirror))
+        read = held.enter_context(_opened(checkpoint, options, dereference, mirror, release))
         finished = _finished(read, request, weights)
         written, verification, traffic = copies.write(read.listing, finished, out, copy, options, reporter)
     return FixResult(read.diagnosis, finished.plan, written, verification, traffic)

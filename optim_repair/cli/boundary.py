@@ -143,6 +143,15 @@ EndpointOption = Annotated[
         "--endpoint-url", metavar="URL", help="For s3://: an S3-compatible endpoint (default: AWS_ENDPOINT_URL)."
     ),
 ]
+ForTorchOption = Annotated[
+    str | None,
+    typer.Option(
+        "--for-torch",
+        metavar="VERSION",
+        help="The torch release that will load the checkpoint (2.13), whose loaders judge it: the param-group "
+        "options its dcp.load asks for. Default: the installed torch.",
+    ),
+]
 JsonFlag = Annotated[
     bool, typer.Option("--json", help="Print one JSON document (schema_version 2) instead, errors included.")
 ]

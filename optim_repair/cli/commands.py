@@ -16,6 +16,7 @@ from optim_repair.cli.boundary import (
     Command,
     DereferenceFlag,
     EndpointOption,
+    ForTorchOption,
     Group,
     JsonFlag,
     LatestFlag,
@@ -107,6 +108,7 @@ def inspect(
     dereference: DereferenceFlag = False,
     profile: ProfileOption = None,
     endpoint_url: EndpointOption = None,
+    for_torch: ForTorchOption = None,
     json: JsonFlag = False,
     quiet: QuietFlag = False,
     color: ColorOption = "auto",
@@ -117,7 +119,7 @@ def inspect(
     def command() -> int:
         diagnosis = api.inspect(
             _step(checkpoint, latest, screen, profile, endpoint_url), strict=strict, model=model,
-            dereference=dereference, profile=profile, endpoint_url=endpoint_url,
+            dereference=dereference, profile=profile, endpoint_url=endpoint_url, for_torch=for_torch,
         )  # fmt: skip
         with writes_to("stdout"):
             if json:
@@ -228,6 +230,7 @@ def fix(
     ] = "store",
     profile: ProfileOption = None,
     endpoint_url: EndpointOption = None,
+    for_torch: ForTorchOption = None,
     json: JsonFlag = False,
     quiet: QuietFlag = False,
     color: ColorOption = "auto",
@@ -258,6 +261,7 @@ def fix(
                 operations=changes,
                 profile=profile,
                 endpoint_url=endpoint_url,
+                for_torch=for_torch,
             )
             with writes_to("stdout"):
                 if json:
@@ -283,6 +287,7 @@ def fix(
                 verify="download" if verify == "download" else "store",
                 profile=profile,
                 endpoint_url=endpoint_url,
+                for_torch=for_torch,
             )
         with writes_to("stdout"):
             if json:

@@ -355,16 +355,21 @@ def diagnose_optimizer(
 
 
 def diagnose(
-    inventory: CheckpointInventory, *, strict: bool = False, model: Sequence[WeightMap] | None = None
+    inventory: CheckpointInventory,
+    *,
+    strict: bool = False,
+    model: Sequence[WeightMap] | None = None,
+    release: tuple[int, int] | None = None,
 ) -> Diagnosis:
     """Every finding about a checkpoint; ``strict``: every absent entry needs a repair, whatever the loader.
     Each optimizer is compared with ``model`` (weight maps), or with the weights beside it that name one of
-    its parameters."""
+    its parameters. ``release`` is the torch that will load it (by default the installed one)."""
     optimizers: list[OptimizerDiagnosis] = []
     for file in inventory.files:
         weights = weights_beside(file, inventory)
         for optimizer in file.optimizers:
-            found = diagnose_optimizer(optimizer, weights, loader_of(optimizer.key_style, file.format, file.writer))
+            loader = loader_of(optimizer.key_style, file.format, file.writer)
+            found = diagnose_optimizer(optimizer, weights, loader, release)
             maps = tuple(model) if model is not None else model_of(optimizer, weights)
             optimizers.append(replace(found, model=compare(optimizer, maps)) if maps else found)
     notices = []

@@ -74,3 +74,17 @@ def test_only_dcp_load_of_a_release_that_writes_the_option_asks_for_it(tmp_path:
     assert missing_options(optimizer, "dcp.load", (2, 13)) == ((0, "decoupled_weight_decay"),)
     assert missing_options(optimizer, "dcp.load", (2, 7)) == ()
     assert missing_options(optimizer, "set_optimizer_state_dict", (2, 13)) == ()
+
+
+def test_for_torch_names_the_release_that_will_load_it(tmp_path: Path) -> None:
+    """``--for-torch`` judges for another torch than the installed one: 2.7's dcp.load asks for no such option."""
+    path, _ = _as_before_2_8(tmp_path, "adamw")
+    assert json.loads(run_cli(["inspect", path, "--for-torch", "2.7", "--json"], code=0).stdout)["verdict"] == "healthy"
+    document = json.loads(run_cli(["inspect", path, "--for-torch", "2.13.0+cu121", "--json"], code=1).stdout)
+    assert document["optimizers"][0]["missing_options"] == [{"group": 0, "key": "decoupled_weight_decay"}]
+    planned = json.loads(
+        run_cli(["fix", path, "--out", tmp_path / "x", "--for-torch", "2.7", "--dry-run", "--json"], code=0).stdout
+    )
+    assert planned["added_options"] == [] and not (tmp_path / "x").exists()
+    refused = run_cli(["inspect", path, "--for-torch", "latest"], code=2).stderr
+    assert refused.count("\n") == 1 and "--for-torch takes a torch release such as 2.13, not 'latest'" in refused
