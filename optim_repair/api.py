@@ -13,6 +13,7 @@ from optim_repair.checkpoint import copies, stored
 from optim_repair.checkpoint.discovery import discover, latest_step
 from optim_repair.checkpoint.planning import FinishedPlan, finish_plan
 from optim_repair.checkpoint.reading import DiskListing, Listing, disk_model, model_weights, read_parsed
+from optim_repair.checkpoint.trackers import tracker_disagrees
 from optim_repair.decisions.diagnose import Diagnosis, diagnose
 from optim_repair.decisions.repair import plan_repair
 from optim_repair.errors import InputError, Remedy, UsageError
@@ -98,15 +99,23 @@ def _read_unchanged(listing: Listing, *, keep: bool = True) -> tuple[CheckpointI
     return read
 
 
-def latest_checkpoint(run: str | Path, *, profile: str | None = None, endpoint_url: str | None = None) -> Path | str:
+def latest_checkpoint(
+    run: str | Path, *, profile: str | None = None, endpoint_url: str | None = None, notice: Notice = silent
+) -> Path | str:
     """The newest complete step of the run directory ``run`` (``checkpoint-N``, ``step-N``, ``global_stepN``,
-    ``epoch=E-step=S.ckpt``), to inspect or fix: a step still being written (a DCP checkpoint without its
-    ``.metadata``, an empty directory, a prefix a repair is still writing) is passed over. ``run`` may be a
-    prefix in a store (``"s3://bucket/run/"``): its step is returned as a URL. Raises ``InputError`` when there
-    is none."""
+    ``iter_N``, ``epoch=E-step=S.ckpt``), to inspect or fix: a step still being written (a DCP checkpoint without
+    its ``.metadata``, an HF Trainer step without its ``trainer_state.json``, an empty directory, a prefix a repair
+    is still writing) is passed over. ``notice`` hears when the run's tracker (DeepSpeed's ``latest``, Megatron's
+    ``latest_checkpointed_iteration.txt``) names another step. ``run`` may be a prefix in a store
+    (``"s3://bucket/run/"``): its step is returned as a URL (its tracker is not read). Raises ``InputError`` when
+    there is none."""
     if is_remote(run):
         return stored.latest_step(str(run), StoreOptions(profile, endpoint_url))
-    return latest_step(Path(run))
+    step = latest_step(Path(run))
+    disagreeing = tracker_disagrees(Path(run), step)
+    if disagreeing is not None:
+        notice(disagreeing)
+    return step
 
 
 def compare(checkpoint: str | Path, model: str | Path) -> Diagnosis:

@@ -393,6 +393,7 @@ def latest_step(run: Path) -> Path:
         raise InputError(f"cannot read ({os_error_reason(exc)})", path=getattr(exc, "filename", None) or run) from exc
     if not steps:
         raise InputError(
-            "holds no complete checkpoint step (checkpoint-N, step-N, global_stepN or epoch=E-step=S.ckpt)", path=run
+            "holds no complete checkpoint step (checkpoint-N, step-N, global_stepN, iter_N or epoch=E-step=S.ckpt)",
+            path=run,
         )
     return run / steps[-1][1]

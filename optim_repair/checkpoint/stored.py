@@ -254,7 +254,7 @@ def latest_step(text: str, options: StoreOptions) -> str:
         (number, step) for step, held in steps.items() if (number := step_number(step)) is not None and _complete(held)
     )
     if not numbered:
-        reason = "holds no complete checkpoint step (checkpoint-N, step-N, global_stepN or epoch=E-step=S.ckpt)"
+        reason = "holds no complete checkpoint step (checkpoint-N, step-N, global_stepN, iter_N or epoch=E-step=S.ckpt)"
         raise InputError(reason, path=str(url))
     step = numbered[-1][1]
     whole = url.named(step)

@@ -159,7 +159,7 @@ LatestFlag = Annotated[
     bool,
     typer.Option(
         "--latest",
-        help="CKPT is a run directory: take its newest complete step (checkpoint-N, step-N, global_stepN, "
+        help="CKPT is a run directory: take its newest complete step (checkpoint-N, step-N, global_stepN, iter_N, "
         "epoch=E-step=S.ckpt; a DCP step without .metadata is still being written and is passed over).",
     ),
 ]

@@ -69,8 +69,9 @@ def _step(
     """The checkpoint a command works on: ``checkpoint``, or with ``--latest`` its run's newest complete step."""
     if not latest:
         return checkpoint if is_remote(checkpoint) else Path(checkpoint)
-    step = api.latest_checkpoint(checkpoint, profile=profile, endpoint_url=endpoint_url)
-    on_stderr(render.message_printer(screen))(f"newest complete step: {step}")
+    say = on_stderr(render.message_printer(screen))
+    step = api.latest_checkpoint(checkpoint, profile=profile, endpoint_url=endpoint_url, notice=say)
+    say(f"newest complete step: {step}")
     return step
 
 

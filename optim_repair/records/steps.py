@@ -1,7 +1,8 @@
 """The names training libraries give the steps of a run directory, spelled in this one place.
 
-``checkpoint-N`` (transformers, accelerate), ``step-N`` (torchtitan), ``global_stepN`` (verl, DeepSpeed) and
-Lightning's ``epoch=E-step=S.ckpt`` name one step each; a run directory holds one per save.
+``checkpoint-N`` (transformers, accelerate), ``step-N`` (torchtitan), ``global_stepN`` (verl, DeepSpeed),
+``iter_NNNNNNN`` (Megatron) and Lightning's ``epoch=E-step=S.ckpt`` name one step each; a run directory holds one
+per save, and some libraries a tracker naming the last one they finished (``TRACKERS``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import re
 from collections.abc import Collection
 from pathlib import PurePosixPath
 
-_STEP = re.compile(r"^(?:checkpoint-(\d+)|step-(\d+)|global_step(\d+)|epoch=(\d+)-step=(\d+)\.ckpt)$")
+_STEP = re.compile(r"^(?:checkpoint-(\d+)|step-(\d+)|global_step(\d+)|iter_(\d+)|epoch=(\d+)-step=(\d+)\.ckpt)$")
 
 
 def step_number(name: str) -> tuple[int, int] | None:
@@ -18,10 +19,10 @@ def step_number(name: str) -> tuple[int, int] | None:
     found = _STEP.match(name)
     if found is None:
         return None
-    plain, titan, verl, epoch, step = found.groups()
+    plain, titan, verl, megatron, epoch, step = found.groups()
     if step is not None:
         return int(step), int(epoch)
-    return int(plain or titan or verl), 0
+    return int(plain or titan or verl or megatron), 0
 
 
 def step_prefix(rel: str) -> str | None:
@@ -45,3 +46,16 @@ def save_under_way(names: Collection[str]) -> bool:
     ``training_args.bin`` without its ``trainer_state.json``. (A DCP checkpoint without ``.metadata`` is judged by
     each listing itself.)"""
     return HF_STARTED in names and HF_COMMIT not in names
+
+
+TRACKERS = ("latest", "latest_checkpointed_iteration.txt")
+"""The files a run keeps naming its last saved step: DeepSpeed's ``latest`` (the step's tag, ``global_step100``;
+elsewhere a link to the step) and Megatron's ``latest_checkpointed_iteration.txt`` (its iteration, ``100``)."""
+
+
+def tracked_step(tracker: str, text: str) -> str | None:
+    """The step a tracker's text names (``global_step100``; Megatron's ``100``: ``iter_0000100``), or None."""
+    text = text.strip()
+    if tracker == TRACKERS[1]:
+        return f"iter_{int(text):07d}" if text.isdigit() else None
+    return text if step_number(text) is not None else None

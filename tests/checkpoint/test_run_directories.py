@@ -94,3 +94,29 @@ def test_each_step_s_optimizer_is_compared_with_its_own_step_s_model(tmp_path: P
         model = by_file[f"{name}/checkpoint.pt"]
         assert model is not None and model.sources == (f"{name}/model.safetensors",)
         assert (model.optimizer_params, model.model_params) == (params, params) and model.matches
+
+
+def test_a_tracker_that_names_another_step_is_said(tmp_path: Path) -> None:
+    """DeepSpeed's ``latest`` names a step still being written; Megatron's ``latest_checkpointed_iteration.txt`` names
+    the step taken (``iter_0000100``, which ``--latest`` orders with the others), then one that is gone."""
+    run = tmp_path / "deepspeed"
+    _step(run / "global_step100", (3, 4, 2))
+    (run / "global_step200").mkdir()
+    (run / "latest").write_text("global_step200")
+    result = run_cli(["inspect", run, "--latest", "--json"], code=ExitCode.REPAIRABLE)
+    assert json.loads(result.stdout)["path"] == str(run / "global_step100")
+    said = "the run's tracker latest names global_step200, which is not complete: taking global_step100, the newest"
+    assert said in result.stderr
+    megatron = tmp_path / "megatron"
+    _step(megatron / "iter_0000100", (3, 4, 2))
+    (megatron / "latest_checkpointed_iteration.txt").write_text("100\n")
+    result = run_cli(["inspect", megatron, "--latest"], code=ExitCode.REPAIRABLE)
+    assert "the run's tracker" not in result.stderr
+    assert f"newest complete step: {megatron / 'iter_0000100'}" in result.stderr
+    (megatron / "latest_checkpointed_iteration.txt").write_text("200")
+    notices: list[str] = []
+    assert optim_repair.latest_checkpoint(megatron, notice=notices.append) == megatron / "iter_0000100"
+    assert notices == [
+        "the run's tracker latest_checkpointed_iteration.txt names iter_0000200, which is missing: taking "
+        "iter_0000100, the newest complete step"
+    ]
