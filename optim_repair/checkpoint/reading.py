@@ -20,7 +20,7 @@ from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError, Usa
 from optim_repair.formats.dcp import DcpMetadata, read_dcp
 from optim_repair.formats.planned import Parsed
 from optim_repair.formats.registry import Role, role_of
-from optim_repair.formats.safetensors import read_weights
+from optim_repair.formats.safetensors import joined_shards, read_weights
 from optim_repair.formats.torchfile import TorchFile, read_inventory
 from optim_repair.records.inventory import CheckpointInventory, FileInventory, Skipped, WeightMap
 from optim_repair.records.traffic import Traffic
@@ -140,7 +140,8 @@ def _read(
     check_found(files, skipped, root, listing.unwalked())
     dcp_only = files and all(file.format == "dcp" for file in files) and any(item.role == "dcp" for item in found)
     fmt: Literal["torch", "dcp"] = "dcp" if dcp_only else "torch"
-    return listing.finished(CheckpointInventory(root, fmt, True, tuple(files), tuple(skipped), tuple(weights)))
+    joined = joined_shards(weights, root)
+    return listing.finished(CheckpointInventory(root, fmt, True, tuple(files), tuple(skipped), joined))
 
 
 _DEEPSPEED = "deepspeed."
@@ -231,7 +232,7 @@ def model_weights(listing: Listing) -> tuple[WeightMap, ...]:
         raise InputError(
             "holds no model weights (no safetensors file, torch file of weights or DCP checkpoint)", path=root
         )
-    return tuple(found)
+    return joined_shards(found, root)
 
 
 class DiskListing:

@@ -161,6 +161,9 @@ class WeightMap:
     source: str
     """Where it came from, for messages: ``checkpoint.pt:policy_state_dict``, ``model.safetensors``."""
     tensors: tuple[tuple[str, TensorMeta], ...]
+    offsets: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """For one rank's shard of a model saved by DCP's ``HuggingFaceStorageWriter`` (``DCP_SHARDING_INFO``): where
+    each tensor's shard begins in the whole tensor. Its ``tensors`` are then the shards, not the whole tensors."""
 
     def lookup(self) -> dict[str, TensorMeta]:
         """Each tensor by its name, and by its name without wrapper prefixes (``keys.unwrapped``) where that

@@ -15,12 +15,13 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 import optim_repair
 from optim_repair.errors import InputError
 from tests.conftest import run_cli
-from tests.factories import trainers
+from tests.factories import models, trainers
 
 NEVER_STEPPED = "transformer.wpe.weight"
 
@@ -141,3 +142,32 @@ def test_a_directory_without_weights_is_an_error(tmp_path: Path) -> None:
     (empty / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
     result = run_cli(["inspect", built.path, "--model", empty], code=4)
     _one_error_line(result, str(empty), "holds no model weights")
+
+
+def test_a_model_saved_by_rank_through_dcps_huggingface_writer_gives_whole_shapes(tmp_path: Path) -> None:
+    """DCP's ``HuggingFaceStorageWriter(save_distributed=True)`` writes each rank's shards in a safetensors file of
+    its own, saying in ``DCP_SHARDING_INFO`` where each shard begins. Written here as its ``_write_files_from_queue``
+    writes them (torch 2.13), two ranks sharding every tensor by rows as FSDP2 does: ``--model`` gives the whole
+    tensors' shapes, not a shard's."""
+    model = models.TwoHeadNet()
+    opt = models.make_optimizer(model)
+    models.train(model, opt, 2)
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"optimizer": get_optimizer_state_dict(model, opt)}, path)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for rank in range(2):
+        tensors, info = {}, {}
+        for name, tensor in model.state_dict().items():
+            rows = -(-tensor.shape[0] // 2)
+            tensors[name] = tensor[rank * rows : (rank + 1) * rows].contiguous()
+            info[name] = {"saved_offsets": [rank * rows, *([0] * (tensor.dim() - 1))]}
+        metadata = {"DCP_SHARDING_INFO": json.dumps(info), "DCP_VERSION": "1.0", "format": "pt"}
+        save_file(tensors, sharded / f"shard-0000{rank}-model-00001-of-00001.safetensors", metadata=metadata)
+    result = optim_repair.fix(path, tmp_path / "fixed.pt", model=sharded)
+    assert result.plan.fill == "fresh"
+    added = torch.load(tmp_path / "fixed.pt", weights_only=True)["optimizer"]["state"]
+    assert added["head_unused.weight"]["exp_avg"].shape == model.head_unused.weight.shape == (2, 8)
+    assert added["head_unused.bias"]["exp_avg_sq"].shape == (2,)
+    (opt_diagnosis,) = optim_repair.inspect(path, model=sharded).optimizers
+    assert opt_diagnosis.model is not None and opt_diagnosis.model.shape_mismatches == ()

@@ -6,7 +6,8 @@ files beside a checkpoint give) and copied as it is. Tensor bytes are never read
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -14,6 +15,9 @@ from optim_repair.errors import InputError, shown
 from optim_repair.formats.safetensors.header import parsed_header
 from optim_repair.records.dtypes import DTYPES, SAFETENSORS_NAMES, contiguous_strides, itemsize, numel
 from optim_repair.records.inventory import TensorMeta, WeightMap
+
+SHARDING_INFO = "DCP_SHARDING_INFO"
+"""The ``__metadata__`` key in which DCP's ``HuggingFaceStorageWriter`` says where each shard lies."""
 
 
 def read_weights(path: Path, source: str, *, opener: Callable[[], BinaryIO] | None = None) -> WeightMap:
@@ -37,4 +41,46 @@ def read_weights(path: Path, source: str, *, opener: Callable[[], BinaryIO] | No
             raise InputError(f"not a safetensors file (entry {shown(name)} does not fit its bytes)", path=source)
         meta = TensorMeta(dtype, shape, contiguous_strides(shape), name, 0, end - start)
         tensors.append((name, meta))
-    return WeightMap(source, tuple(tensors))
+    return WeightMap(source, tuple(tensors), _shard_offsets(metadata, dict(tensors), source))
+
+
+def _shard_offsets(
+    metadata: dict[str, str], tensors: dict[str, TensorMeta], source: str
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Where each tensor's shard begins in its whole tensor, as DCP's ``HuggingFaceStorageWriter`` records it in
+    ``DCP_SHARDING_INFO`` (``{name: {"saved_offsets": [...]}}``, one entry per tensor of the file); () for a file
+    of whole tensors."""
+    text = metadata.get(SHARDING_INFO)
+    if text is None:
+        return ()
+    try:
+        info = json.loads(text)
+        offsets = {name: tuple(int(offset) for offset in info[name]["saved_offsets"]) for name in tensors}
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
+        raise InputError(
+            f"not a safetensors file (its {SHARDING_INFO} gives no offsets of each tensor)", path=source
+        ) from exc
+    for name, meta in tensors.items():
+        if len(offsets[name]) != len(meta.shape) or min(offsets[name], default=0) < 0:
+            raise InputError(f"not a safetensors file (its {SHARDING_INFO} misplaces {shown(name)})", path=source)
+    return tuple(offsets.items())
+
+
+def joined_shards(weights: Sequence[WeightMap], source: str) -> tuple[WeightMap, ...]:
+    """``weights`` with the shards of one model saved by rank (``WeightMap.offsets``) joined into one map of whole
+    tensors named ``source``: each tensor reaches as far, in each dimension, as its furthest shard."""
+    sharded = [weight for weight in weights if weight.offsets]
+    if not sharded:
+        return tuple(weights)
+    whole: dict[str, TensorMeta] = {}
+    for weight in sharded:
+        offsets = dict(weight.offsets)
+        for name, meta in weight.tensors:
+            reach = tuple(start + size for start, size in zip(offsets[name], meta.shape, strict=True))
+            if name in whole:
+                reach = tuple(max(a, b) for a, b in zip(reach, whole[name].shape, strict=True))
+            whole[name] = TensorMeta(
+                meta.dtype, reach, contiguous_strides(reach), name, 0, numel(reach) * itemsize(meta.dtype)
+            )
+    joined = WeightMap(source, tuple(whole.items()))
+    return (*(weight for weight in weights if not weight.offsets), joined)
