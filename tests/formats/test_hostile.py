@@ -321,3 +321,23 @@ def test_a_dcp_range_past_its_shard_is_refused_when_read_not_when_verified(tmp_p
         pickle.dump(metadata, stream)
     assert "lies past its end" in refused("inspect", path, codes=(4,))
     assert "lies past its end" in refused("fix", path, "--out", tmp_path / "out", codes=(4,))
+
+
+@pytest.mark.parametrize(
+    ("info", "message"),
+    [
+        ("not json", "its DCP_SHARDING_INFO gives no offsets of each tensor"),
+        (json.dumps({"w": {"saved_offsets": [0]}}), "its DCP_SHARDING_INFO misplaces 'w'"),
+        (json.dumps({"w": {"saved_offsets": [0, -4]}}), "its DCP_SHARDING_INFO misplaces 'w'"),
+        (json.dumps({"other": {"saved_offsets": [0, 0]}}), "its DCP_SHARDING_INFO gives no offsets of each tensor"),
+    ],
+    ids=["not-json", "too-few", "negative", "another-tensor"],
+)
+def test_a_sharding_info_that_does_not_place_each_tensor_is_refused(tmp_path: Path, info: str, message: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path / "shard-00000-model-00001-of-00001.safetensors"
+    save_file({"w": torch.zeros(2, 3)}, path, metadata={"DCP_SHARDING_INFO": info})
+    with pytest.raises(InputError, match=f"not a safetensors file \\({message}\\)"):
+        read_weights(path, path.name)
