@@ -14,7 +14,7 @@ import collections
 import io
 import pickle
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -27,7 +27,7 @@ from optim_repair.records.inventory import OtherValue, StateValue, TensorMeta, w
 
 TENSOR_REBUILDERS = frozenset({"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3"})
 _TORCH_GLOBALS = frozenset(
-    {"Size", "Tensor", "device", "UntypedStorage", "strided", "sparse_coo", "sparse_csr"}
+    {"Size", "Tensor", "device", "UntypedStorage"}
     | {
         "per_tensor_affine",
         "per_tensor_symmetric",
@@ -58,10 +58,13 @@ class GlobalRef:
                 raise TorchRefuses(f"a tensor is rebuilt by {self.name} with {len(args)} arguments")
         if self.module == "torch._utils" and self.name in TENSOR_REBUILDERS:
             _check_rebuild(self.name, args)
-        if self.module == "torch" and (self.name in LEGACY_STORAGES or self.name in DTYPES):  # types torch cannot call
+        if self.module == "torch" and (
+            self.name in LEGACY_STORAGES or self.name in DTYPES or self.name in _NOT_CALLABLE
+        ):
             raise TorchRefuses(f"its pickle calls torch.{self.name}, which torch's loader cannot call")
-        if (self.module, self.name) == ("torch", "device") and not _device_arguments(args):
-            raise TorchRefuses(f"its pickle calls torch.device with {shown(args)}, arguments torch.device refuses")
+        takes = _TAKES.get(self.name) if self.module == "torch" else None
+        if takes is not None and not takes(args):
+            raise TorchRefuses(f"its pickle calls torch.{self.name} with {shown(args)}, arguments it refuses")
         return Reduced(self, args)
 
     def __reduce__(self) -> str:
@@ -128,6 +131,20 @@ def _device_arguments(args: tuple[Any, ...]) -> bool:
     if len(args) == 1:
         return isinstance(args[0], str) or (isinstance(args[0], int) and not isinstance(args[0], bool))
     return len(args) == 2 and isinstance(args[0], str) and isinstance(args[1], int) and not isinstance(args[1], bool)
+
+
+def _size_arguments(args: tuple[Any, ...]) -> bool:
+    """Whether ``torch.Size`` takes ``args``: nothing, or one list or tuple of integers."""
+    return not args or (
+        len(args) == 1 and isinstance(args[0], (list, tuple)) and all(isinstance(x, int) for x in args[0])
+    )
+
+
+_TAKES: dict[str, Callable[[tuple[Any, ...]], bool]] = {"device": _device_arguments, "Size": _size_arguments}
+"""The allowlisted torch callables whose arguments torch checks, and what they take (torch raises TypeError else)."""
+_NOT_CALLABLE = _TORCH_GLOBALS - {"Size", "Tensor", "device", "UntypedStorage"}
+"""The allowlisted torch globals that are values, not callables: quantization schemes (as dtypes and storage types
+are, which torch's loader also gives as values). A layout is named through ``torch.serialization._get_layout``."""
 
 
 def _check_rebuild(name: str, args: tuple[Any, ...]) -> None:

@@ -231,7 +231,43 @@ def test_a_device_torch_cannot_construct(tmp_path: Path, args: bytes, shown: str
     # the string's memo entry is kept, holding the new arguments, so that the memo stays numbered as torch's
     edit = re.compile(rb"X\x03\x00\x00\x00cpu(q.)\x85", re.DOTALL)
     rewrite_pickle(path, lambda data: edit.sub(lambda found: args + found.group(1), data, count=1))
-    refused_as_torch_would(path, f"its pickle calls torch.device with {shown}, arguments torch.device refuses")
+    refused_as_torch_would(path, f"its pickle calls torch.device with {shown}, arguments it refuses")
+
+
+@pytest.mark.parametrize(
+    ("edit", "reason"),
+    [
+        (
+            _first(b"ctorch\nSize\n", b"ctorch\nper_tensor_affine\n"),
+            "its pickle calls torch.per_tensor_affine, which torch's loader cannot call",
+        ),
+        (
+            _first(b"K\x02\x85q\x03\x85", b"K\x02q\x03\x85"),
+            "its pickle calls torch.Size with (2,), arguments it refuses",
+        ),
+    ],
+    ids=["a-qscheme-called", "a-size-of-an-int"],
+)
+def test_an_allowlisted_torch_global_called_as_torch_would_refuse(
+    tmp_path: Path, edit: Callable[[bytes], bytes], reason: str
+) -> None:
+    """torch's weights-only loader gives a quantization scheme as a value (calling it is a TypeError), and
+    ``torch.Size`` takes one iterable of integers."""
+    path = single_file(tmp_path, "checkpoint.pt", {"size": torch.Size([2])})
+    rewrite_pickle(path, edit)
+    refused_as_torch_would(path, reason)
+
+
+def test_a_layout_is_named_as_torch_names_it(tmp_path: Path) -> None:
+    """torch pickles a layout through ``torch.serialization._get_layout``, and its weights-only loader refuses the
+    global ``torch.strided`` itself."""
+    path = single_file(tmp_path, "checkpoint.pt", {"layout": torch.strided})
+    torch.load(path, weights_only=True)
+    rewrite_pickle(path, _first(b"ctorch.serialization\n_get_layout\n", b"ctorch\nstrided\n"))
+    with pytest.raises(pickle.UnpicklingError, match=r"Unsupported global: GLOBAL torch\.strided"):
+        torch.load(path, weights_only=True)
+    result = run_cli(["inspect", path], code=4)
+    assert "refuses to load global torch.strided" in result.stderr
 
 
 def test_an_archive_comment_is_refused(tmp_path: Path) -> None:
