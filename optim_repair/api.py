@@ -60,7 +60,7 @@ def inspect(
     with _listing(path, options, dereference=dereference) as listing:
         inventory, _ = _read_unchanged(listing, keep=False)
         found = replace(inventory, traffic=listing.traffic())
-        return diagnose(found, strict=strict, model=weights, release=release_of(for_torch))
+        return diagnose(found, strict=strict, model=weights, release=_release_of(for_torch))
 
 
 @contextlib.contextmanager
@@ -76,7 +76,7 @@ def _listing(
         yield DiskListing(discover(Path(path), dereference=dereference))
 
 
-def release_of(for_torch: str | None) -> tuple[int, int] | None:
+def _release_of(for_torch: str | None) -> tuple[int, int] | None:
     """The torch release ``for_torch`` names (``2.13``, ``2.13.0``, ``2.13.0+cu121``: (2, 13)); None for the
     installed torch."""
     if for_torch is None:
@@ -142,7 +142,7 @@ def plan(
     """
     request = _request(fill, optimizer, model, reset_phantom_step, operations)
     weights = _weights_of(request, StoreOptions())
-    with _opened(checkpoint, StoreOptions(), dereference, release=release_of(for_torch)) as read:
+    with _opened(checkpoint, StoreOptions(), dereference, release=_release_of(for_torch)) as read:
         return _finished(read, request, weights).plan
 
 
@@ -275,7 +275,7 @@ def dry_run(
     request = _request(fill, optimizer, model, reset_phantom_step, operations)
     options = StoreOptions(profile, endpoint_url)
     weights = _weights_of(request, options)
-    with _opened(checkpoint, options, dereference, release=release_of(for_torch)) as read:
+    with _opened(checkpoint, options, dereference, release=_release_of(for_torch)) as read:
         finished = _finished(read, request, weights)
         target, needed, free = copies.estimate(read.listing, finished, out, link=link)
     return DryRun(read.diagnosis, finished.plan, target, needed, free)
@@ -348,7 +348,7 @@ def fix(
     request = _request(fill, optimizer, model, reset_phantom_step, operations)
     reporter = Reporter(progress, notice)
     options = StoreOptions(profile, endpoint_url)
-    source, release = _path_of(checkpoint), release_of(for_torch)
+    source, release = _path_of(checkpoint), _release_of(for_torch)
     if verify == "download" and not (is_remote(source) and is_remote(out)):
         raise UsageError("{argument} is for copies made inside a store (s3:// to s3://)", argument="verify")
     weights = _weights_of(request, options)
