@@ -48,9 +48,8 @@ _NAME_EMPTY = (
 )
 
 
-def _empty_note(opt: OptimizerDiagnosis, where: str, refused: RepairRefused) -> str:
-    """Why the default fill gave ``{}`` to an optimizer's parameters without state, and where that resumes."""
-    count = len(opt.missing) + len(opt.phantom)
+def _empty_note(opt: OptimizerDiagnosis, where: str, refused: RepairRefused, count: int) -> str:
+    """Why the default fill gave ``{}`` to ``count`` parameters of an optimizer, and where that resumes."""
     if opt.optimizer.key_style == "index":
         return f"{where}: {{}} for {count} parameter(s): {_INDEX_EMPTY}"
     reason = refused.reason.removeprefix(f"{where}: ")
@@ -280,7 +279,7 @@ def plan_repair(
                 if asked is not None or not stores_empty:
                     raise
                 chosen = "empty"  # the default: {} where fresh state cannot be built, saying why
-                notes.append(_empty_note(opt, where, refused))
+                notes.append(_empty_note(opt, where, refused, len(opt.missing) + len(reset)))
         if chosen == "empty" and not stores_empty:
             why = (
                 "a DCP checkpoint (DCP drops empty mappings when it saves)"
