@@ -381,6 +381,18 @@ def diagnose(
                 f"{len(unsafe)} file(s) would import code if loaded and were skipped: {shown_params(tuple(unsafe))}",
             )
         )
+    loading = release or torch_release()
+    for file in inventory.files:
+        newer = file.reads_from
+        if loading is not None and newer is not None and loading < newer:
+            notices.append(
+                Notice(
+                    "newer-torch-metadata",
+                    f"{file.file or inventory.path}: torch {loading[0]}.{loading[1]} cannot read this DCP .metadata, "
+                    f'which torch {newer[0]}.{newer[1]} or later wrote (its TensorProperties record strides: "too '
+                    'many values to unpack (expected 5)"); resume with that torch, whose form fix keeps',
+                )
+            )
     zero = [skip.file for skip in inventory.skipped if skip.kind == "deepspeed-zero"]
     if zero:
         notices.append(

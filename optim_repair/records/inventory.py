@@ -182,6 +182,9 @@ class FileInventory:
     format: Literal["torch-zip", "torch-legacy", "dcp"]
     optimizers: tuple[OptimizerInventory, ...]
     weights: tuple[WeightMap, ...] = ()
+    reads_from: tuple[int, int] | None = None
+    """The oldest torch release whose reader takes it, where older ones cannot: (2, 15) for a DCP ``.metadata``
+    whose ``TensorProperties`` hold 2.15's sixth field, ``strides``."""
     writer: Literal["lightning"] | None = None
     """The library whose own files beside it say which loader resumes it: ``lightning`` for a DCP checkpoint
     holding Lightning's ``meta.pt`` (its FSDPStrategy's sharded checkpoint)."""

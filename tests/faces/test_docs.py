@@ -110,6 +110,7 @@ def test_every_json_field_is_documented(field: str) -> None:
         "differing-state-keys",
         "lightning-sharded",
         "dcp-missing-option",
+        "newer-torch-metadata",
     ],
 )
 def test_every_finding_code_is_documented(code: str) -> None:

@@ -116,6 +116,11 @@ def _flattened_layout(
     return groups, _state_entries(meta, state, values)
 
 
+STRIDES_RELEASE = (2, 15)
+"""The torch release that added ``strides`` to ``TensorProperties``: an older one cannot unpickle a ``.metadata``
+that records them ("too many values to unpack (expected 5)")."""
+
+
 def read_dcp(
     path: Path, rel: str, *, keep: dict[str, DcpMetadata] | None = None, shards: ShardFiles | None = None
 ) -> FileInventory:
@@ -171,4 +176,8 @@ def read_dcp(
         WeightMap(f"{rel or '.'}:{dotted(prefix) or '<top level>'}", tuple(tensors.items()))
         for prefix, tensors in weights.items()
     )
-    return FileInventory(file=rel, format="dcp", optimizers=tuple(inventories), weights=weight_maps)
+    strides = any(isinstance(item, DcpTensor) and item.strides is not None for item in meta.items.values())
+    return FileInventory(
+        file=rel, format="dcp", optimizers=tuple(inventories), weights=weight_maps,
+        reads_from=STRIDES_RELEASE if strides else None,
+    )  # fmt: skip

@@ -112,3 +112,18 @@ def test_torchao_tensor_subclass_state_is_inspected_and_its_repair_refused(tmp_p
     assert "optim.state.body.weight.exp_avg is stored in fewer bytes than its elements take" in refused.stderr
     assert "adding state to a checkpoint that holds one is not supported" in refused.stderr
     assert not out.exists()
+
+
+def test_a_torch_215_metadata_is_said_to_be_unreadable_by_an_older_torch(tmp_path: Path) -> None:
+    """The torch that loads it (installed, or ``--for-torch``) is told when it cannot read the ``.metadata``."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    six = dv.as_torch_215(dk.unirl_dcp(tmp_path).path)
+    document = json.loads(run_cli(["inspect", six, "--for-torch", "2.13", "--json"], code=1).stdout)
+    (notice,) = [notice for notice in document["notices"] if notice["code"] == "newer-torch-metadata"]
+    assert "torch 2.13 cannot read this DCP .metadata, which torch 2.15 or later wrote" in notice["detail"]
+    later = json.loads(run_cli(["inspect", six, "--for-torch", "2.15", "--json"], code=1).stdout)
+    assert [notice for notice in later["notices"] if notice["code"] == "newer-torch-metadata"] == []
+    if not dv.HAS_STRIDES:  # what the notice says, measured on the installed torch
+        with pytest.raises(ValueError, match="too many values to unpack"):
+            FileSystemReader(six).read_metadata()
