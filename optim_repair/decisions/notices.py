@@ -165,8 +165,9 @@ def fsdp1_loader(missing: int, empty: int) -> Notice:
         )
     else:
         what = (
-            f'{loader} {exact}, but raises on {{}} entries ("{FSDP1_EMPTY_ERROR}"): the copy optim-repair fix makes '
-            f"by default (--fill empty) breaks it, while a copy made with --fill fresh {fresh}"
+            f'{loader} {exact}, but raises on {{}} entries ("{FSDP1_EMPTY_ERROR}"): a copy optim-repair fix fills '
+            f"with {{}} (--fill empty, or the default where fresh state cannot be built) breaks it, while fresh state "
+            f"(--fill fresh, the default where it can be built) {fresh}"
         )
     return Notice("fsdp1-loader", what)
 

@@ -85,8 +85,10 @@ def test_inspect_names_fsdp1_loader_for_a_name_keyed_file(saved: fsdp.Saved) -> 
     detail = _notice(document, "fsdp1-loader")
     assert "FSDP.optim_state_dict_to_load resumes the 2 absent entries exactly" in detail
     assert 'raises on {} entries ("The state of _OptimStateKey(...) is empty")' in detail
-    assert "(--fill empty) breaks it" in detail
-    assert "--fill fresh resumes exactly through it and through set_optimizer_state_dict" in detail
+    assert "(--fill empty, or the default where fresh state cannot be built) breaks it" in detail
+    assert "(--fill fresh, the default where it can be built) resumes exactly through it and through set_optimizer" in (
+        detail
+    )
 
 
 def test_inspect_of_the_empty_copy_warns_that_fsdp1_rejects_it(copies: dict[str, Any]) -> None:
