@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner, Result
 
 from tests import factories
-from tests.factories import defects, hostile, models, trainers
+from tests.factories import defects, hostile, models, s3server, trainers
 from tests.factories.built import Built
 
 CLI_ENV: Mapping[str, str] = {"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
@@ -165,3 +165,17 @@ def unsafe_checkpoint(root: Path, marker: Path) -> Built:
 @pytest.fixture
 def unsafe_legacy_checkpoint(root: Path, marker: Path) -> Built:
     return hostile.unsafe_legacy_pickle(root, marker)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3server.Server]:
+    """A real S3-compatible server (moto's server mode) on 127.0.0.1 for each module that asks for one."""
+    started = s3server.start(tmp_path_factory.mktemp("s3") / "requests.log")
+    yield started
+    s3server.stop(started)
+
+
+@pytest.fixture
+def environment(server: s3server.Server) -> Iterator[None]:
+    """The variables a user sets for that server: its endpoint and the credentials."""
+    yield from s3server.environment(server)

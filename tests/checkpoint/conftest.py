@@ -1,9 +1,8 @@
-"""Fixtures of the ``s3://`` tests: a real S3-compatible server on 127.0.0.1 for each module that asks for one, the
-variables a user sets for it, and a two-rank FSDP checkpoint uploaded to it."""
+"""Fixtures of the ``s3://`` tests: a two-rank FSDP checkpoint uploaded to the real S3-compatible server
+(``server`` and ``environment`` in ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,18 +11,6 @@ from tests.factories import dcp as dk
 from tests.factories import s3server
 from tests.factories.built import Built
 from tests.factories.s3server import PREFIX
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3server.Server]:
-    started = s3server.start(tmp_path_factory.mktemp("s3") / "requests.log")
-    yield started
-    s3server.stop(started)
-
-
-@pytest.fixture
-def environment(server: s3server.Server) -> Iterator[None]:
-    yield from s3server.environment(server)
 
 
 @pytest.fixture

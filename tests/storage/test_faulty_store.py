@@ -27,13 +27,6 @@ NAMESPACE = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3server.Server]:
-    started = s3server.start(tmp_path_factory.mktemp("s3") / "requests.log")
-    yield started
-    s3server.stop(started)
-
-
-@pytest.fixture(scope="module")
 def proxy(server: s3server.Server) -> Iterator[FaultyProxy]:
     started = faulty_store.start(server.endpoint)
     yield started

@@ -3,7 +3,6 @@ one a file has, so that ``zipfile`` judges each as it judges a file."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import io
 import os
@@ -20,32 +19,20 @@ from tests.factories import s3server
 DATA = os.urandom(1000)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3server.Server]:
-    started = s3server.start(tmp_path_factory.mktemp("s3") / "requests.log")
-    yield started
-    s3server.stop(started)
-
-
 @pytest.fixture
-def opened(server: s3server.Server, tmp_path: Path) -> Iterator[dict[str, RangeFile]]:
+def opened(server: s3server.Server, environment: None, tmp_path: Path) -> Iterator[dict[str, RangeFile]]:
     """The same 1000 bytes as each kind of byte-range file."""
     path = tmp_path / "data"
     path.write_bytes(b"before" + DATA + b"after")
     bucket = s3server.new_bucket(server)
     server.client().put_object(Bucket=bucket, Key="data", Body=DATA)
-    with s3server_environment(server):
-        store = S3Store(bucket)
-        with path.open("rb") as whole, path.open("rb") as first, path.open("rb") as second:
-            yield {
-                "slice": FileSlice(whole, 6, len(DATA)),
-                "joined": Joined([(first, 6, 400), (second, 406, 600)]),
-                "object": RangedObject(store, "data", store.head("data")),
-            }
-
-
-def s3server_environment(server: s3server.Server) -> contextlib.AbstractContextManager[None]:
-    return contextlib.contextmanager(s3server.environment)(server)
+    store = S3Store(bucket)
+    with path.open("rb") as whole, path.open("rb") as first, path.open("rb") as second:
+        yield {
+            "slice": FileSlice(whole, 6, len(DATA)),
+            "joined": Joined([(first, 6, 400), (second, 406, 600)]),
+            "object": RangedObject(store, "data", store.head("data")),
+        }
 
 
 @pytest.mark.parametrize("kind", ["slice", "joined", "object"])
