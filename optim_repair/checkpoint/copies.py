@@ -21,33 +21,42 @@ from optim_repair.checkpoint import store_writing
 from optim_repair.checkpoint.discovery import Discovery, discover
 from optim_repair.checkpoint.planning import FinishedPlan
 from optim_repair.checkpoint.reading import DiskListing, Listing
-from optim_repair.checkpoint.stored import StoredCheckpoint, local_target
+from optim_repair.checkpoint.stored import StoredCheckpoint, local_name
 from optim_repair.checkpoint.writing import free_space, space_needed, write_copy
 from optim_repair.errors import OutputError, Remedy
+from optim_repair.formats.registry import role_of
 from optim_repair.progress import Meter, Reporter
 from optim_repair.records.request import CopyRequest
 from optim_repair.records.traffic import Traffic
 from optim_repair.records.verification import Verification
 from optim_repair.storage.disk_staging import remove_stale, taken_back_on_failure, temporary_sibling
-from optim_repair.storage.schemes import StoreOptions, is_remote
+from optim_repair.storage.schemes import StoreOptions, is_remote, parse_url
 
 Written = tuple[Path | str, Verification, Traffic | None]
 """Where the copy is (a path, or a URL in a store), what was proven, and what the store's requests moved."""
 
 
+def _into(out: str, name: str, one_file: bool) -> str:
+    """Where a copy goes: ``out``, or for one file and an ``out`` ending in a slash (a directory, or a prefix in a
+    store), the file's name inside it, as ``cp`` does."""
+    return f"{out}{name}" if one_file and out.endswith(("/", os.sep)) else out
+
+
 def output_path(checkpoint: Path, out: str | Path) -> Path:
-    """Where ``fix`` writes: ``out``, or, for a file and an ``out`` ending in a slash, the file's name inside
-    that directory, as ``cp`` does."""
-    text = os.fspath(out)
-    if text.endswith(("/", os.sep)) and not checkpoint.is_dir():
-        return Path(text) / checkpoint.name
-    return Path(text)
+    """Where ``fix`` writes a local checkpoint on a disk."""
+    return Path(_into(os.fspath(out), checkpoint.name, not checkpoint.is_dir()))
 
 
 def upload_key(found: Discovery, out: str) -> str:
-    """Where a local checkpoint goes in a store: ``out``, or for a file and an ``out`` ending in a slash, the
-    file's name under it, as ``cp`` does."""
-    return f"{out}{found.root.name}" if out.endswith("/") and not found.is_directory else out
+    """Where a local checkpoint goes in a store."""
+    return _into(out, found.root.name, not found.is_directory)
+
+
+def local_target(checkpoint: str, out: str | Path) -> Path:
+    """Where a copy of the checkpoint ``checkpoint`` in a store goes on a disk (a torch or safetensors key is one
+    file)."""
+    url = parse_url(checkpoint)
+    return Path(_into(os.fspath(out), local_name(url), role_of(url.key) in ("torch", "safetensors")))
 
 
 @contextlib.contextmanager

@@ -13,7 +13,6 @@ the local header of every record, in as few GETs as lie apart (``zipformat.readi
 from __future__ import annotations
 
 import contextlib
-import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -312,11 +311,3 @@ def opened(text: str, options: StoreOptions, mirror: Path | None = None) -> Iter
 def local_name(url: StoreUrl) -> str:
     """The name a checkpoint in a store has on a disk: its last part (its bucket's name for a whole bucket)."""
     return PurePosixPath(url.key).name or url.bucket
-
-
-def local_target(text: str, out: str | os.PathLike[str]) -> Path:
-    """Where a local copy of the checkpoint ``text`` in a store goes: ``out``, or for a torch file and an ``out``
-    ending in a slash, the file's name inside that directory, as ``cp`` does."""
-    out_text, url = os.fspath(out), parse_url(text)
-    one_file = role_of(url.key) in ("torch", "safetensors")
-    return Path(out_text) / local_name(url) if one_file and out_text.endswith(("/", os.sep)) else Path(out_text)
