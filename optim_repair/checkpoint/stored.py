@@ -1,4 +1,4 @@
-"""Reading checkpoints in object storage (``s3://``): found by one listing, read by range, never downloaded.
+"""A checkpoint in object storage (``s3://``) as a ``reading.Listing``: found by one listing, read by range.
 
 A key with a torch file's suffix is a torch file; anything else is a prefix, read as a checkpoint directory: each
 prefix under it that holds ``.metadata`` is a DCP checkpoint, and each other object with a torch file's suffix is a
@@ -7,7 +7,8 @@ reader reads it as it reads any); of its shards, only the bytes entries, by one 
 writes them at a shard's head). A torch file is read as a local one is, from a ``RangedObject`` that first fetches
 its end (the end records and central directory: one GET from the end), then its pickle and framing records and
 the local header of every record, in as few GETs as lie apart (``zipformat.reading_plan``). No tensor bytes but
-``step`` values.
+``step`` values. For a copy on a disk (``download``), every object is fetched beside it, each checked against the
+store's CRC32.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ class StoredCheckpoint:
                 yield Listed(name, role)
 
     def read_dcp(self, rel: str, name: str, keep: dict[str, DcpMetadata] | None) -> FileInventory:
-        """The DCP checkpoint ``rel``: its ``.metadata`` downloaded into the mirror, read there as on a disk, its
+        """The DCP checkpoint ``rel``: its ``.metadata`` downloaded into ``local``, read there as on a disk, its
         shards read by range (``StoredShards``)."""
         directory = self._path(rel)
         directory.mkdir(parents=True, exist_ok=True)
