@@ -13,6 +13,7 @@ from optim_repair.decisions.notices import (
     LAZY_LOADERS,
     Loader,
     Notice,
+    checkpoint_notices,
     dcp_missing_options,
     loader_notices,
     loader_of,
@@ -372,46 +373,5 @@ def diagnose(
             found = diagnose_optimizer(optimizer, weights, loader, release)
             maps = tuple(model) if model is not None else model_of(optimizer, weights)
             optimizers.append(replace(found, model=compare(optimizer, maps)) if maps else found)
-    notices = []
-    unsafe = [skip.file for skip in inventory.skipped if skip.kind == "unsafe"]
-    if unsafe:
-        notices.append(
-            Notice(
-                "skipped-unsafe",
-                f"{len(unsafe)} file(s) would import code if loaded and were skipped: {shown_params(tuple(unsafe))}",
-            )
-        )
-    loading = release or torch_release()
-    for file in inventory.files:
-        newer = file.reads_from
-        if loading is not None and newer is not None and loading < newer:
-            notices.append(
-                Notice(
-                    "newer-torch-metadata",
-                    f"{file.file or inventory.path}: torch {loading[0]}.{loading[1]} cannot read this DCP .metadata, "
-                    f'which torch {newer[0]}.{newer[1]} or later wrote (its TensorProperties record strides: "too '
-                    'many values to unpack (expected 5)"); resume with that torch, whose form fix keeps',
-                )
-            )
-    zero = [skip.file for skip in inventory.skipped if skip.kind == "deepspeed-zero"]
-    if zero:
-        notices.append(
-            Notice(
-                "deepspeed-zero",
-                f"DeepSpeed ZeRO partitioned state in {len(zero)} file(s) ({shown_params(tuple(zero))}): ZeRO keeps "
-                "flat partitions per group, not per-parameter entries, so missing entries do not apply; DeepSpeed's "
-                "load_checkpoint resumes it",
-                "info",
-            )
-        )
-    if inventory.links_outside:
-        links = inventory.links_outside
-        notices.append(
-            Notice(
-                "links-outside",
-                f"{len(links)} symbolic link(s) point outside the checkpoint and are kept as links in a copy, where "
-                f"a relative one may reach nothing: {shown_params(links)}; fix --dereference copies what they reach",
-                "info",
-            )
-        )
+    notices = checkpoint_notices(inventory, release or torch_release())
     return Diagnosis(inventory, tuple(optimizers), tuple(notices), strict)

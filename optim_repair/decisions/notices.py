@@ -11,7 +11,7 @@ from typing import Literal
 
 from optim_repair.decisions.identify import guess_optimizer
 from optim_repair.errors import shown_name
-from optim_repair.records.inventory import OptimizerInventory, ParamKey
+from optim_repair.records.inventory import CheckpointInventory, OptimizerInventory, ParamKey
 
 Loader = Literal["load_state_dict", "set_optimizer_state_dict", "dcp.load", "lightning-fsdp"]
 """The loader a layout implies: ``optimizer.load_state_dict`` for index keys (``optimizer.state_dict()``),
@@ -214,3 +214,50 @@ def phantom_entries(phantom: tuple[ParamKey, ...]) -> Notice:
         "full-state loader gives a parameter without state (UniRL checkpoints before its PR #440 carry it for "
         "never-updated parameters); fix --reset-phantom-step turns them back into the state the optimizer would have",
     )
+
+
+def checkpoint_notices(inventory: CheckpointInventory, loading: tuple[int, int] | None) -> list[Notice]:
+    """The notices about a checkpoint as a whole: files skipped, read by no torch as old as ``loading`` (the torch
+    that will load it), or holding DeepSpeed's partitions, and links that reach outside it."""
+    notices = []
+    unsafe = [skip.file for skip in inventory.skipped if skip.kind == "unsafe"]
+    if unsafe:
+        notices.append(
+            Notice(
+                "skipped-unsafe",
+                f"{len(unsafe)} file(s) would import code if loaded and were skipped: {shown_params(tuple(unsafe))}",
+            )
+        )
+    for file in inventory.files:
+        newer = file.reads_from
+        if loading is not None and newer is not None and loading < newer:
+            notices.append(
+                Notice(
+                    "newer-torch-metadata",
+                    f"{file.file or inventory.path}: torch {loading[0]}.{loading[1]} cannot read this DCP .metadata, "
+                    f'which torch {newer[0]}.{newer[1]} or later wrote (its TensorProperties record strides: "too '
+                    'many values to unpack (expected 5)"); resume with that torch, whose form fix keeps',
+                )
+            )
+    zero = [skip.file for skip in inventory.skipped if skip.kind == "deepspeed-zero"]
+    if zero:
+        notices.append(
+            Notice(
+                "deepspeed-zero",
+                f"DeepSpeed ZeRO partitioned state in {len(zero)} file(s) ({shown_params(tuple(zero))}): ZeRO keeps "
+                "flat partitions per group, not per-parameter entries, so missing entries do not apply; DeepSpeed's "
+                "load_checkpoint resumes it",
+                "info",
+            )
+        )
+    if inventory.links_outside:
+        links = inventory.links_outside
+        notices.append(
+            Notice(
+                "links-outside",
+                f"{len(links)} symbolic link(s) point outside the checkpoint and are kept as links in a copy, where "
+                f"a relative one may reach nothing: {shown_params(links)}; fix --dereference copies what they reach",
+                "info",
+            )
+        )
+    return notices
