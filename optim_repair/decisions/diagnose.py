@@ -17,6 +17,7 @@ from optim_repair.decisions.notices import (
     dcp_missing_options,
     loader_notices,
     loader_of,
+    newer_forms,
     phantom_entries,
     shown_params,
 )
@@ -112,6 +113,9 @@ class Diagnosis:
     notices: tuple[Notice, ...]
     strict: bool = False
     """Whether any absent entry makes the checkpoint repairable, whatever its loader."""
+    newer_forms: tuple[str, ...] = ()
+    """Files the torch that will load them cannot read, which a newer torch wrote (``newer-torch-metadata``): a fix
+    writes them in the form that torch reads."""
 
     @property
     def path(self) -> str:
@@ -134,6 +138,8 @@ class Diagnosis:
             return "repairable"
         if any(opt.missing_options for opt in self.optimizers):
             return "repairable"  # dcp.load asks for options torch added since: fix adds them
+        if self.newer_forms:
+            return "repairable"  # the loading torch cannot read them: fix writes its form
         if any(opt.model and not opt.model.matches for opt in self.optimizers):
             return "repairable"  # names the model does not have: fix --rename or --drop-not-in-model
         return "healthy"
@@ -373,5 +379,7 @@ def diagnose(
             found = diagnose_optimizer(optimizer, weights, loader, release)
             maps = tuple(model) if model is not None else model_of(optimizer, weights)
             optimizers.append(replace(found, model=compare(optimizer, maps)) if maps else found)
-    notices = checkpoint_notices(inventory, release or torch_release())
-    return Diagnosis(inventory, tuple(optimizers), tuple(notices), strict)
+    loading = release or torch_release()
+    notices = checkpoint_notices(inventory, loading)
+    newer = tuple(file.file for file in newer_forms(inventory, loading))
+    return Diagnosis(inventory, tuple(optimizers), tuple(notices), strict, newer)

@@ -11,7 +11,7 @@ from typing import Literal
 
 from optim_repair.decisions.identify import guess_optimizer
 from optim_repair.errors import shown_name
-from optim_repair.records.inventory import CheckpointInventory, OptimizerInventory, ParamKey
+from optim_repair.records.inventory import CheckpointInventory, FileInventory, OptimizerInventory, ParamKey
 
 Loader = Literal["load_state_dict", "set_optimizer_state_dict", "dcp.load", "lightning-fsdp"]
 """The loader a layout implies: ``optimizer.load_state_dict`` for index keys (``optimizer.state_dict()``),
@@ -228,17 +228,19 @@ def checkpoint_notices(inventory: CheckpointInventory, loading: tuple[int, int] 
                 f"{len(unsafe)} file(s) would import code if loaded and were skipped: {shown_params(tuple(unsafe))}",
             )
         )
-    for file in inventory.files:
+    for file in newer_forms(inventory, loading):
         newer = file.reads_from
-        if loading is not None and newer is not None and loading < newer:
-            notices.append(
-                Notice(
-                    "newer-torch-metadata",
-                    f"{file.file or inventory.path}: torch {loading[0]}.{loading[1]} cannot read this DCP .metadata, "
-                    f'which torch {newer[0]}.{newer[1]} or later wrote (its TensorProperties record strides: "too '
-                    'many values to unpack (expected 5)"); resume with that torch, whose form fix keeps',
-                )
+        assert loading is not None and newer is not None  # what newer_forms found
+        notices.append(
+            Notice(
+                "newer-torch-metadata",
+                f"{file.file or inventory.path}: torch {loading[0]}.{loading[1]} cannot read this DCP .metadata, "
+                f'which torch {newer[0]}.{newer[1]} or later wrote (its TensorProperties record strides: "too '
+                'many values to unpack (expected 5)"); fix writes the form it reads (resume with '
+                f"torch {newer[0]}.{newer[1]} or later, or fix with --for-torch {newer[0]}.{newer[1]}, to keep "
+                "this one)",
             )
+        )
     zero = [skip.file for skip in inventory.skipped if skip.kind == "deepspeed-zero"]
     if zero:
         notices.append(
@@ -261,3 +263,10 @@ def checkpoint_notices(inventory: CheckpointInventory, loading: tuple[int, int] 
             )
         )
     return notices
+
+
+def newer_forms(inventory: CheckpointInventory, loading: tuple[int, int] | None) -> list[FileInventory]:
+    """The files of ``inventory`` that torch ``loading`` cannot read: a newer torch wrote them in a newer form."""
+    if loading is None:
+        return []
+    return [file for file in inventory.files if file.reads_from is not None and loading < file.reads_from]

@@ -307,4 +307,6 @@ def plan_repair(
     described: PlanFill = asked or default_fill(diagnosis.inventory.format)
     if asked is None and fills:
         described = fills.pop() if len(fills) == 1 else "mixed"
-    return RepairPlan(described, tuple(additions), tuple(kinds), tuple(changes), tuple(options), tuple(notes))
+    return RepairPlan(
+        described, tuple(additions), tuple(kinds), tuple(changes), tuple(options), tuple(notes), diagnosis.newer_forms
+    )

@@ -111,6 +111,9 @@ class RepairPlan:
     fill_notes: tuple[str, ...] = ()
     """Where the default fill gave ``{}`` because fresh state could not be built: one line an optimizer, saying why
     and through which loaders ``{}`` resumes exactly."""
+    older_forms: tuple[str, ...] = ()
+    """Files written in the form the loading torch reads, older than the one that wrote them (a DCP ``.metadata``
+    of torch 2.15, for a torch before it: ``TensorProperties`` without ``strides``)."""
 
     def for_file(self, file: str) -> tuple[Addition, ...]:
         return tuple(addition for addition in self.additions if addition.file == file)

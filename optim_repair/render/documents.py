@@ -157,6 +157,7 @@ class PlannedDoc(InspectDoc):
     changed: list[ChangedDoc]
     added: list[AddedDoc]
     added_options: list[AddedOptionDoc]
+    older_forms: list[str]
 
 
 class FixDoc(PlannedDoc):
@@ -262,6 +263,7 @@ def _planned_document(result: FixResult | DryRun) -> PlannedDoc:
             {"file": o.file, "location": o.location, "group": o.group, "key": o.key, "value": o.value}
             for o in result.plan.options
         ],
+        "older_forms": list(result.plan.older_forms),
     }
 
 

@@ -295,8 +295,13 @@ def _changes(plan: RepairPlan) -> str:
     if replaced:
         parts.append(f"the {replaced} replaced phantom-step entries")
     renamed = sum(change.new is not None for change in plan.changes)
-    counted = [(renamed, "renamed parameters"), (len(plan.changes) - renamed, "dropped parameters")]
-    parts += [f"{n} {what}" for n, what in [*counted, (len(plan.options), "added param-group options")] if n]
+    counted = [
+        (renamed, "renamed parameters"),
+        (len(plan.changes) - renamed, "dropped parameters"),
+        (len(plan.options), "added param-group options"),
+        (len(plan.older_forms), "DCP .metadata files in an older torch's form"),
+    ]
+    parts += [f"{n} {what}" for n, what in counted if n]
     return ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
 
 
@@ -326,6 +331,11 @@ def _print_changes(console: Console, plan: RepairPlan) -> None:
     for option in plan.options:  # what the loading torch asks for (decoupled_weight_decay, since 2.8)
         where = ".".join(str(part) for part in (*option.address, "param_groups", option.group, option.key))
         _print_line(console, Shown(f"added the param-group option {where} = {option.value!r}"), indent=0)
+    for file in plan.older_forms:  # what a torch before 2.15 reads (newer-torch-metadata)
+        older = (
+            f"{file or '.'}/.metadata written in the form a torch before 2.15 reads (TensorProperties without strides)"
+        )
+        _print_line(console, Shown(older), indent=0)
 
 
 def _traffic(traffic: Traffic) -> str:

@@ -52,4 +52,5 @@ def plan_file(path: Path, file: FileInventory, plan: RepairPlan, parsed: Parsed)
     groups = {optimizer.address: [group.params for group in optimizer.groups] for optimizer in file.optimizers}
     source = display_path(str(path), METADATA_FILE)
     additions, changes, options = plan.for_file(file.file), plan.changes_for(file.file), plan.options_for(file.file)
-    return PlannedDcp(plan_dcp(meta, source, additions, changes, groups, options))
+    older = file.file in plan.older_forms
+    return PlannedDcp(plan_dcp(meta, source, additions, changes, groups, options, older_form=older))

@@ -11,7 +11,7 @@ The writer writes what it holds; the verifier proves the copy against it and the
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from optim_repair.errors import InputError, RepairRefused, shown
 from optim_repair.formats.dcp.layout import find_optimizers, longest_name
@@ -59,11 +59,13 @@ class PlannedEntries:
     original: DcpMetadata
     entries: tuple[NewEntry, ...]
     rekeyed: Rekeyed = field(default_factory=Rekeyed)
+    without_strides: bool = False
+    """Whether the copy's ``TensorProperties`` drop torch 2.15's ``strides``, for a torch before it to read."""
 
     @property
     def rewrites_metadata(self) -> bool:
         """Whether the copy gets a new ``.metadata`` (else the original's is copied as it is)."""
-        return bool(self.entries) or self.rekeyed.rebuilds_tables
+        return bool(self.entries) or self.rekeyed.rebuilds_tables or self.without_strides
 
 
 def rekey(
@@ -183,17 +185,21 @@ def plan_dcp(
     changes: Sequence[ParamChange] = (),
     groups: Mapping[KeyPath, Sequence[Sequence[ParamKey]]] | None = None,
     options: Sequence[GroupOption] = (),
+    older_form: bool = False,
 ) -> PlannedEntries:
     """The whole plan for one DCP checkpoint: ``additions`` as new entries, the param-group ``options`` too, and
     the keys ``changes`` and joining parameters rename, drop or add. ``groups`` holds each changed optimizer's
-    ``params`` lists, by address, as reading found them. Raises ``RepairRefused`` (or ``InputError`` for a
-    ``.metadata`` no repair can extend) for what the writer cannot do."""
+    ``params`` lists, by address, as reading found them. ``older_form``: the copy's ``.metadata`` is written in the
+    form a torch before 2.15 reads, where torch 2.15 wrote the original. Raises ``RepairRefused`` (or
+    ``InputError`` for a ``.metadata`` no repair can extend) for what the writer cannot do."""
     planned = plan_entries(meta, additions, source)
     if options:
         planned = PlannedEntries(meta, (*planned.entries, *_option_entries(meta, options, source)))
     joined = [addition for addition in additions if addition.group is not None]
     if changes or joined:
         planned = PlannedEntries(meta, planned.entries, rekey(meta, changes, groups or {}, source, joined))
+    if older_form and meta.pickle is not None and meta.pickle.property_fields > 5:
+        planned = replace(planned, without_strides=True)
     if planned.rewrites_metadata and meta.pickle is None:
         raise InputError(
             "its pickle does not keep the metadata tables where a repair can extend them "

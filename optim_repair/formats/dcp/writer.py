@@ -14,6 +14,7 @@ from pathlib import Path
 from optim_repair.errors import InputError, OutputError, os_error_reason
 from optim_repair.formats.dcp.metadata import METADATA_FILE, SHARD_SUFFIX, display_path
 from optim_repair.formats.dcp.metadata_memo import memo_objects
+from optim_repair.formats.dcp.metadata_older import without_strides
 from optim_repair.formats.dcp.metadata_writer import Place, extended_metadata, rebuilt_metadata
 from optim_repair.formats.dcp.planning import PlannedEntries
 from optim_repair.formats.pickle_writing import dump_graph, new_tensor, storage_for
@@ -80,21 +81,24 @@ def _write_entries(planned: PlannedEntries, dest: Path, source: str, taken: Call
     extensible = planned.original.pickle
     if extensible is None:  # plan_dcp refused it
         raise InputError("its pickle does not keep the metadata tables where a repair can extend them", path=source)
+    if planned.without_strides:
+        extensible = without_strides(extensible, source)
     shard = _shard_name(taken)
     placed: dict[str, Place] = {}
     rekeyed = planned.rekeyed
     values: list[tuple[str, AddedValue]] = [(entry.key, entry.value) for entry in planned.entries]
     values += [(key, names) for key, names in rekeyed.params.items()]  # type: ignore[misc]
     try:
-        descriptor = os.open(dest / shard, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-        try:
-            position = 0
-            for key, value in values:
-                length = _write_value(descriptor, position, value)
-                placed[key] = Place(shard, position, length)
-                position += length
-        finally:
-            os.close(descriptor)
+        if values:  # else no shard: the copy's ``.metadata`` changes alone
+            descriptor = os.open(dest / shard, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            try:
+                position = 0
+                for key, value in values:
+                    length = _write_value(descriptor, position, value)
+                    placed[key] = Place(shard, position, length)
+                    position += length
+            finally:
+                os.close(descriptor)
         if rekeyed.rebuilds_tables:
             objects = memo_objects(extensible, source)
             data = rebuilt_metadata(extensible, objects, rekeyed, planned.entries, placed)

@@ -17,6 +17,8 @@ import torch
 
 from optim_repair.errors import InputError
 from optim_repair.formats.dcp import DcpTensor, read_dcp, read_metadata
+from optim_repair.formats.dcp.metadata import MetadataPickle
+from optim_repair.formats.dcp.metadata_older import without_strides
 from optim_repair.records.dtypes import contiguous_strides
 from tests.conftest import run_cli
 from tests.factories import dcp as dk
@@ -44,7 +46,7 @@ def test_a_torch_215_checkpoint_is_fixed_with_six_fields_and_resumes_bit_identic
     built = dk.unirl_dcp(tmp_path / "in", flatten=flatten)
     dv.as_torch_215(built.path)
     out = tmp_path / "fixed"
-    fixed = json.loads(run_cli(["fix", built.path, "--out", out, "--json"]).stdout)
+    fixed = json.loads(run_cli(["fix", built.path, "--out", out, "--for-torch", "2.15", "--json"]).stdout)
     assert sorted(a["param"] for a in fixed["added"]) == sorted(built.all_missing)
     states = dv.property_states(out)
     new = [key for key in states if any(f".{param}." in key for param in built.all_missing)]
@@ -57,6 +59,75 @@ def test_a_torch_215_checkpoint_is_fixed_with_six_fields_and_resumes_bit_identic
         resumed = dk.resume(out, "adamw", "optim", flatten)
     reference = dk.uninterrupted("adamw")
     assert all(torch.equal(resumed[name], reference[name]) for name in reference)
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
+def test_a_torch_215_checkpoint_fixed_for_an_older_torch_loads_there_and_resumes_bit_identically(
+    tmp_path: Path, flatten: bool
+) -> None:
+    """For a torch before 2.15 the copy's ``TensorProperties`` have five fields, its old and new entries alike, and
+    the original's pickle is kept but for one POP a state: stock ``dcp.load`` of this torch resumes from it."""
+    built = dk.unirl_dcp(tmp_path / "in", flatten=flatten)
+    dv.as_torch_215(built.path)
+    original = (built.path / ".metadata").read_bytes()
+    out = tmp_path / "fixed"
+    fixed = json.loads(run_cli(["fix", built.path, "--out", out, "--for-torch", "2.13", "--json"]).stdout)
+    assert fixed["older_forms"] == [""] and sorted(a["param"] for a in fixed["added"]) == sorted(built.all_missing)
+    states = dv.property_states(out)
+    assert len(states) == len(dv.property_states(built.path)) + sum(len(a["keys"]) for a in fixed["added"])
+    assert {len(state) for state in states.values()} == {5}
+    meta = read_metadata(out)
+    assert all(item.strides is None for item in meta.items.values() if isinstance(item, DcpTensor))
+    copied = (out / ".metadata").read_bytes()
+    assert copied.count(pickle.POP) - original.count(pickle.POP) >= len(dv.property_states(built.path))
+    if dv.HAS_STRIDES:
+        pytest.skip("this torch reads either form: the older torch's read is scripts/torch_versions.py's")
+    resumed = dk.resume(out, "adamw", "optim", flatten)  # the installed torch, as it is
+    reference = dk.uninterrupted("adamw")
+    assert all(torch.equal(resumed[name], reference[name]) for name in reference)
+
+
+def test_strides_dropped_across_frames_leave_every_frame_whole_and_every_reference_right() -> None:
+    """A pickle of many frames, with states the memo shares: each frame grows by the POPs it holds, and every
+    later reference (to a state, or to an object after it) still fetches what it fetched."""
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    properties = []
+    for index in range(3000):
+        made = TensorProperties(dtype=torch.float32 if index % 2 else torch.bfloat16)
+        made.strides = (index + 1, 1)  # type: ignore[attr-defined]
+        properties.append(made)
+    padding = ["x" * 50 for _ in range(2000)]
+    with dv.torch_215_properties():
+        data = pickle.dumps({"first": properties, "again": properties[::7], "padding": padding}, protocol=4)
+    assert data.count(pickle.FRAME) > 2
+    older = without_strides(MetadataPickle(data, len(data), (0, 0, 0), 6), "test")
+    assert older.property_fields == 5 and len(older.data) == len(data) + len(properties)
+    loaded = pickle.loads(older.data)
+    assert [made.dtype for made in loaded["first"]] == [made.dtype for made in properties]
+    assert all(again is loaded["first"][index * 7] for index, again in enumerate(loaded["again"]))
+    assert loaded["padding"] == padding
+    assert all(getattr(made, "strides", None) is None for made in loaded["first"])
+
+
+def test_a_healthy_torch_215_checkpoint_is_repairable_for_an_older_torch(tmp_path: Path) -> None:
+    """A checkpoint with every entry is repairable for a torch that cannot read its ``.metadata``, healthy for one
+    that can; its fix changes the form alone."""
+    built = dk.unirl_dcp(tmp_path / "in")
+    dv.as_torch_215(built.path)
+    whole = tmp_path / "whole"
+    run_cli(["fix", built.path, "--out", whole, "--for-torch", "2.15"])
+    assert json.loads(run_cli(["inspect", whole, "--for-torch", "2.15", "--json"]).stdout)["verdict"] == "healthy"
+    older = json.loads(run_cli(["inspect", whole, "--for-torch", "2.13", "--json"], code=1).stdout)
+    assert older["verdict"] == "repairable" and older["optimizers"][0]["missing"] == []
+    out = tmp_path / "older"
+    result = run_cli(["fix", whole, "--out", out, "--for-torch", "2.13"])
+    assert "the only changes are the 0 added entries and 1 DCP .metadata files in an older torch's form" in " ".join(
+        result.stdout.split()
+    )
+    assert {len(state) for state in dv.property_states(out).values()} == {5}
+    assert json.loads(run_cli(["inspect", out, "--for-torch", "2.13", "--json"]).stdout)["verdict"] == "healthy"
+    assert dk.files(out).keys() == dk.files(whole).keys()  # no new shard: nothing was added
 
 
 def test_a_fix_of_a_five_field_checkpoint_writes_five(tmp_path: Path) -> None:
