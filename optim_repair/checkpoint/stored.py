@@ -29,7 +29,7 @@ from optim_repair.errors import (
     UsageError,
     os_error_reason,
 )
-from optim_repair.formats.dcp import METADATA_FILE, SHARD_SUFFIX, DcpMetadata, read_dcp
+from optim_repair.formats.dcp import METADATA_FILE, RANK_LOCAL, SHARD_SUFFIX, DcpMetadata, is_rank_metadata, read_dcp
 from optim_repair.formats.registry import is_dcp_metadata, role_of
 from optim_repair.formats.safetensors import read_weights
 from optim_repair.formats.torchfile import TorchFile, read_inventory
@@ -126,10 +126,14 @@ class StoredCheckpoint:
         if "" in self.dcp:
             return
         inside = tuple(f"{rel}/" for rel in self.dcp if rel)
+        rank_local: set[str] = set()  # the prefixes of DCP checkpoints saved without collectives, each once
         for name in self.listing:
-            role = role_of(name)
+            role, parent = role_of(name), name.rpartition("/")[0]
             if role in ("torch", "safetensors") and not name.startswith(inside):
                 yield Listed(name, role)
+            elif is_rank_metadata(name) and not name.startswith(inside) and parent not in rank_local:
+                rank_local.add(parent)
+                yield Listed(name, "file", RANK_LOCAL)
 
     def read_dcp(self, rel: str, name: str, keep: dict[str, DcpMetadata] | None) -> FileInventory:
         """The DCP checkpoint ``rel``: its ``.metadata`` downloaded into ``local``, read there as on a disk, its
@@ -270,8 +274,8 @@ def _complete(held: Sequence[tuple[str, StoredObject]]) -> bool:
     names = {inside for inside, _ in held}
     if any(PurePosixPath(name).name == MARKER for name in names) or save_under_way(names):
         return False
-    folders = {PurePosixPath(name).parent for name in names if name.endswith(SHARD_SUFFIX)}
-    return all((folder / METADATA_FILE).as_posix().removeprefix("./") in names for folder in folders)
+    committed = {PurePosixPath(name).parent for name in names if is_dcp_metadata(name) or is_rank_metadata(name)}
+    return all(PurePosixPath(name).parent in committed for name in names if name.endswith(SHARD_SUFFIX))
 
 
 @contextlib.contextmanager

@@ -196,9 +196,10 @@ class Skipped:
 
     file: str
     reason: str
-    kind: Literal["other", "unsafe", "deepspeed-zero"] = "other"
+    kind: Literal["other", "unsafe", "deepspeed-zero", "dcp-rank-local"] = "other"
     """``unsafe``: loading it would import code (``weights_only`` refuses it); ``deepspeed-zero``: a DeepSpeed
-    checkpoint file, recognised by the classes it names, whose ZeRO partitions have no per-parameter entries."""
+    checkpoint file, recognised by the classes it names, whose ZeRO partitions have no per-parameter entries;
+    ``dcp-rank-local``: the first rank's ``.metadata`` of a DCP checkpoint saved without collectives."""
 
 
 @dataclass(frozen=True)

@@ -160,6 +160,14 @@ def unirl_dcp(root: Path, optimizer: str = "adamw", flatten: bool = False) -> Bu
     return Built(path, _missing("optim"))
 
 
+def rank_local_dcp(root: Path) -> Built:
+    """UniRL's state saved by ``dcp.save(..., use_collectives=False)``: ``__0.metadata`` (this rank's own view) and
+    ``__0_0.distcp``, no global ``.metadata``. Needs a torch whose ``dcp.save`` takes ``use_collectives``."""
+    path = root / f"checkpoint-{PRE_STEPS}"
+    save(_unirl_state("adamw", False), checkpoint_id=path, use_collectives=False)  # type: ignore[call-arg,unused-ignore]
+    return Built(path, _missing("optim"))
+
+
 def torchtitan_dcp(root: Path, optimizer: str = "adamw") -> Built:
     """torchtitan's ``step-<n>/``, as its ``CheckpointManager`` saves it: the model's weights at the top level
     (``blocks.0.attn.to_q.weight``, not under ``model``), a flattened ``optimizer``, scheduler and dataloader state."""

@@ -8,12 +8,14 @@ repaired copy). None of them imports torch.
 
 from optim_repair.formats.dcp.metadata import (
     METADATA_FILE,
+    RANK_LOCAL,
     SHARD_SUFFIX,
     DcpBytes,
     DcpChunk,
     DcpMetadata,
     DcpTensor,
     is_dcp_directory,
+    is_rank_metadata,
 )
 from optim_repair.formats.dcp.metadata_reader import read_metadata
 from optim_repair.formats.dcp.planning import PlannedEntries, plan_dcp
@@ -21,6 +23,7 @@ from optim_repair.formats.dcp.reader import read_dcp
 
 __all__ = [
     "METADATA_FILE",
+    "RANK_LOCAL",
     "SHARD_SUFFIX",
     "DcpBytes",
     "DcpChunk",
@@ -28,6 +31,7 @@ __all__ = [
     "DcpTensor",
     "PlannedEntries",
     "is_dcp_directory",
+    "is_rank_metadata",
     "plan_dcp",
     "read_dcp",
     "read_metadata",

@@ -8,6 +8,7 @@ entry (a ``torch.save``'d object), says where each chunk or entry lies in which 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,19 @@ from optim_repair.records.inventory import ParamKey, TensorMeta
 
 METADATA_FILE = ".metadata"
 SHARD_SUFFIX = ".distcp"
+_RANK_METADATA = re.compile(r"__[0-9]+\.metadata")
+RANK_LOCAL = (
+    "a DCP checkpoint saved without collectives (dcp.save(..., use_collectives=False)): one __<rank>.metadata per "
+    "rank, each rank's own view, and no global .metadata; optim-repair reads the global .metadata a collective save "
+    "writes, and neither reads nor repairs this layout"
+)
+"""Why a rank's own ``.metadata`` is not read."""
+
+
+def is_rank_metadata(name: str) -> bool:
+    """Whether a file by this name is one rank's ``.metadata`` of a DCP checkpoint saved without collectives."""
+    return _RANK_METADATA.fullmatch(name.rpartition("/")[2]) is not None
+
 
 KeyPath = tuple[ParamKey, ...]
 StorageIndex = tuple[str, tuple[int, ...] | None]
