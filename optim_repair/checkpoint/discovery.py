@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from optim_repair.errors import InputError, os_error_reason
-from optim_repair.formats.dcp import METADATA_FILE, SHARD_SUFFIX, is_dcp_directory, is_rank_metadata
+from optim_repair.formats.dcp import METADATA_FILE, SHARD_SUFFIX, is_dcp_directory, is_rank_metadata, metadata_names
 from optim_repair.formats.registry import Role, role_of
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX
 from optim_repair.formats.torchfile import TORCH_SUFFIXES
@@ -247,7 +247,7 @@ def _walk(root: Path, *, reach: _Reach | None = None) -> Iterator[Entry]:
             raise InputError(f"nests directories more than {MAX_DEPTH} deep", path=_short(root / rel))
         files, subdirectories = _listing(directory, root, rel)
         dcp = inside.get(rel)
-        if dcp is None and METADATA_FILE in files and is_dcp_directory(Path(directory)):
+        if dcp is None and metadata_names(files) and is_dcp_directory(Path(directory)):
             yield Entry(rel, "dcp")
             dcp = rel
         for name in files:

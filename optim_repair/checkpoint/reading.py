@@ -17,7 +17,7 @@ from typing import Literal, Protocol
 
 from optim_repair.checkpoint.discovery import Discovery, Entry, discover, model_only
 from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError, UsageError
-from optim_repair.formats.dcp import RANK_LOCAL, DcpMetadata, is_rank_metadata, read_dcp
+from optim_repair.formats.dcp import DcpMetadata, read_dcp
 from optim_repair.formats.planned import Parsed
 from optim_repair.formats.registry import Role, role_of
 from optim_repair.formats.safetensors import joined_shards, read_weights
@@ -125,7 +125,7 @@ def _read(
         if item.role == "dcp":
             continue
         if item.unread is not None:
-            skipped.append(Skipped(item.rel, item.unread, "dcp-rank-local" if item.unread == RANK_LOCAL else "other"))
+            skipped.append(Skipped(item.rel, item.unread))
         elif item.role == "safetensors":
             try:
                 weights.append(listing.read_safetensors(item.rel, item.rel))
@@ -193,9 +193,6 @@ def read_torch_file(
 def check_found(files: list[FileInventory], skipped: list[Skipped], root: str, linked: tuple[str, ...] = ()) -> None:
     """Refuse a checkpoint directory in which no file holds an optimizer (but DeepSpeed's ZeRO state)."""
     zero = any(skip.kind == "deepspeed-zero" for skip in skipped)
-    rank_local = next((skip for skip in skipped if skip.kind == "dcp-rank-local"), None)
-    if not any(file.optimizers for file in files) and rank_local is not None and not zero:
-        raise InputError(rank_local.reason, path=f"{root.rstrip('/')}/{rank_local.file}")
     if not any(file.optimizers for file in files) and not zero:
         unwalked = f"; {len(linked)} linked director(ies) not followed: {{argument}} follows them" if linked else ""
         reason = f"no optimizer state found in any file ({len(skipped)} file(s) skipped{unwalked})"
@@ -263,13 +260,8 @@ class DiskListing:
         return self.local / rel if rel else self.local
 
     def listed(self) -> Iterator[Listed]:
-        rank_local: set[str] = set()  # the directories of DCP checkpoints saved without collectives, each once
         for entry in self.found.entries:
-            parent = entry.rel.rpartition("/")[0]
-            if entry.role == "file" and entry.dcp is None and is_rank_metadata(entry.rel) and parent not in rank_local:
-                rank_local.add(parent)
-                yield Listed(entry.rel, "file", RANK_LOCAL)
-            elif entry.role == "dcp":
+            if entry.role == "dcp":
                 yield Listed(entry.rel, "dcp", None if entry.read_through else "a link, not read")
             elif entry.role == "special":
                 yield Listed(entry.rel, "special", f"is {entry.kind}, not a regular file")

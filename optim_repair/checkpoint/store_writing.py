@@ -27,8 +27,6 @@ from optim_repair.checkpoint.planning import FinishedPlan
 from optim_repair.checkpoint.stored import StoredCheckpoint, members
 from optim_repair.errors import InputError, OutputError, Remedy, UsageError, VerificationError
 from optim_repair.formats.dcp.adapter import PlannedDcp
-from optim_repair.formats.dcp.verifier import verify_planned_dcp
-from optim_repair.formats.dcp.writer import write_planned_dcp
 from optim_repair.formats.registry import is_dcp_metadata
 from optim_repair.formats.torchfile.adapter import PlannedTorchFile, Spliced
 from optim_repair.progress import Meter, Reporter
@@ -262,10 +260,10 @@ def _stage(source: StoredCheckpoint, finished: FinishedPlan, staging: Path) -> t
         dest = staging / rel if rel else staging
         dest.mkdir(parents=True, exist_ok=True)
         taken = members(source.listing, rel).keys()
-        write_planned_dcp(src, planned.planned, dest, taken=taken.__contains__)
+        planned.write_views(src, dest, taken.__contains__)
         if not planned.changes_anything:
             continue
-        proven += verify_planned_dcp(src, dest, planned.planned, holder=STORE_COPIES)
+        proven += planned.verify_views(src, dest, STORE_COPIES)
         for path in dest.iterdir():
             staged[f"{rel}/{path.name}" if rel else path.name] = path
     return proven, staged

@@ -29,7 +29,13 @@ from optim_repair.errors import (
     UsageError,
     os_error_reason,
 )
-from optim_repair.formats.dcp import METADATA_FILE, RANK_LOCAL, SHARD_SUFFIX, DcpMetadata, is_rank_metadata, read_dcp
+from optim_repair.formats.dcp import (
+    SHARD_SUFFIX,
+    DcpMetadata,
+    display_path,
+    metadata_names,
+    read_dcp,
+)
 from optim_repair.formats.registry import is_dcp_metadata, role_of
 from optim_repair.formats.safetensors import read_weights
 from optim_repair.formats.torchfile import TorchFile, read_inventory
@@ -126,27 +132,25 @@ class StoredCheckpoint:
         if "" in self.dcp:
             return
         inside = tuple(f"{rel}/" for rel in self.dcp if rel)
-        rank_local: set[str] = set()  # the prefixes of DCP checkpoints saved without collectives, each once
         for name in self.listing:
-            role, parent = role_of(name), name.rpartition("/")[0]
+            role = role_of(name)
             if role in ("torch", "safetensors") and not name.startswith(inside):
                 yield Listed(name, role)
-            elif is_rank_metadata(name) and not name.startswith(inside) and parent not in rank_local:
-                rank_local.add(parent)
-                yield Listed(name, "file", RANK_LOCAL)
 
     def read_dcp(self, rel: str, name: str, keep: dict[str, DcpMetadata] | None) -> FileInventory:
-        """The DCP checkpoint ``rel``: its ``.metadata`` downloaded into ``local``, read there as on a disk, its
-        shards read by range (``StoredShards``)."""
+        """The DCP checkpoint ``rel``: its ``.metadata`` (or each rank's own) downloaded into ``local``, read there
+        as on a disk, its shards read by range (``StoredShards``)."""
         directory = self._path(rel)
         directory.mkdir(parents=True, exist_ok=True)
-        metadata = f"{rel}/{METADATA_FILE}" if rel else METADATA_FILE
-        if metadata not in self.whole:
-            with (directory / METADATA_FILE).open("wb") as target:
-                self.store.download(self.url.object(metadata), self.listing[metadata], target)
-            self.whole.add(metadata)
         inside = members(self.listing, rel)
-        inventory = read_dcp(directory, name, keep=keep, shards=StoredShards(self.store, self.url, rel, inside))
+        names = metadata_names(inside)
+        for metadata in (display_path(rel, file) for file in names):
+            if metadata not in self.whole:
+                with (self.local / metadata).open("wb") as target:
+                    self.store.download(self.url.object(metadata), self.listing[metadata], target)
+                self.whole.add(metadata)
+        shards = StoredShards(self.store, self.url, rel, inside)
+        inventory = read_dcp(directory, name, keep=keep, shards=shards, names=names)
         return replace(inventory, writer="lightning") if LIGHTNING_META in inside else inventory
 
     def read_torch(self, rel: str, name: str, keep: dict[str, TorchFile]) -> FileInventory:
@@ -274,7 +278,7 @@ def _complete(held: Sequence[tuple[str, StoredObject]]) -> bool:
     names = {inside for inside, _ in held}
     if any(PurePosixPath(name).name == MARKER for name in names) or save_under_way(names):
         return False
-    committed = {PurePosixPath(name).parent for name in names if is_dcp_metadata(name) or is_rank_metadata(name)}
+    committed = {PurePosixPath(name).parent for name in names if is_dcp_metadata(name)}
     return all(PurePosixPath(name).parent in committed for name in names if name.endswith(SHARD_SUFFIX))
 
 
@@ -303,7 +307,7 @@ def opened(text: str, options: StoreOptions, mirror: Path | None = None) -> Iter
         if not listing:
             raise InputError("holds no objects", path=str(url))
         parents = (PurePosixPath(name).parent.as_posix() for name in listing if is_dcp_metadata(name))
-        dcp = tuple(sorted("" if parent == "." else parent for parent in parents))
+        dcp = tuple(sorted({"" if parent == "." else parent for parent in parents}))
     with contextlib.ExitStack() as stack:
         if mirror is None:
             mirror = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="optim-repair-remote-")))

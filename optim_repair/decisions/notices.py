@@ -241,15 +241,6 @@ def checkpoint_notices(inventory: CheckpointInventory, loading: tuple[int, int] 
                 "this one)",
             )
         )
-    rank_local = [skip.file for skip in inventory.skipped if skip.kind == "dcp-rank-local"]
-    if rank_local:
-        notices.append(
-            Notice(
-                "dcp-rank-local",
-                f"{len(rank_local)} DCP checkpoint(s) saved without collectives, not read: "
-                f"{shown_params(tuple(rank_local))} (one __<rank>.metadata per rank and no global .metadata)",
-            )
-        )
     zero = [skip.file for skip in inventory.skipped if skip.kind == "deepspeed-zero"]
     if zero:
         notices.append(

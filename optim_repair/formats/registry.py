@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from optim_repair.formats.dcp import METADATA_FILE
+from optim_repair.formats.dcp import METADATA_FILE, is_rank_metadata
 from optim_repair.formats.dcp import adapter as dcp_adapter
 from optim_repair.formats.planned import Parsed, PlannedFile
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX
@@ -36,8 +36,10 @@ def role_of(name: str) -> Role:
 
 
 def is_dcp_metadata(name: str) -> bool:
-    """Whether a file by this name commits a DCP checkpoint (the directory holding it is one)."""
-    return PurePosixPath(name).name == METADATA_FILE
+    """Whether a file by this name commits a DCP checkpoint (the directory holding it is one): its ``.metadata``,
+    or one rank's own ``__<rank>.metadata`` where it was saved without collectives."""
+    base = PurePosixPath(name).name
+    return base == METADATA_FILE or is_rank_metadata(base)
 
 
 Adapter = Callable[[Path, FileInventory, RepairPlan, Parsed], PlannedFile]

@@ -185,6 +185,9 @@ class FileInventory:
     reads_from: tuple[int, int] | None = None
     """The oldest torch release whose reader takes it, where older ones cannot: (2, 15) for a DCP ``.metadata``
     whose ``TensorProperties`` hold 2.15's sixth field, ``strides``."""
+    views: tuple[str, ...] = ()
+    """For a DCP checkpoint saved without collectives: its metadata files, one a rank (``__0.metadata``), each
+    read as that rank's own view; its optimizers' addresses begin with the view's name. Else ()."""
     writer: Literal["lightning"] | None = None
     """The library whose own files beside it say which loader resumes it: ``lightning`` for a DCP checkpoint
     holding Lightning's ``meta.pt`` (its FSDPStrategy's sharded checkpoint)."""
@@ -196,10 +199,9 @@ class Skipped:
 
     file: str
     reason: str
-    kind: Literal["other", "unsafe", "deepspeed-zero", "dcp-rank-local"] = "other"
+    kind: Literal["other", "unsafe", "deepspeed-zero"] = "other"
     """``unsafe``: loading it would import code (``weights_only`` refuses it); ``deepspeed-zero``: a DeepSpeed
-    checkpoint file, recognised by the classes it names, whose ZeRO partitions have no per-parameter entries;
-    ``dcp-rank-local``: the first rank's ``.metadata`` of a DCP checkpoint saved without collectives."""
+    checkpoint file, recognised by the classes it names, whose ZeRO partitions have no per-parameter entries."""
 
 
 @dataclass(frozen=True)

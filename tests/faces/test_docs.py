@@ -104,7 +104,6 @@ def test_every_json_field_is_documented(field: str) -> None:
         "cold",
         "skipped-unsafe",
         "deepspeed-zero",
-        "dcp-rank-local",
         "sparse-ok-for-load-state-dict",
         "whole-optimizer-state",
         "lbfgs-loader",

@@ -160,12 +160,60 @@ def unirl_dcp(root: Path, optimizer: str = "adamw", flatten: bool = False) -> Bu
     return Built(path, _missing("optim"))
 
 
-def rank_local_dcp(root: Path) -> Built:
-    """UniRL's state saved by ``dcp.save(..., use_collectives=False)``: ``__0.metadata`` (this rank's own view) and
-    ``__0_0.distcp``, no global ``.metadata``. Needs a torch whose ``dcp.save`` takes ``use_collectives``."""
+def rank_local_dcp(root: Path, ranks: int = 1) -> Built:
+    """UniRL's state saved by ``dcp.save(..., use_collectives=False)``: each rank writes ``__<rank>.metadata`` (its own
+    view) and ``__<rank>_0.distcp``, and there is no global ``.metadata``. With two ``ranks``, each saves its dim-0
+    half of every tensor (``_shard``), one rank after the other under a fake process group, as nothing coordinates
+    them. Needs a torch whose ``dcp.save`` takes ``use_collectives``."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
     path = root / f"checkpoint-{PRE_STEPS}"
-    save(_unirl_state("adamw", False), checkpoint_id=path, use_collectives=False)  # type: ignore[call-arg,unused-ignore]
+    state = _unirl_state("adamw", False)
+    if ranks == 1:
+        save(state, checkpoint_id=path, use_collectives=False)  # type: ignore[call-arg,unused-ignore]
+        return Built(path, _missing("optim"))
+    for rank in range(ranks):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
+        try:
+            local = _shard(dict(state), rank, DeviceMesh("cpu", list(range(ranks))))
+            save(local, checkpoint_id=path, use_collectives=False)  # type: ignore[call-arg,unused-ignore]
+        finally:
+            dist.destroy_process_group()
     return Built(path, _missing("optim"))
+
+
+def rank_local_views(path: Path, ranks: int) -> list[dict[str, Any]]:
+    """What each rank's stock ``dcp.load`` reads from the checkpoint at ``path`` saved without collectives into a
+    fresh model's sharded template: the ``optim`` state dict of each. Each rank's load is torch's own, through
+    torch's ``FileSystemReader`` reading that rank's own metadata (``read_metadata(rank=...)``, as ``dcp.load``
+    falls back to it); the fake process group takes no collectives, so each load runs as its rank alone."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    class RankReader(FileSystemReader):
+        def __init__(self, rank: int) -> None:
+            super().__init__(path)
+            self.own = rank
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return super().read_metadata(rank=self.own)
+
+    loaded = []
+    for rank in range(ranks):
+        model = DeepNet(seed=7)
+        opt = make_optimizer(model, "adamw")
+        train(model, opt, 1, use_all=True, seed=5)  # a template with every entry, which the load overwrites
+        template = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
+        try:
+            local = _shard(template, rank, DeviceMesh("cpu", list(range(ranks))))
+            load(local, storage_reader=RankReader(rank), no_dist=True)  # type: ignore[call-arg,unused-ignore]
+        finally:
+            dist.destroy_process_group()
+        loaded.append(local["optim"])
+    return loaded
 
 
 def torchtitan_dcp(root: Path, optimizer: str = "adamw") -> Built:

@@ -8,14 +8,16 @@ repaired copy). None of them imports torch.
 
 from optim_repair.formats.dcp.metadata import (
     METADATA_FILE,
-    RANK_LOCAL,
     SHARD_SUFFIX,
     DcpBytes,
     DcpChunk,
     DcpMetadata,
     DcpTensor,
+    display_path,
     is_dcp_directory,
     is_rank_metadata,
+    metadata_names,
+    view_key,
 )
 from optim_repair.formats.dcp.metadata_reader import read_metadata
 from optim_repair.formats.dcp.planning import PlannedEntries, plan_dcp
@@ -23,16 +25,18 @@ from optim_repair.formats.dcp.reader import read_dcp
 
 __all__ = [
     "METADATA_FILE",
-    "RANK_LOCAL",
     "SHARD_SUFFIX",
     "DcpBytes",
     "DcpChunk",
     "DcpMetadata",
     "DcpTensor",
     "PlannedEntries",
+    "display_path",
     "is_dcp_directory",
     "is_rank_metadata",
+    "metadata_names",
     "plan_dcp",
     "read_dcp",
     "read_metadata",
+    "view_key",
 ]

@@ -8,8 +8,9 @@ entry (a ``torch.save``'d object), says where each chunk or entry lies in which 
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,18 +19,23 @@ from optim_repair.records.inventory import ParamKey, TensorMeta
 
 METADATA_FILE = ".metadata"
 SHARD_SUFFIX = ".distcp"
-_RANK_METADATA = re.compile(r"__[0-9]+\.metadata")
-RANK_LOCAL = (
-    "a DCP checkpoint saved without collectives (dcp.save(..., use_collectives=False)): one __<rank>.metadata per "
-    "rank, each rank's own view, and no global .metadata; optim-repair reads the global .metadata a collective save "
-    "writes, and neither reads nor repairs this layout"
-)
-"""Why a rank's own ``.metadata`` is not read."""
+_RANK_METADATA = re.compile(r"__([0-9]+)\.metadata")
 
 
 def is_rank_metadata(name: str) -> bool:
-    """Whether a file by this name is one rank's ``.metadata`` of a DCP checkpoint saved without collectives."""
+    """Whether a file by this name is one rank's ``.metadata`` of a DCP checkpoint saved without collectives
+    (``dcp.save(..., use_collectives=False)``: ``__<rank>.metadata``, that rank's own view, no global one)."""
     return _RANK_METADATA.fullmatch(name.rpartition("/")[2]) is not None
+
+
+def metadata_names(names: Iterable[str]) -> tuple[str, ...]:
+    """The metadata files of a DCP checkpoint directory that holds the files ``names``: its global ``.metadata``
+    (what ``dcp.load`` reads first), else each rank's ``__<rank>.metadata`` in rank order; () for neither."""
+    listed = set(names)
+    if METADATA_FILE in listed:
+        return (METADATA_FILE,)
+    ranks = [(int(found[1]), name) for name in listed if (found := _RANK_METADATA.fullmatch(name))]
+    return tuple(name for _, name in sorted(ranks))
 
 
 KeyPath = tuple[ParamKey, ...]
@@ -122,8 +128,17 @@ class DcpMetadata:
 
 
 def is_dcp_directory(path: Path) -> bool:
-    """Whether ``path`` is a DCP checkpoint directory (it holds a ``.metadata`` file)."""
-    return path.is_dir() and (path / METADATA_FILE).is_file()
+    """Whether ``path`` is a DCP checkpoint directory: it holds a ``.metadata`` file, or ranks' own."""
+    try:
+        return any((path / name).is_file() for name in metadata_names(os.listdir(path)))
+    except OSError:
+        return False
+
+
+def view_key(rel: str, name: str) -> str:
+    """Where the metadata file ``name`` of the DCP checkpoint ``rel`` is kept once read: under ``rel`` for its
+    global ``.metadata``, under ``rel/__<rank>.metadata`` for a rank's own."""
+    return rel if name == METADATA_FILE else display_path(rel, name)
 
 
 def display_path(rel: str, name: str) -> str:

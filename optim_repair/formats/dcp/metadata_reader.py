@@ -168,8 +168,9 @@ def _record_fields(value: Any, kind: str, source: str) -> dict[str, Any]:
     return value.state
 
 
-def _tensor_item(value: Any, key: str, source: str) -> tuple[DcpTensor, int]:
-    """The tensor entry, and how many fields its ``TensorProperties`` pickled."""
+def _tensor_item(value: Any, key: str, source: str, view: bool) -> tuple[DcpTensor, int]:
+    """The tensor entry, and how many fields its ``TensorProperties`` pickled (``view``: one rank's own metadata,
+    whose chunks are that rank's alone)."""
     fields = _record_fields(value, "TensorStorageMetadata", source)
     properties = fields.get("properties")
     if not (isinstance(properties, MetadataRecord) and properties.kind == "TensorProperties"):
@@ -211,7 +212,7 @@ def _tensor_item(value: Any, key: str, source: str) -> tuple[DcpTensor, int]:
         held += numel(sizes)
     # What is sized by the tensor's size (a fresh fill) must be backed by chunks that hold as much.
     whole = numel(size)
-    if held < whole:
+    if held < whole and not view:
         raise InputError(f"the chunks of {key} hold {held} of its {whole} elements", path=source)
     return DcpTensor(dtype.name, size, tuple(parsed), strides), len(state)
 
@@ -246,8 +247,9 @@ def _storage_entry(
     return (fqn, offsets), DcpStorage(relative, start, length, tuple(transforms))
 
 
-def _parse_metadata(root: Any, source: str) -> tuple[DcpMetadata, int]:
-    """The metadata, and how many fields its ``TensorProperties`` pickle (5 when it has no tensor)."""
+def _parse_metadata(root: Any, source: str, view: bool) -> tuple[DcpMetadata, int]:
+    """The metadata, and how many fields its ``TensorProperties`` pickle (5 when it has no tensor); ``view``: a
+    rank's own (``__<rank>.metadata``), whose tensors hold that rank's chunks alone."""
     fields = _record_fields(root, "Metadata", source)
     entries = fields.get("state_dict_metadata")
     if not isinstance(entries, dict):
@@ -260,7 +262,7 @@ def _parse_metadata(root: Any, source: str) -> tuple[DcpMetadata, int]:
         if isinstance(value, MetadataRecord) and value.kind == "BytesStorageMetadata":
             items[key] = DcpBytes()
         else:
-            items[key], count = _tensor_item(value, key, source)
+            items[key], count = _tensor_item(value, key, source, view)
             property_fields.setdefault(count, key)
     if len(property_fields) > 1:
         raise InputError(
@@ -321,24 +323,24 @@ def _compact(items: Mapping[str, DcpItem], storage: Mapping[StorageIndex, DcpSto
     return found
 
 
-def read_summary(path: Path, rel: str = "") -> DcpMetadata:
+def read_summary(path: Path, rel: str = "", name: str = METADATA_FILE) -> DcpMetadata:
     """The ``.metadata`` of the DCP directory ``path`` as ``read_metadata`` reads it, in memory that does not grow
     with its chunks: the chunks and storage entries of tensors that ``summarize`` summarized are not listed
     (``DcpMetadata.summarized``), so that it serves inspection, not a writer. A pickle it does not follow, or
     one that its summary finds fault with, is read whole, for that read's own answer."""
-    source = display_path(rel, METADATA_FILE)
+    source = display_path(rel, name)
     try:
         with (
-            open_regular(path / METADATA_FILE, source) as stream,
+            open_regular(path / name, source) as stream,
             mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as data,
         ):
             summary = summarize(data, partial(_release, data))
         reading = unpickler(summary.data, source, summary)
         root = reading.load_safely("DCP metadata pickle")
         with collection_paused():
-            return _parse_metadata(root, source)[0]
+            return _parse_metadata(root, source, name != METADATA_FILE)[0]
     except (NotSummarized, InputError, OSError, ValueError):
-        return read_metadata(path, rel)
+        return read_metadata(path, rel, name=name)
 
 
 def _bounded(data: bytes, source: str) -> bool:
@@ -358,19 +360,19 @@ def _release(data: mmap.mmap, end: int) -> None:
         data.madvise(mmap.MADV_DONTNEED, 0, end)
 
 
-def read_metadata(path: Path, rel: str = "", *, ours: bool = False) -> DcpMetadata:
+def read_metadata(path: Path, rel: str = "", *, ours: bool = False, name: str = METADATA_FILE) -> DcpMetadata:
     """Read the ``.metadata`` of the DCP directory ``path`` safely, without torch (``ours``: one this run
-    wrote, read back for verification, which keeps no ``pickle`` to extend)."""
-    source = display_path(rel, METADATA_FILE)
+    wrote, read back for verification, which keeps no ``pickle`` to extend; ``name``: a rank's own)."""
+    source = display_path(rel, name)
     try:
-        with open_regular(path / METADATA_FILE, source) as stream:
+        with open_regular(path / name, source) as stream:
             data = stream.read()
     except OSError as exc:
         raise InputError(f"cannot read ({os_error_reason(exc)})", path=source) from exc
     reading = unpickler(data, source)
     root = reading.load_safely("DCP metadata pickle", ours=ours, bounded=not ours and _bounded(data, source))
     with collection_paused():  # a record per chunk: see collection_paused
-        meta, property_fields = _parse_metadata(root, source)
+        meta, property_fields = _parse_metadata(root, source, name != METADATA_FILE)
     return replace(meta, pickle=None if ours else _extensible(data, reading, root, property_fields))
 
 

@@ -6,13 +6,23 @@ Shapes and dtypes come from the metadata alone; of the shards only the optimizer
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from optim_repair.errors import InputError
 from optim_repair.formats.dcp.layout import DcpOptimizer, find_optimizers, longest_name, model_weights
-from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpBytes, DcpMetadata, DcpTensor, display_path
+from optim_repair.formats.dcp.metadata import (
+    METADATA_FILE,
+    DcpBytes,
+    DcpMetadata,
+    DcpTensor,
+    display_path,
+    metadata_names,
+    view_key,
+)
 from optim_repair.formats.dcp.metadata_reader import read_metadata, read_summary
 from optim_repair.formats.dcp.storage import LocalShards, ShardFiles, check_ranges, read_bytes_entries
 from optim_repair.formats.pickled import option_value, state_value
@@ -122,7 +132,12 @@ that records them ("too many values to unpack (expected 5)")."""
 
 
 def read_dcp(
-    path: Path, rel: str, *, keep: dict[str, DcpMetadata] | None = None, shards: ShardFiles | None = None
+    path: Path,
+    rel: str,
+    *,
+    keep: dict[str, DcpMetadata] | None = None,
+    shards: ShardFiles | None = None,
+    names: Sequence[str] | None = None,
 ) -> FileInventory:
     """The optimizers (and model weights) of the DCP directory ``path``, from its metadata alone.
 
@@ -131,14 +146,43 @@ def read_dcp(
     it, the metadata is summarized as it is read: ``read_summary``). Only the
     optimizers' bytes entries are read from the shards (the others are checked as archives, not unpickled);
     no tensor bytes, and torch is not imported. ``shards`` is where the shards are read: by default the files
-    beside ``.metadata``; for a checkpoint in object storage, its objects (``path`` then holds ``.metadata`` alone).
+    beside ``.metadata``; for a checkpoint in object storage, its objects (``path`` then holds the metadata alone).
+
+    ``names`` are its metadata files (by default those ``path`` holds, ``metadata_names``). A checkpoint saved
+    without collectives has one a rank, each that rank's own view (its entries, in its own shards): each view is
+    read on its own, its optimizers addressed under its name (``("__1.metadata", "optim")``), and its metadata
+    kept under ``rel/__1.metadata``.
     """
-    shards = shards or LocalShards(path)
+    names = tuple(names) if names is not None else metadata_names(os.listdir(path))
+    if not names:
+        raise InputError("holds no .metadata (torch's DCP writer writes it last)", path=rel or str(path))
+    if names == (METADATA_FILE,):
+        return _read_view(path, rel, METADATA_FILE, keep, shards or LocalShards(path))
+    views = [_read_view(path, rel, name, keep, shards or LocalShards(path)) for name in names]
+    released = [view.reads_from for view in views if view.reads_from is not None]
+    return FileInventory(
+        file=rel,
+        format="dcp",
+        optimizers=tuple(
+            replace(optimizer, address=(name, *optimizer.address), location=f"{name}:{optimizer.location}")
+            for name, view in zip(names, views, strict=True)
+            for optimizer in view.optimizers
+        ),
+        weights=tuple(weights for view in views for weights in view.weights),
+        reads_from=max(released) if released else None,
+        views=names,
+    )
+
+
+def _read_view(
+    path: Path, rel: str, name: str, keep: dict[str, DcpMetadata] | None, shards: ShardFiles
+) -> FileInventory:
+    """The optimizers and weights one metadata file of ``path`` describes."""
     if keep is None:
-        meta = read_summary(path, rel)
+        meta = read_summary(path, rel, name)
     else:
-        meta = keep[rel] = read_metadata(path, rel)
-    source = display_path(rel, METADATA_FILE)
+        meta = keep[view_key(rel, name)] = read_metadata(path, rel, name=name)
+    source = display_path(rel, name)
     optimizers = find_optimizers(meta, source)
     wanted = [
         slot.key for optimizer in optimizers for slot in optimizer.slots if isinstance(meta.items[slot.key], DcpBytes)
@@ -147,13 +191,13 @@ def read_dcp(
         check_ranges(shards, meta, rel)
     except InputError:
         if meta.summarized:  # the whole read names the entry it meets first, as every reader of it would
-            check_ranges(shards, read_metadata(path, rel), rel)
+            check_ranges(shards, read_metadata(path, rel, name=name), rel)
         raise
     optimizer_keys = set(wanted)
     others = [key for key, item in meta.items.items() if isinstance(item, DcpBytes) and key not in optimizer_keys]
-    values = read_bytes_entries(shards, meta, wanted, others, rel)
+    values = read_bytes_entries(shards, meta, wanted, others, rel, name)
     weights = model_weights(meta, optimizers)
-    known = {name for tensors in weights.values() for name in tensors}
+    known = {weight for tensors in weights.values() for weight in tensors}
     inventories = []
     for optimizer in optimizers:
         if optimizer.layout == "nested":
@@ -172,8 +216,9 @@ def read_dcp(
                 layout=optimizer.layout,
             )
         )
+    where = rel or "." if name == METADATA_FILE else source
     weight_maps = tuple(
-        WeightMap(f"{rel or '.'}:{dotted(prefix) or '<top level>'}", tuple(tensors.items()))
+        WeightMap(f"{where}:{dotted(prefix) or '<top level>'}", tuple(tensors.items()))
         for prefix, tensors in weights.items()
     )
     strides = any(isinstance(item, DcpTensor) and item.strides is not None for item in meta.items.values())

@@ -161,7 +161,12 @@ def _bytes_entry_storage(meta: DcpMetadata, key: str, source: str) -> DcpStorage
 
 
 def read_bytes_entries(
-    shards: ShardFiles, meta: DcpMetadata, keys: Sequence[str], others: Sequence[str], rel: str
+    shards: ShardFiles,
+    meta: DcpMetadata,
+    keys: Sequence[str],
+    others: Sequence[str],
+    rel: str,
+    name: str = METADATA_FILE,
 ) -> dict[str, Any]:
     """The objects ``torch.save``'d in the bytes entries ``keys``, unpickled safely; each of ``others`` (those no
     optimizer holds: a scheduler's, a dataloader's) is checked as an archive ``dcp.load`` can open, as torch's
@@ -171,7 +176,7 @@ def read_bytes_entries(
     Entries with the same bytes (the flattened layout repeats each option for every parameter)
     are unpickled once.
     """
-    source = display_path(rel, METADATA_FILE)
+    source = display_path(rel, name)
     wanted = {key: _bytes_entry_storage(meta, key, source) for key in (*keys, *others)}
     unpickle = set(keys)
     values = {}

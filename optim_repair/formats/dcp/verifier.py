@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import zipfile
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from optim_repair.formats.dcp.storage import LocalShards, read_ranges, read_save
 from optim_repair.formats.pickled import load_graph, tensor_meta
 from optim_repair.records.dtypes import contiguous_strides
 from optim_repair.records.repair_plan import FreshTensor
-from optim_repair.records.verification import READ_EVERYTHING, HolderProof, Verification
+from optim_repair.records.verification import NOTHING, READ_EVERYTHING, HolderProof, Verification
 from optim_repair.storage.disk import open_beneath, same_range
 from optim_repair.storage.ranged import FileSlice
 
@@ -121,29 +122,39 @@ def _check_fresh_tensor(shard: Path, info: DcpStorage, value: FreshTensor, where
 def verify_planned_dcp(
     src: Path, dest: Path, planned: PlannedEntries, *, holder: HolderProof = READ_EVERYTHING
 ) -> Verification:
-    """Prove, through ``dest``'s own new metadata, that every original entry's bytes are unchanged, every other
+    """``verify_views`` for a checkpoint with one ``.metadata``."""
+    return verify_views(src, dest, ((METADATA_FILE, planned),), holder=holder)
+
+
+def verify_views(
+    src: Path, dest: Path, views: Sequence[tuple[str, PlannedEntries]], *, holder: HolderProof = READ_EVERYTHING
+) -> Verification:
+    """Prove, through ``dest``'s own new metadata (each of ``views``: a metadata file's name and its plan; one a
+    rank for a checkpoint saved without collectives), that every original entry's bytes are unchanged, every other
     file is identical and the planned entries are present; raise ``VerificationError`` if not. The copy's
     metadata and every file of it are read from disk. Counts the original tensor entries and the bytes of
     every original entry compared. Where the ``holder`` proves every file the repair does not write
     (``HolderProof.unchanged_files``: in object storage, by the store's checksums), ``dest`` holds only what the
     repair wrote."""
+    verification = NOTHING
     try:
-        verification = _verify_entries(src, dest, planned, holder)
+        for name, planned in views:
+            verification += _verify_entries(src, dest, planned, holder, name)
         if not holder.unchanged_files:
-            _verify_members(src, dest, planned.original)
+            shards = {info.relative_path for _, planned in views for info in planned.original.storage.values()}
+            _verify_members(src, dest, shards, {name for name, _ in views})
     except (InputError, OSError) as exc:
         raise VerificationError(f"the copy cannot be read back ({exc})", path=str(dest)) from exc
     return verification
 
 
-def _verify_members(src: Path, dest: Path, original: DcpMetadata, rel: str = "") -> None:
+def _verify_members(src: Path, dest: Path, shards: set[str], metadata: set[str], rel: str = "") -> None:
     """Every file of the checkpoint is in the copy: links as the same links (or, followed, as what they reach),
-    shards as long, the rest byte-identical.
+    ``shards`` as long, the rest byte-identical.
 
-    The bytes of every stored entry are compared through the metadata; ``.metadata`` itself is compared there.
-    A directory is descended into only where the copy holds a directory, so the walk ends with the copy.
+    The bytes of every stored entry are compared through the metadata; each file of ``metadata`` is compared
+    there. A directory is descended into only where the copy holds a directory, so the walk ends with the copy.
     """
-    shards = {info.relative_path for info in original.storage.values()}
     try:
         names = sorted(os.listdir(src / rel if rel else src))
     except OSError as exc:
@@ -157,19 +168,21 @@ def _verify_members(src: Path, dest: Path, original: DcpMetadata, rel: str = "")
         elif source.is_dir():
             if not target.is_dir() or target.is_symlink():
                 raise VerificationError("is not a directory", path=target)
-            _verify_members(src, dest, original, member)
+            _verify_members(src, dest, shards, metadata, member)
         elif target.is_symlink():
             raise VerificationError(f"is a link where {source} is a file", path=target)
         elif member in shards:
             if not target.is_file() or target.stat().st_size != source.stat().st_size:
                 raise VerificationError("the shard's size differs from the original's", path=target)
-        elif member != METADATA_FILE and not same_file(source, target):
+        elif member not in metadata and not same_file(source, target):
             raise VerificationError(f"differs from {source}", path=target)
 
 
-def _verify_entries(src: Path, dest: Path, planned: PlannedEntries, holder: HolderProof) -> Verification:
+def _verify_entries(
+    src: Path, dest: Path, planned: PlannedEntries, holder: HolderProof, name: str = METADATA_FILE
+) -> Verification:
     original, entries, rekeyed = planned.original, planned.entries, planned.rekeyed
-    copy = read_metadata(dest, str(dest), ours=True)
+    copy = read_metadata(dest, str(dest), ours=True, name=name)
     renamed = {key: rekeyed.new_key(key) for key in original.items}
     expected = {new for new in renamed.values() if new is not None} | {entry.key for entry in entries}
     expected |= set(rekeyed.aliases)

@@ -60,11 +60,18 @@ def _write_value(target: int, base: int, value: AddedValue) -> int:
 
 
 def write_planned_dcp(
-    src: Path, planned: PlannedEntries, dest: Path, *, taken: Callable[[str], bool] | None = None
+    src: Path,
+    planned: PlannedEntries,
+    dest: Path,
+    *,
+    taken: Callable[[str], bool] | None = None,
+    name: str = METADATA_FILE,
 ) -> None:
-    """Write into the directory ``dest`` the shard and ``.metadata`` that ``planned`` holds for ``src``.
+    """Write into the directory ``dest`` the shard and the metadata file ``name`` (``.metadata``, or a rank's own)
+    that ``planned`` holds for ``src``.
 
-    The new shard's name is one ``taken`` says no file of the checkpoint has (by default: none in ``src``).
+    The new shard's name is one ``taken`` says no file of the checkpoint has (by default: none in ``src``), and
+    none in ``dest`` either: another rank's view may have written its own there.
     Writes nothing when there is nothing to change; every original file but ``.metadata`` is the caller's
     to copy: renames and drops rewrite no shard. The new ``.metadata`` is the original pickle, as the safe
     reader checked it, extended by the new entries, or (with changes) with its tables rebuilt from
@@ -72,11 +79,12 @@ def write_planned_dcp(
     one new shard. Syncing what it writes to the disk is the caller's.
     """
     if planned.rewrites_metadata:
-        source = display_path(str(src), METADATA_FILE)
-        _write_entries(planned, dest, source, taken or (lambda name: (src / name).exists()))
+        source = display_path(str(src), name)
+        held = taken or (lambda shard: (src / shard).exists())
+        _write_entries(planned, dest, source, lambda shard: held(shard) or (dest / shard).exists(), name)
 
 
-def _write_entries(planned: PlannedEntries, dest: Path, source: str, taken: Callable[[str], bool]) -> None:
+def _write_entries(planned: PlannedEntries, dest: Path, source: str, taken: Callable[[str], bool], name: str) -> None:
     """Write the new shard, and the original metadata extended by the new entries."""
     extensible = planned.original.pickle
     if extensible is None:  # plan_dcp refused it
@@ -104,7 +112,7 @@ def _write_entries(planned: PlannedEntries, dest: Path, source: str, taken: Call
             data = rebuilt_metadata(extensible, objects, rekeyed, planned.entries, placed)
         else:
             data = extended_metadata(extensible, planned.entries, placed)
-        descriptor = os.open(dest / METADATA_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        descriptor = os.open(dest / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
             write_all(descriptor, data, 0)
         finally:
