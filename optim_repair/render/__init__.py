@@ -26,16 +26,8 @@ from optim_repair.render.documents import (
     print_json,
 )
 from optim_repair.render.progress_bar import progress_bar
-from optim_repair.render.reports import (
-    Color,
-    Screen,
-    message_printer,
-    print_demo,
-    print_dry_run,
-    print_error,
-    print_fix,
-    print_inspect,
-)
+from optim_repair.render.reports import print_demo, print_dry_run, print_fix, print_inspect
+from optim_repair.render.terminal import Color, Screen, message_printer, print_error
 
 __all__ = [
     "SCHEMA_VERSION",

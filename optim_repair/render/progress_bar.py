@@ -12,7 +12,7 @@ from rich.progress import Progress as RichProgress
 from rich.text import Text
 
 from optim_repair.progress import Progress, Step, ignore
-from optim_repair.render.reports import Screen
+from optim_repair.render.terminal import Screen
 
 SHOW_PROGRESS_FROM = 256 << 20
 """Copies smaller than this are over too soon for a progress bar to help."""

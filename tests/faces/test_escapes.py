@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from optim_repair.errors import shown_name
-from optim_repair.render.reports import escaped
+from optim_repair.render.terminal import escaped
 from tests.factories import dcp, models, trainers
 from tests.factories.support import installed_command
 
