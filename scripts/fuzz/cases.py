@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from fuzz.corpus import MutationContext, Outside
-from fuzz.dcp import dcp_bytes_entry, dcp_metadata_edit, dcp_metadata_pickle
+from fuzz.dcp import dcp_bytes_entry, dcp_metadata_edit, dcp_metadata_pickle, dcp_rank_local, dcp_torch_215
 from fuzz.files import (
     BYTE_MUTATORS,
     LEGACY_MAGIC,
@@ -166,6 +166,8 @@ MUTATORS: dict[str, Mutator] = {
     "dcp-metadata-pickle": Mutator(dcp_metadata_pickle, 6.0, ("dcp", "directory")),
     "dcp-metadata-edit": Mutator(dcp_metadata_edit, 8.0, ("dcp", "directory")),
     "dcp-bytes-entry": Mutator(dcp_bytes_entry, 5.0, ("dcp", "directory")),
+    "dcp-rank-local": Mutator(dcp_rank_local, 2.0, ("dcp", "directory")),
+    "dcp-torch-215": Mutator(dcp_torch_215, 2.0, ("dcp", "directory")),
     **{variant: Mutator(_structural(variant), 0.5, ("dcp", "directory")) for variant in STRUCTURAL},
     "neighbour": Mutator(neighbour, 0.7, ("zip", "legacy")),
     "root-special": Mutator(root_special, 0.3, ("zip", "legacy")),

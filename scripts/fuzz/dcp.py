@@ -229,6 +229,57 @@ def dcp_metadata_edit(ctx: MutationContext) -> bool:
     return True
 
 
+def dcp_rank_local(ctx: MutationContext) -> bool:
+    """Make a DCP checkpoint one saved without collectives: its ``.metadata`` becomes rank 0's own view (and often a
+    second rank's too, the same view again), perhaps after a metadata edit or a pickle mutation."""
+    dirs = ctx.dcp_dirs()
+    if not dirs:
+        return False
+    directory = ctx.rng.choice(dirs)
+    if ctx.rng.random() < 0.5:
+        (dcp_metadata_edit if ctx.rng.random() < 0.5 else dcp_metadata_pickle)(ctx)
+    data = ctx.tree.pop(f"{directory}/.metadata")
+    ranks = ctx.rng.choice(((0,), (0, 1), (1,), (0, 2)))
+    for rank in ranks:
+        ctx.tree[f"{directory}/__{rank}.metadata"] = data
+    ctx.notes.append(f"{directory}: saved without collectives, views of ranks {ranks}")
+    return True
+
+
+def dcp_torch_215(ctx: MutationContext) -> bool:
+    """Pickle a DCP ``.metadata`` of a seed as torch 2.15 writes it: each ``TensorProperties`` with a sixth field,
+    the saved tensor's strides (sometimes wrong ones), which a fix for an older torch drops again."""
+    dirs = ctx.dcp_dirs()
+    if not dirs:
+        return False
+    directory = ctx.rng.choice(dirs)
+    original = ctx.seed.tree[f"{directory}/.metadata"]
+    assert isinstance(original, bytes)
+    classes = _dcp_classes()
+    meta = pickle.loads(original)  # only ever a seed this process built
+    strides: dict[int, Any] = {}
+    for item in meta.state_dict_metadata.values():
+        if isinstance(item, classes.TensorStorageMetadata):
+            item.properties = copy.copy(item.properties)
+            running, made = 1, []
+            for size in reversed(tuple(item.size)):
+                made.insert(0, running)
+                running *= max(size, 1)
+            strides[id(item.properties)] = ctx.rng.choice((tuple(made), tuple(made), None, (1,), ("x",)))
+    saved = classes.TensorProperties.__getstate__
+
+    def six(self: Any) -> tuple[Any, ...]:
+        return (*saved(self), strides.get(id(self)))
+
+    classes.TensorProperties.__getstate__ = six
+    try:
+        ctx.tree[f"{directory}/.metadata"] = pickle.dumps(meta, protocol=ctx.rng.choice((2, 4, 4, 5)))
+    finally:
+        classes.TensorProperties.__getstate__ = saved
+    ctx.notes.append(f"{directory}/.metadata as torch 2.15 pickles it")
+    return True
+
+
 def dcp_metadata_pickle(ctx: MutationContext) -> bool:
     dirs = ctx.dcp_dirs()
     if not dirs:
