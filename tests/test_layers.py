@@ -62,7 +62,11 @@ def test_every_format_that_holds_optimizers_has_its_adapter() -> None:
     from optim_repair.formats.registry import ADAPTERS
 
     homes = {plan.__module__ for plan in ADAPTERS.values()}
-    assert homes == {"optim_repair.formats.torchfile.adapter", "optim_repair.formats.dcp.adapter"}
+    assert homes == {
+        "optim_repair.formats.torchfile.adapter",
+        "optim_repair.formats.dcp.adapter",
+        "optim_repair.formats.deepspeed_universal.adapter",
+    }
     formats = sorted(path.parent.name for path in (PACKAGE / "formats").glob("*/__init__.py"))
-    assert formats == ["dcp", "safetensors", "torchfile"]
+    assert formats == ["dcp", "deepspeed_universal", "safetensors", "torchfile"]
     assert all((PACKAGE / "formats" / name / "adapter.py").is_file() for name in formats)

@@ -2,7 +2,7 @@
 
 ``fix`` finishes it before it creates the temporary copy; ``fix --dry-run`` and ``optim_repair.plan``
 finish it too, so that they refuse exactly what ``fix`` would refuse, DCP's key plan included. Each file
-is planned by the adapter of its role (``formats.registry.ADAPTERS``).
+is planned by the adapter of its format (``formats.registry.ADAPTERS``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from optim_repair.formats.planned import Parsed, PlannedFile
-from optim_repair.formats.registry import ADAPTERS, Role
+from optim_repair.formats.registry import ADAPTERS
 from optim_repair.records.inventory import CheckpointInventory
 from optim_repair.records.repair_plan import RepairPlan
 
@@ -29,10 +29,6 @@ class FinishedPlan:
         return sum(planned.added_bytes() for planned in self.files.values())
 
 
-def _role(inventory_format: str) -> Role:
-    return "dcp" if inventory_format == "dcp" else "torch"
-
-
 def finish_plan(
     target: Path, inventory: CheckpointInventory, plan: RepairPlan, parsed: Parsed | None = None
 ) -> FinishedPlan:
@@ -43,5 +39,5 @@ def finish_plan(
     files = {}
     for file in inventory.files:
         path = target / file.file if file.file else target
-        files[file.file] = ADAPTERS[_role(file.format)](path, file, plan, parsed)
+        files[file.file] = ADAPTERS[file.format](path, file, plan, parsed)
     return FinishedPlan(plan, files)

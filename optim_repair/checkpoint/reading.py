@@ -18,10 +18,11 @@ from typing import Literal, Protocol
 from optim_repair.checkpoint.discovery import Discovery, Entry, discover, model_only
 from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError, UsageError
 from optim_repair.formats.dcp import DcpMetadata, read_dcp
+from optim_repair.formats.deepspeed_universal import member_of, read_universal, universal_roots
 from optim_repair.formats.planned import Parsed
 from optim_repair.formats.registry import Role, role_of
 from optim_repair.formats.safetensors import joined_shards, read_weights
-from optim_repair.formats.torchfile import TorchFile, read_inventory
+from optim_repair.formats.torchfile import TorchFile, open_torch_file, read_inventory
 from optim_repair.records.inventory import CheckpointInventory, FileInventory, Skipped, WeightMap
 from optim_repair.records.traffic import Traffic
 
@@ -70,6 +71,9 @@ class Listing(Protocol):
 
     def read_torch(self, rel: str, name: str, keep: dict[str, TorchFile]) -> FileInventory:
         """The torch file ``rel`` (``""``: the argument), named ``name``, kept in ``keep`` when it holds optimizers."""
+
+    def parse_torch(self, rel: str) -> TorchFile:
+        """The torch file ``rel`` parsed, no tensor bytes read (a DeepSpeed universal checkpoint's files)."""
 
     def read_safetensors(self, rel: str, name: str) -> WeightMap:
         """The weights the safetensors file ``rel`` describes."""
@@ -121,10 +125,14 @@ def _read(
     files = [listing.read_dcp(item.rel, item.rel, dcp) for item in found if item.role == "dcp"]
     skipped: list[Skipped] = []
     weights: list[WeightMap] = []
+    universal = universal_roots(item.rel for item in found if item.role == "torch" and item.unread is None)
+    members: dict[str, list[str]] = {root: [] for root in universal}
     for item in found:
         if item.role == "dcp":
             continue
-        if item.unread is not None:
+        if item.role == "torch" and item.unread is None and (within := member_of(item.rel, universal)) is not None:
+            members[within].append(item.rel)  # read per parameter, below
+        elif item.unread is not None:
             skipped.append(Skipped(item.rel, item.unread))
         elif item.role == "safetensors":
             try:
@@ -137,6 +145,9 @@ def _read(
                 read_torch_file(read, item.rel, root, files, skipped, weights)
             except UsageError as exc:  # a legacy-format file in a store
                 skipped.append(Skipped(item.rel, exc.reason))
+    listed = {item.rel for item in found}
+    for within, rels in members.items():
+        files.append(read_universal(listing.parse_torch, within, rels, listed, listing.named))
     check_found(files, skipped, root, listing.unwalked())
     dcp_only = files and all(file.format == "dcp" for file in files) and any(item.role == "dcp" for item in found)
     fmt: Literal["torch", "dcp"] = "dcp" if dcp_only else "torch"
@@ -282,6 +293,9 @@ class DiskListing:
 
     def read_torch(self, rel: str, name: str, keep: dict[str, TorchFile]) -> FileInventory:
         return read_inventory(self._path(rel), rel, name, keep=keep)
+
+    def parse_torch(self, rel: str) -> TorchFile:
+        return open_torch_file(self._path(rel), rel)
 
     def read_safetensors(self, rel: str, name: str) -> WeightMap:
         return read_weights(self._path(rel), name)

@@ -38,7 +38,7 @@ from optim_repair.formats.dcp import (
 )
 from optim_repair.formats.registry import is_dcp_metadata, role_of
 from optim_repair.formats.safetensors import read_weights
-from optim_repair.formats.torchfile import TorchFile, read_inventory
+from optim_repair.formats.torchfile import TorchFile, open_torch_file, read_inventory
 from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, reading_plan
 from optim_repair.records.inventory import CheckpointInventory, FileInventory, WeightMap
 from optim_repair.records.steps import save_under_way, step_number
@@ -156,6 +156,14 @@ class StoredCheckpoint:
     def read_torch(self, rel: str, name: str, keep: dict[str, TorchFile]) -> FileInventory:
         """The torch file ``rel`` by ranges: its end first, then its pickle and the local header of every record,
         in as few requests as lie apart (``zipformat.reading_plan``)."""
+        return read_inventory(self._path(rel), rel, name, keep=keep, opener=self._torch_opener(rel, name))
+
+    def parse_torch(self, rel: str) -> TorchFile:
+        return open_torch_file(self._path(rel), rel, opener=self._torch_opener(rel, rel))
+
+    def _torch_opener(self, rel: str, name: str) -> Callable[[], BinaryIO]:
+        """Opens the torch file ``rel`` by ranges, what its reader will read fetched first; a legacy-format one is
+        refused (``UsageError``)."""
         size = self.listing[rel].size
         if size == 0:
             raise InputError("empty file", path=name)
@@ -168,7 +176,7 @@ class StoredCheckpoint:
             if stream.read(len(ZIP_MAGIC)) != ZIP_MAGIC:  # its pickle is bounded by mapping it, as on a disk
                 reason = "is no zip archive (a legacy-format torch file?): not read in object storage yet"
                 raise UsageError(reason, path=name)
-        return read_inventory(self._path(rel), rel, name, keep=keep, opener=opener)
+        return opener
 
     def read_safetensors(self, rel: str, name: str) -> WeightMap:
         return read_weights(self._path(rel), name, opener=self.opener(rel, [(0, TAIL)]))

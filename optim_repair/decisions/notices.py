@@ -13,11 +13,12 @@ from optim_repair.decisions.identify import guess_optimizer
 from optim_repair.errors import shown_name
 from optim_repair.records.inventory import CheckpointInventory, FileInventory, OptimizerInventory, ParamKey
 
-Loader = Literal["load_state_dict", "set_optimizer_state_dict", "dcp.load", "lightning-fsdp"]
+Loader = Literal["load_state_dict", "set_optimizer_state_dict", "dcp.load", "lightning-fsdp", "deepspeed-universal"]
 """The loader a layout implies: ``optimizer.load_state_dict`` for index keys (``optimizer.state_dict()``),
-torch's ``set_optimizer_state_dict`` for parameter names, ``dcp.load`` for a DCP checkpoint, and for Lightning's
+torch's ``set_optimizer_state_dict`` for parameter names, ``dcp.load`` for a DCP checkpoint, for Lightning's
 sharded FSDP checkpoint (a DCP checkpoint with its ``meta.pt``) ``lightning-fsdp``: its FSDPStrategy's
-``load_sharded_optimizer_state_dict`` and ``FSDP.optim_state_dict_to_load``."""
+``load_sharded_optimizer_state_dict`` and ``FSDP.optim_state_dict_to_load``, and for a DeepSpeed universal
+checkpoint ``deepspeed-universal``: DeepSpeed's ``load_checkpoint`` with ``load_universal``."""
 LAZY_LOADERS: frozenset[Loader] = frozenset({"load_state_dict", "lightning-fsdp"})
 """The loaders that resume absent entries exactly, creating them as the optimizer would have."""
 Severity = Literal["info", "warning"]
@@ -193,6 +194,8 @@ def loader_notices(
         return [_dcp_missing_key(optimizer, missing)] if missing else []
     if loader == "lightning-fsdp":
         return [_lightning_sharded(missing)] if missing else []
+    if loader == "deepspeed-universal":
+        return [_universal_missing(missing)] if missing else []
     if optimizer.layout == "flattened":
         return [_flattened_missing(missing)] if missing else []
     phantom = _stock_loader_phantom(optimizer, len(missing), empty)
@@ -200,10 +203,22 @@ def loader_notices(
     return [*found, fsdp1_loader(len(missing), empty)] if missing or empty else found
 
 
+def _universal_missing(missing: tuple[ParamKey, ...]) -> Notice:
+    return Notice(
+        "universal-missing-state",
+        f"{len(missing)} parameters of this DeepSpeed universal checkpoint have no exp_avg.pt, exp_avg_sq.pt or "
+        f"step.pt and are not frozen ({shown_params(missing)}): load_checkpoint with load_universal reads them for "
+        "every parameter it steps, so the resume fails; DeepSpeed writes them for every such parameter, so the "
+        "conversion was cut short: run ds_to_universal on the ZeRO checkpoint again (fix does not write them)",
+    )
+
+
 def loader_of(key_style: str, file_format: str, writer: str | None = None) -> Loader:
     """The loader a layout implies (see ``Loader``)."""
     if file_format == "dcp":
         return "lightning-fsdp" if writer == "lightning" else "dcp.load"
+    if file_format == "deepspeed-universal":
+        return "deepspeed-universal"
     return "load_state_dict" if key_style == "index" else "set_optimizer_state_dict"
 
 

@@ -1,7 +1,7 @@
 """One registry from names to roles to adapters, used by every listing: a local walk and a store's listing alike.
 
 A file's role follows from its name (``role_of``); a directory holding ``.metadata`` is a DCP checkpoint, which
-each listing finds by ``is_dcp_metadata``. The roles that hold optimizers have an adapter (``ADAPTERS``), which
+each listing finds by ``is_dcp_metadata``. The formats that hold optimizers have an adapter (``ADAPTERS``), which
 plans a file in its format. A new format is a package with its ``adapter.py``, and a row here.
 """
 
@@ -13,6 +13,7 @@ from typing import Literal
 
 from optim_repair.formats.dcp import METADATA_FILE, is_rank_metadata
 from optim_repair.formats.dcp import adapter as dcp_adapter
+from optim_repair.formats.deepspeed_universal import adapter as universal_adapter
 from optim_repair.formats.planned import Parsed, PlannedFile
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX
 from optim_repair.formats.torchfile import TORCH_SUFFIXES
@@ -45,5 +46,10 @@ def is_dcp_metadata(name: str) -> bool:
 Adapter = Callable[[Path, FileInventory, RepairPlan, Parsed], PlannedFile]
 """Plans one file of the inventory (at its path) in its format; raises what its writer would refuse."""
 
-ADAPTERS: Mapping[Role, Adapter] = {"torch": torch_adapter.plan_file, "dcp": dcp_adapter.plan_file}
-"""The adapter of each role that holds optimizers."""
+ADAPTERS: Mapping[str, Adapter] = {
+    "torch-zip": torch_adapter.plan_file,
+    "torch-legacy": torch_adapter.plan_file,
+    "dcp": dcp_adapter.plan_file,
+    "deepspeed-universal": universal_adapter.plan_file,
+}
+"""The adapter of each format that holds optimizers (``FileInventory.format``)."""

@@ -179,7 +179,7 @@ class FileInventory:
     """What one file (or one DCP directory) holds."""
 
     file: str
-    format: Literal["torch-zip", "torch-legacy", "dcp"]
+    format: Literal["torch-zip", "torch-legacy", "dcp", "deepspeed-universal"]
     optimizers: tuple[OptimizerInventory, ...]
     weights: tuple[WeightMap, ...] = ()
     reads_from: tuple[int, int] | None = None

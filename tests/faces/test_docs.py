@@ -104,6 +104,7 @@ def test_every_json_field_is_documented(field: str) -> None:
         "cold",
         "skipped-unsafe",
         "deepspeed-zero",
+        "universal-missing-state",
         "sparse-ok-for-load-state-dict",
         "whole-optimizer-state",
         "lbfgs-loader",
