@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import BinaryIO, ClassVar, Literal
 
 from optim_repair.errors import InputError, NotATorchFile, TorchRefuses, shown
+from optim_repair.formats.pickle_limits import check_pickle
 from optim_repair.formats.pickled import PickleGraph, load_graph
 from optim_repair.formats.unpickling import ZIP_ERRORS
 
@@ -273,10 +274,12 @@ def reading_plan(stream: BinaryIO) -> list[tuple[int, int]] | None:
 
 
 def check_archive(stream: BinaryIO, source: str) -> None:
-    """Check a ``torch.save`` archive's layout and framing as torch's reader would, without reading its pickle
-    (a DCP bytes entry ``dcp.load`` unpickles with ``weights_only=False``, which optim-repair never does)."""
+    """Check a ``torch.save`` archive's layout and framing as torch's reader would, and its pickle's opcodes
+    (``check_pickle``, which executes nothing), without unpickling it: a DCP bytes entry that ``dcp.load``
+    unpickles with ``weights_only=False``, which optim-repair never does."""
     with _open_archive(stream, source) as archive:
-        _framing(archive, stream, source)
+        pickle_record = _framing(archive, stream, source)[0]
+        check_pickle(io.BytesIO(_read_pickle(stream, pickle_record, source)), source)
 
 
 def open_zip(stream: BinaryIO, path: Path, source: str, *, ours: bool = False) -> ZipTorchFile:
