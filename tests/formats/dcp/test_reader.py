@@ -294,6 +294,36 @@ def test_a_damaged_bytes_entry_outside_the_optimizers_is_refused(tmp_path: Path)
     assert "lr_scheduler.last_epoch: not a torch.save archive" in result.stderr
 
 
+def test_a_bytes_entry_outside_the_optimizers_whose_pickle_torch_cannot_unpickle_is_refused(tmp_path: Path) -> None:
+    """The scheduler's ``_is_initial`` pickled with a TUPLE1 where its NEWFALSE was (the fuzzer's seed 41, case
+    2230), in an archive otherwise whole: torch's unpickler underflows its stack, so dcp.load fails; optim-repair
+    checks the pickle's opcodes, executing nothing."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    path = dk.torchtitan_dcp(tmp_path).path
+    with (path / ".metadata").open("rb") as stream:
+        metadata = pickle.load(stream)
+    info = metadata.storage_data[MetadataIndex("lr_scheduler._is_initial")]
+    shard = path / info.relative_path
+    with zipfile.ZipFile(io.BytesIO(shard.read_bytes()[info.offset : info.offset + info.length])) as archive:
+        records = [(record, archive.read(record)) for record in archive.infolist()]
+    damaged = io.BytesIO()
+    with zipfile.ZipFile(damaged, "w") as archive:
+        for record, data in records:
+            underflows = data.replace(pickle.NEWFALSE + pickle.STOP, pickle.TUPLE1 + pickle.STOP)
+            archive.writestr(record, underflows if record.filename.endswith("/data.pkl") else data)
+    with shard.open("ab") as stream:
+        info.offset, info.length = stream.tell(), stream.write(damaged.getvalue())
+    with (path / ".metadata").open("wb") as stream:
+        pickle.dump(metadata, stream)
+    with pytest.raises(CheckpointException, match="unpickling stack underflow"):
+        _load_state_dict({}, FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    result = run_cli(["inspect", path], code=4)
+    assert "lr_scheduler._is_initial: not a readable pickle (its stack underflows)" in result.stderr
+
+
 def test_a_bytes_entry_whose_length_runs_past_its_archive(tmp_path: Path) -> None:
     """dcp.save gives each bytes entry its archive's length: a longer one reads into what follows (found by the
     fuzzer, where torch's loader then refused the archive)."""
