@@ -209,7 +209,7 @@ def test_entries_whose_keys_differ_by_rank_are_not_partial() -> None:
     step = ("step", tensor((), value=3.0))
     matrix = StateEntry(0, (step, ("row_var", tensor((3, 1))), ("col_var", tensor((1, 4)))))
     vector = StateEntry(1, (step, ("variance", tensor((3,)))))
-    adafactor = torch.optim.Adafactor
+    adafactor = models.TorchAdafactor
     opt = optimizer([[0, 1, 2]], [matrix, vector, StateEntry(2, (step, ("variance", tensor((2,)))))], like=adafactor)
     assert diagnose_optimizer(opt).malformed == ()
     lacking = StateEntry(3, (step, ("row_var", tensor((3, 1)))))

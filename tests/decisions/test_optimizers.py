@@ -23,7 +23,7 @@ from optim_repair.decisions.optimizers import OPTIMIZERS, FreshValue, ParamSpec,
 from optim_repair.errors import RepairRefused
 from optim_repair.records.inventory import ParamGroup, TensorMeta
 from optim_repair.records.repair_plan import FreshTensor
-from tests.factories.models import VARIANTS, BranchNet, branch_inputs, train_branches
+from tests.factories.models import VARIANTS, BranchNet, TorchAdafactor, branch_inputs, train_branches
 from tests.factories.support import group_of
 from tests.factories.versions import HAS_MUON, NO_DEVICE_MATCH
 
@@ -118,7 +118,7 @@ def test_fresh_state_is_what_init_group_creates(variant: str, dtype: torch.dtype
 def test_adafactor_factors_by_rank_as_init_group_does(shape: tuple[int, ...]) -> None:
     param = nn.Parameter(torch.randn(shape))
     param.grad = torch.randn_like(param)
-    opt = torch.optim.Adafactor([param])
+    opt = TorchAdafactor([param])
     init_group(opt, param)
     group = group_of(opt.state_dict()["param_groups"][0])
     expected = fresh_state("adafactor", group, ParamSpec("float32", shape))

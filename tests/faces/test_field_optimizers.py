@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from tests.conftest import run_cli
 from tests.faces.test_cli import fix_cli, one_error_line
-from tests.factories.models import BranchNet, MatrixMuon, branch_inputs, train_branches
+from tests.factories.models import BranchNet, MatrixMuon, TorchAdafactor, branch_inputs, train_branches
 
 Make = Callable[[Any], torch.optim.Optimizer]
 
@@ -52,7 +52,7 @@ def _adamw8bit(params: Any) -> torch.optim.Optimizer:
 
 
 FACTORED: dict[str, Make] = {
-    "torch-adafactor": lambda params: torch.optim.Adafactor(params, lr=1e-2),
+    "torch-adafactor": lambda params: TorchAdafactor(params, lr=1e-2),
     "transformers-adafactor": _transformers_adafactor,
     "pytorch-optimizer-came": _came,
 }
@@ -61,7 +61,7 @@ LOOKALIKES: dict[str, tuple[Make, str]] = {
     "pytorch-optimizer-lars": (_lars, "has step, trust_coefficient"),
 }
 FRESH: dict[str, Make] = {
-    "adafactor": lambda params: torch.optim.Adafactor(params, lr=1e-2),
+    "adafactor": lambda params: TorchAdafactor(params, lr=1e-2),
     "muon": lambda params: MatrixMuon(params, lr=1e-2),
 }
 

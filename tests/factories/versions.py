@@ -27,6 +27,11 @@ HAS_MUON = hasattr(torch.optim, "Muon")
 
 NO_MUON = "torch.optim.Muon is new in torch 2.9"
 
+HAS_ADAFACTOR = hasattr(torch.optim, "Adafactor")
+"""``torch.optim.Adafactor`` is new in torch 2.5."""
+
+NO_ADAFACTOR = "torch.optim.Adafactor is new in torch 2.5"
+
 MISSING_STATE_ERROR: type[Exception] = RuntimeError if TORCH >= (2, 10) else KeyError
 """What torch's ``set_optimizer_state_dict`` raises for a parameter without a ``state`` entry: from torch 2.10
 a RuntimeError("Missing optimizer state for parameter '<name>' ..."); before, a bare KeyError of the name."""
