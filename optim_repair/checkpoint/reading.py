@@ -156,13 +156,19 @@ def _read(
 
 
 _DEEPSPEED = "deepspeed."
+_TRAINER_ARGUMENTS = ("training_args.bin", "transformers.")
+"""The HF Trainer's arguments: the name it saves them under, and the package whose classes they pickle."""
 
 
 def skipped_file(rel: str, exc: InputError) -> Skipped:
-    """A file not read: one that names DeepSpeed's classes is ZeRO state, reported as such; one that names
-    other code is unsafe; one that is no torch file at all is just skipped."""
+    """A file not read: one that names DeepSpeed's classes is ZeRO state, reported as such; the HF Trainer's
+    ``training_args.bin`` (its ``TrainingArguments``) is what it is; one that names other code is unsafe; one that
+    is no torch file at all is just skipped."""
     if not isinstance(exc, UnsafeInputError):
         return Skipped(rel, exc.reason)
+    name, package = _TRAINER_ARGUMENTS
+    if rel.rpartition("/")[2] == name and (exc.global_name or "").startswith(package):
+        return Skipped(rel, f"the HF Trainer's arguments ({exc.global_name}): not optimizer state, and never read")
     if (exc.global_name or "").startswith(_DEEPSPEED):
         reason = (
             f"DeepSpeed ZeRO partitioned state (it names {exc.global_name}): per-parameter entries do not apply; "
