@@ -270,6 +270,11 @@ def run_command(command: Callable[[], int], screen: render.Screen, *, json: bool
             code = command()
             _flush()
             signals.settle()
+    except ClosedPipe as exc:  # | head: exit 141 and silence, as cat and git, unless a copy was taken back
+        signals.settle()
+        code = exc.exit_code
+        if placed:
+            fail(_taken_back(str(exc), placed), exc.exit_code, exc.code, exc.path, json, screen)
     except OptimRepairError as exc:
         signals.settle()
         argument = "--" + exc.argument.replace("_", "-") if exc.argument else ""

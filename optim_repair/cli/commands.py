@@ -340,5 +340,4 @@ def run() -> None:
             raise
         # click's answer to a closed pipe while it prints the help: exit 1, which would read as "repairable"
         signals.settle()
-        closed = ClosedPipe("stdout")
-        raise SystemExit(fail(str(closed), closed.exit_code, closed.code, None, False, render.Screen())) from None
+        raise SystemExit(ClosedPipe.exit_code) from None

@@ -199,7 +199,8 @@ def test_a_closed_or_full_stderr_is_an_output_error_told_on_stdout_with_json(
 
 @pytest.mark.parametrize("command", ["inspect", "fix"])
 def test_a_pipe_closed_early_is_exit_141_and_keeps_no_copy(small: Path, tmp_path: Path, command: str) -> None:
-    """``optim-repair inspect ckpt | head -c 10``: the reader takes ten bytes and goes."""
+    """``optim-repair inspect ckpt | head -c 10``: the reader takes ten bytes and goes; as in cat and git, the
+    run ends with 141 and says nothing, but where a copy it had written is removed again."""
     out = tmp_path / "out"
     args = ["inspect", str(small)] if command == "inspect" else _fix(small, out, "-q")
     reader, writer = os.pipe()
@@ -211,8 +212,8 @@ def test_a_pipe_closed_early_is_exit_141_and_keeps_no_copy(small: Path, tmp_path
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 141, stderr
     closed = "optim-repair: error: cannot write to stdout (its reader closed the pipe)"
-    removed = f"; {out} was already written and verified, and was removed again" if command == "fix" else ""
-    assert stderr == f"{closed}{removed}\n"
+    removed = f"{closed}; {out} was already written and verified, and was removed again\n"
+    assert stderr == (removed if command == "fix" else "")
     assert not out.exists() and leftovers(out) == []
 
 
@@ -222,7 +223,4 @@ def test_a_closed_pipe_while_the_help_is_printed_is_exit_141() -> None:
     result = _run(["fix", "--help"], stdout=writer, stderr=subprocess.PIPE)
     os.close(writer)
     # click's answer to EPIPE is exit 1, as rich's is for a report: "repairable", which would be a lie
-    assert (result.returncode, result.stderr) == (
-        141,
-        "optim-repair: error: cannot write to stdout (its reader closed the pipe)\n",
-    )
+    assert (result.returncode, result.stderr) == (141, "")
