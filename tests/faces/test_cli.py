@@ -461,6 +461,7 @@ def test_inspect_and_help_never_import_torch(unirl_checkpoint: Built) -> None:
 def test_version_help_and_quiet(unirl_checkpoint: Built, tmp_path: Path) -> None:
     version = run_cli(["--version"]).stdout
     assert version == f"optim-repair {optim_repair.__version__} (torch {TORCH_PACKAGE})\n"
+    assert run_cli(["-V"]).stdout == version
     assert run_cli(["fix", "-h"]).stdout.startswith("Usage: ")
     out = tmp_path / "fixed"
     loud = fix_cli(unirl_checkpoint.path, out, code=0)
