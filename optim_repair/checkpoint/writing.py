@@ -32,13 +32,37 @@ def check_output(source: Path, out: Path, *, force: bool) -> None:
     if dst in src.parents:
         raise OutputError("{argument} must not contain the input", path=out, argument="out")
     if out.exists() or out.is_symlink():
+        if out.is_dir() and not source.is_dir():
+            reason = f"is a directory; to write the copy into it, pass {{argument}} {shown_name(str(out))}/"
+            raise OutputError(reason, path=str(out), argument="out")
         if not force:
             raise OutputError("already exists", path=str(out), remedy=Remedy("force", note=" to replace it"))
         refuse_to_replace(out)
         if out.is_dir() != source.is_dir():
-            raise OutputError(f"exists and is not a {'directory' if source.is_dir() else 'file'}", path=str(out))
+            raise OutputError("is a file, and the copy of a directory is a directory", path=str(out))
+        _refuse_other_than_a_copy(source, out)
     if not Path(os.path.abspath(out)).parent.is_dir():  # beside a link named out, wherever it points
         raise OutputError("no such directory for {argument}", path=out.parent, argument="out")
+
+
+def _refuse_other_than_a_copy(source: Path, out: Path) -> None:
+    """``--force`` replaces a directory only where it looks like an earlier copy of ``source``: every name at its
+    top is one the checkpoint has. Else it says what it would delete (``--force --out ~`` deletes nothing)."""
+    if out.is_symlink() or not out.is_dir():
+        return
+    try:
+        theirs, ours = set(os.listdir(out)), set(os.listdir(source))
+    except OSError as exc:
+        raise OutputError(f"cannot be read ({os_error_reason(exc)})", path=str(out)) from exc
+    foreign = sorted(theirs - ours)
+    if foreign:
+        shown = ", ".join(shown_name(name) for name in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise OutputError(
+            f"holds {len(foreign)} entries the checkpoint has none of ({shown}): it is no earlier copy, and "
+            "--force replaces only one; remove it yourself, or choose another {argument}",
+            path=str(out),
+            argument="out",
+        )
 
 
 def _copy(source: Path, target: Path, rel: str, *, link: bool, meter: Meter, verify: bool = True) -> Verification:

@@ -55,15 +55,30 @@ def test_malformed_input_writes_nothing(malformed_checkpoint: Built, tmp_path: P
 def test_existing_out_is_refused_unless_forced(root: Path, tmp_path: Path) -> None:
     built = trainers.unirl_torch(root)
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
+    fix(built.path, out)
+    (out / "checkpoint.pt").write_bytes(b"an earlier copy, damaged since")
     with untouched(out), pytest.raises(OutputError, match="already exists; pass force=True to replace it") as info:
         fix(built.path, out)
     assert info.value.exit_code == 5
     fix(built.path, out, force=True)
-    assert not (out / "old.txt").exists()
     assert_fixed_copy(built, out, fill="fresh")
     assert leftovers(out) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"]
+
+
+def test_force_replaces_only_what_looks_like_an_earlier_copy(root: Path, tmp_path: Path) -> None:
+    """``--force --out ~``: a directory holding names the checkpoint has none of is no earlier copy of it."""
+    built = trainers.unirl_torch(root)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("mine")
+    with untouched(home), pytest.raises(OutputError, match=r"holds 1 entries the checkpoint has none of \(notes.txt\)"):
+        fix(built.path, home, force=True)
+    single = trainers.lightning(root / "single")
+    with (
+        untouched(home),
+        pytest.raises(OutputError, match=f"is a directory; to write the copy into it, pass out {home}/"),
+    ):
+        fix(single.path, home, force=True)
 
 
 def test_existing_file_out_is_replaced_with_force(root: Path, tmp_path: Path) -> None:
@@ -75,7 +90,7 @@ def test_existing_file_out_is_replaced_with_force(root: Path, tmp_path: Path) ->
     assert out.read_text() == "old"
     fix(built.path, out, force=True)
     assert_fixed_copy(built, out)  # index keys: {}, which their loader resumes exactly
-    with pytest.raises(OutputError, match="exists and is not a directory"):
+    with pytest.raises(OutputError, match="is a file, and the copy of a directory is a directory"):
         fix(trainers.unirl_torch(root / "d").path, out, force=True)
 
 
