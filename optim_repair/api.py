@@ -263,6 +263,7 @@ def dry_run(
     optimizer: str | None = None,
     model: str | Path | None = None,
     link: bool = False,
+    force: bool = False,
     dereference: bool = False,
     reset_phantom_step: bool = False,
     operations: Operations = NO_OPERATIONS,
@@ -270,14 +271,16 @@ def dry_run(
     endpoint_url: str | None = None,
     for_torch: str | None = None,
 ) -> DryRun:
-    """What ``fix`` with the same arguments would add and write, and the room there is for it; writes nothing.
-    Either side may be in a store, as for ``fix``."""
+    """What ``fix`` with the same arguments would add and write, and the room there is for it; writes nothing
+    (but a temporary beside ``out``, removed at once: the run's first write, tried). What ``fix`` would refuse
+    before it writes (an ``out`` that exists, without ``force``; too little room; a directory it cannot write
+    in) is refused alike. Either side may be in a store, as for ``fix``."""
     request = _request(fill, optimizer, model, reset_phantom_step, operations)
     options = StoreOptions(profile, endpoint_url)
     weights = _weights_of(request, options)
     with _opened(checkpoint, options, dereference, release=_release_of(for_torch)) as read:
         finished = _finished(read, request, weights)
-        target, needed, free = copies.estimate(read.listing, finished, out, link=link)
+        target, needed, free = copies.estimate(read.listing, finished, out, link=link, force=force)
     return DryRun(read.diagnosis, finished.plan, target, needed, free)
 
 

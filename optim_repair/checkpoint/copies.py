@@ -22,7 +22,7 @@ from optim_repair.checkpoint.discovery import Discovery, discover
 from optim_repair.checkpoint.planning import FinishedPlan
 from optim_repair.checkpoint.reading import DiskListing, Listing
 from optim_repair.checkpoint.stored import StoredCheckpoint, local_name
-from optim_repair.checkpoint.writing import free_space, space_needed, write_copy
+from optim_repair.checkpoint.writing import check_room, free_space, preflight, probe, space_needed, write_copy
 from optim_repair.errors import OutputError, Remedy
 from optim_repair.formats.registry import role_of
 from optim_repair.progress import Meter, Reporter
@@ -128,18 +128,24 @@ def _uploaded(
 
 
 def estimate(
-    listing: Listing, finished: FinishedPlan, out: str | Path, *, link: bool
+    listing: Listing, finished: FinishedPlan, out: str | Path, *, link: bool, force: bool
 ) -> tuple[Path | str, int, int | None]:
     """Where ``write`` would put the copy, about how many bytes it would write (hard-linked files excluded), and
-    the bytes free where it would go (None in a store, which sets no such bound)."""
+    the bytes free where it would go (None in a store, which sets no such bound). A copy on this machine is
+    refused as ``write`` would refuse it before writing (``writing.preflight``: what is at ``out``, the room
+    there), and its directory is ``probe``d."""
     if isinstance(listing, StoredCheckpoint):
         needed = listing.size() + finished.added_bytes()
         if is_remote(out):
             return os.fspath(out), needed, None
         target = local_target(str(listing.url), out)
+        check_room(needed, target)
+        probe(target, directory=not listing.is_file)
         return target, needed, free_space(target)
     assert isinstance(listing, DiskListing)  # the two listings there are
     if is_remote(out):
         return upload_key(listing.found, os.fspath(out)), space_needed(listing.found, finished, link=False), None
     local = output_path(listing.found.root, out)
+    preflight(listing.found, finished, local, force=force, link=link)
+    probe(local, directory=listing.found.is_directory)
     return local, space_needed(listing.found, finished, link=link), free_space(local)

@@ -217,6 +217,36 @@ def free_space(out: Path) -> int:
         raise OutputError(f"cannot write ({os_error_reason(exc)})", path=parent) from exc
 
 
+def preflight(found: Discovery, finished: FinishedPlan, out: Path, *, force: bool, link: bool) -> None:
+    """What ``write_copy`` refuses before it writes a byte: an ``out`` it may not replace or write beside the
+    input, a file it cannot copy, too little room. ``fix --dry-run`` refuses the same (and ``probe``s ``out``)."""
+    check_output(found.root, out, force=force)
+    special = [entry for entry in found.entries if entry.role == "special"]
+    if special:
+        raise InputError(
+            f"is {special[0].kind}; optim-repair copies only regular files, directories and links",
+            path=found.root / special[0].rel,
+        )
+    check_room(space_needed(found, finished, link=link), out)
+
+
+def check_room(needed: int, out: Path) -> None:
+    """Refuse a copy of about ``needed`` bytes where the file system that would hold ``out`` has less free."""
+    free = free_space(out)
+    if needed > free:
+        raise OutputError(
+            f"the copy needs about {needed:,} bytes and only {free:,} are free there; nothing was written",
+            path=Path(os.path.abspath(out)).parent,
+        )
+
+
+def probe(out: Path, *, directory: bool) -> None:
+    """Create and remove the temporary sibling ``write_copy`` would write into: what a dry run asks of ``out``'s
+    directory (that it exists and can be written), refused as the run would refuse it."""
+    with temporary_sibling(out, directory=directory):
+        pass
+
+
 def write_copy(
     found: Discovery,
     finished: FinishedPlan,
@@ -233,19 +263,7 @@ def write_copy(
     """
     force, link, sync, notice = copy.force, copy.link, copy.sync, reporter.notice
     source = found.target
-    check_output(found.root, out, force=force)
-    special = [entry for entry in found.entries if entry.role == "special"]
-    if special:
-        raise InputError(
-            f"is {special[0].kind}; optim-repair copies only regular files, directories and links",
-            path=found.root / special[0].rel,
-        )
-    needed, free = space_needed(found, finished, link=link), free_space(out)
-    if needed > free:
-        raise OutputError(
-            f"the copy needs about {needed:,} bytes and only {free:,} are free there; nothing was written",
-            path=Path(os.path.abspath(out)).parent,
-        )
+    preflight(found, finished, out, force=force, link=link)
     remove_stale(out, notice)
     meter = Meter(reporter.progress, _written_bytes(found, finished, link=link))
     with temporary_sibling(out, directory=found.is_directory) as tmp:

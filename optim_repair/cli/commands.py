@@ -257,6 +257,7 @@ def fix(
                 optimizer=optimizer,
                 model=model,
                 link=link,
+                force=force,
                 dereference=dereference,
                 reset_phantom_step=reset_phantom_step,
                 operations=changes,

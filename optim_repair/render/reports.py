@@ -239,8 +239,8 @@ def print_dry_run(planned: DryRun, screen: Screen) -> None:
     if planned.free_bytes is None:
         print_line(console, Shown(f"{sizes} into the store"), indent=0)
         return
-    room = ("enough room", "") if planned.bytes_to_write <= planned.free_bytes else ("not enough room", "bold red")
-    print_line(console, Shown.assemble(f"{sizes}; {_human_bytes(planned.free_bytes)} free there: ", room), indent=0)
+    # a dry run that would not fit is refused, as the run is: what is printed fits
+    print_line(console, Shown(f"{sizes}; {_human_bytes(planned.free_bytes)} free there: enough room"), indent=0)
 
 
 def print_demo(report: DemoReport, screen: Screen, *, kept: bool) -> None:

@@ -572,6 +572,30 @@ def test_fix_refuses_up_front_when_the_disk_is_too_small(unirl_checkpoint: Built
     assert listing.strip() == "", "nothing was written"
 
 
+def test_a_dry_run_refuses_what_the_run_would_refuse(unirl_checkpoint: Built, tmp_path: Path) -> None:
+    """An ``--out`` that exists (without ``--force``), a read-only or too small file system, a missing directory:
+    ``fix`` refuses each before it writes, so its dry run does too, in the same words, leaving nothing behind."""
+    ckpt = unirl_checkpoint.path
+    taken = tmp_path / "taken"
+    fix_cli(ckpt, taken, "-q", code=0)
+    one_error_line(fix_cli(ckpt, taken, "--dry-run", code=5), str(taken), "already exists", "--force")
+    assert "enough room" in fix_cli(ckpt, taken, "--dry-run", "--force", code=0).stdout
+    one_error_line(fix_cli(ckpt, tmp_path / "none" / "out", "--dry-run", code=5), "no such directory for --out")
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs a user namespace to mount a file system (unshare -rm)")
+    command = " ".join(installed_command())
+    for options, words in (("ro", "cannot write (Read-only file system)"), ("size=4k", "are free there")):
+        mounted = tmp_path / options.replace("=", "-")
+        mounted.mkdir()
+        script = (
+            f"mount -t tmpfs -o {options} tmpfs {mounted} && {command} fix {ckpt} --out {mounted}/fixed --dry-run; "
+            f"code=$?; ls -A {mounted}; exit $code"
+        )
+        result = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 5 and words in result.stderr, result.stderr
+        assert "dry run" not in result.stdout and result.stdout.strip() == "", "nothing reported, nothing left"
+
+
 def test_a_deepspeed_zero_checkpoint_is_healthy_and_copied(root: Path, tmp_path: Path) -> None:
     """HF + DeepSpeed ZeRO: no per-parameter entries to judge; a pre-resume script must not refuse it (exit 4)."""
     built = trainers.deepspeed_zero(root)
