@@ -20,6 +20,7 @@ from typing import Any
 
 from optim_repair import api
 from optim_repair.decisions.diagnose import Diagnosis
+from optim_repair.errors import UsageError
 
 STEPS_BEFORE = 3
 STEPS_AFTER = 3
@@ -151,7 +152,15 @@ def _uninterrupted() -> dict[str, Any]:
 
 
 def run_demo(*, keep: bool = False, progress: Callable[[str], None] = lambda message: None) -> DemoReport:
-    """Run the demo in a new temporary directory, removed afterwards unless ``keep``."""
+    """Run the demo in a new temporary directory, removed afterwards unless ``keep``. Raises ``UsageError``
+    without torch, which the demo trains with (inspect and fix need none)."""
+    try:
+        import torch  # noqa: F401  # the demo's first need, asked for before anything is made
+    except ImportError:
+        raise UsageError(
+            "the demo trains a model with torch, which is not installed here: pip install torch "
+            "(inspect and fix need no torch)"
+        ) from None
     workdir = Path(tempfile.mkdtemp(prefix="optim-repair-demo-"))
     try:
         with warnings.catch_warnings():
