@@ -114,3 +114,8 @@ def __getattr__(name: str) -> Any:
     import importlib
 
     return getattr(importlib.import_module(home), name)
+
+
+def __dir__() -> list[str]:
+    """What ``dir(optim_repair)`` and completion show: the public names, which load on first use."""
+    return sorted({*globals(), *__all__})

@@ -39,3 +39,8 @@ def test_fix_takes_the_diagnosis_inspect_returned(unirl_checkpoint: Built, tmp_p
 
 def test_the_public_names_are_the_ones_listed() -> None:
     assert sorted(optim_repair.__all__) == sorted(optim_repair._HOMES)
+
+
+def test_dir_shows_the_public_names_before_they_load() -> None:
+    """``dir(optim_repair)`` (and an editor's completion) lists what ``__all__`` names, loaded on first use."""
+    assert set(optim_repair.__all__) <= set(dir(optim_repair))
