@@ -152,6 +152,20 @@ def test_optimizer_help_lists_every_name() -> None:
     assert "-h, --help" in text and "-q, --quiet" in text and "--color" in text
 
 
+@pytest.mark.parametrize("factory", ["hf_trainer", "unirl_torch", "unirl_dcp"])
+def test_the_readme_python_example(tmp_path: Path, factory: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's library example, as written, on an HF Trainer step (index keys), a UniRL torch file and a DCP
+    checkpoint: each a checkpoint-1000/ of its own."""
+    from tests.factories import dcp
+
+    block = README.split("```python\n", 1)[1].split("```", 1)[0]
+    built = (dcp.unirl_dcp if factory == "unirl_dcp" else factories.FACTORIES[factory])(tmp_path / "run")
+    (tmp_path / "checkpoint-1000").symlink_to(built.path)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "README.md", "exec"), {})
+    assert (tmp_path / "checkpoint-1000-fixed").exists()
+
+
 def _resume_script() -> str:
     block = README.split("## Before resuming", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
     assert block.startswith("#!/bin/sh")
