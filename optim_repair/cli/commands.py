@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 from typing import Annotated
@@ -334,7 +335,8 @@ def run() -> None:
     except Stopped as exc:  # while typer still parses the command line, before run_command
         signals.settle()
         kind, words = signals.ENDING[exc.signum]
-        fail(f"{words}; nothing was written", exc.exit_code, kind, None, False, render.Screen())
+        json = "--json" in sys.argv[1:]  # not parsed yet: asked for all the same
+        fail(f"{words}; nothing was written", exc.exit_code, kind, None, json, render.Screen())
         raise SystemExit(exc.exit_code) from None
     except SystemExit as exc:
         if not isinstance(exc.__context__, BrokenPipeError):

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -224,3 +225,22 @@ def test_a_closed_pipe_while_the_help_is_printed_is_exit_141() -> None:
     os.close(writer)
     # click's answer to EPIPE is exit 1, as rich's is for a report: "repairable", which would be a lie
     assert (result.returncode, result.stderr) == (141, "")
+
+
+def test_a_signal_while_the_command_line_is_parsed_still_gives_the_json_document(small: Path) -> None:
+    """SIGTERM before typer has parsed ``--json``: the error is a document on stdout all the same. The signal is
+    raised as the console's handler raises it, from the first thing the command's parsing calls."""
+    script = (
+        "import signal, sys\n"
+        "from optim_repair.errors import Stopped\n"
+        "from optim_repair.cli import commands\n"
+        "def stopped(*args, **kwargs):\n"
+        "    raise Stopped(signal.SIGTERM)\n"
+        "commands.app = stopped\n"
+        f"sys.argv = ['optim-repair', 'inspect', {str(small)!r}, '--json']\n"
+        "commands.run()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    assert json.loads(result.stdout)["error"]["exit_code"] == 128 + signal.SIGTERM
+    assert result.stderr.startswith("optim-repair: error: ") and len(result.stderr.splitlines()) == 1
