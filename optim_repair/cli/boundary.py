@@ -129,7 +129,7 @@ Checkpoint = Annotated[
     str,
     typer.Argument(
         metavar="CKPT",
-        help="A torch file, a checkpoint directory, or a DCP directory; or s3://BUCKET/PREFIX/ (DCP checkpoints).",
+        help="A torch file, a checkpoint directory, or a DCP directory, on this machine or in s3://BUCKET/PREFIX/.",
         show_default=False,
     ),
 ]

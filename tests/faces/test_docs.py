@@ -152,6 +152,13 @@ def test_optimizer_help_lists_every_name() -> None:
     assert "-h, --help" in text and "-q, --quiet" in text and "--color" in text
 
 
+@pytest.mark.parametrize("command", ["inspect", "fix"])
+def test_the_ckpt_help_says_a_store_holds_any_checkpoint(command: str) -> None:
+    """Torch files are read and repaired in s3:// as DCP checkpoints are."""
+    text = " ".join(_help(command).split())
+    assert "A torch file, a checkpoint directory, or a DCP directory, on this machine or in s3://" in text
+
+
 @pytest.mark.parametrize("factory", ["hf_trainer", "unirl_torch", "unirl_dcp"])
 def test_the_readme_python_example(tmp_path: Path, factory: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The README's library example, as written, on an HF Trainer step (index keys), a UniRL torch file and a DCP
