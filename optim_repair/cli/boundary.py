@@ -39,10 +39,11 @@ _COMMON_EXITS = {
     ExitCode.INPUT: "input missing, unreadable, unsafe to load, or without optimizer state",
     ExitCode.OUTPUT: "output refused or failed, stdout and stderr included",
     ExitCode.INTERNAL: "internal error (a bug in optim-repair: please report it)",
-    ExitCode.HUNG_UP: "hung up (SIGHUP); nothing was written",
-    ExitCode.INTERRUPTED: "interrupted (Ctrl-C); nothing was written",
-    ExitCode.QUIT: "quit (SIGQUIT); nothing was written",
-    ExitCode.BROKEN_PIPE: "stdout or stderr is a pipe its reader closed; nothing was written",
+    ExitCode.HUNG_UP: "hung up (SIGHUP: the terminal closed); nothing was written",
+    ExitCode.INTERRUPTED: "interrupted (Ctrl-C, SIGINT); nothing was written",
+    ExitCode.QUIT: "quit (SIGQUIT, Ctrl-\\); nothing was written",
+    ExitCode.BROKEN_PIPE: "stdout or stderr is a pipe its reader closed (| head), as SIGPIPE would give, silently; "
+    "nothing was written",
     ExitCode.TERMINATED: "terminated (SIGTERM); nothing was written",
 }
 

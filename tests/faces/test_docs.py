@@ -144,6 +144,16 @@ def test_help_shows_the_usage_the_docs_show_and_every_exit_code(name: str) -> No
         assert re.search(rf"^\| {int(code)} \|", CLI_DOC, re.MULTILINE)
 
 
+def test_the_exit_codes_every_command_shares_read_alike_in_the_help_and_the_docs() -> None:
+    """docs/cli.md's table starts each shared code's meaning with the help's own words, then says more."""
+    from optim_repair.cli.boundary import _COMMON_EXITS
+
+    rows = dict(re.findall(r"^\| (\d+) \| (.+) \|$", CLI_DOC, re.MULTILINE))
+    for code, words in _COMMON_EXITS.items():
+        meaning = rows[str(int(code))].replace("`", "").replace("\\|", "|").replace("\\\\", "\\")
+        assert meaning.startswith(words), (int(code), words, meaning)
+
+
 def test_optimizer_help_lists_every_name() -> None:
     from optim_repair.decisions.optimizers import OPTIMIZERS
 
