@@ -18,6 +18,7 @@ from optim_repair.decisions.optimizers import (
     OPTIMIZERS,
     SPECS,
     WHOLE_OPTIMIZER_STATE,
+    WHOLE_OPTIMIZER_STATE_ADDED,
     OptimizerSpec,
 )
 from optim_repair.errors import Remedy, RepairRefused
@@ -92,7 +93,9 @@ def guess_optimizer(groups: Sequence[ParamGroup], entries: Sequence[StateEntry])
 
 def keeps_whole_optimizer_state(groups: Sequence[ParamGroup]) -> bool:
     """Whether the groups are LBFGS's, which keeps one state entry for the whole optimizer, not one per parameter."""
-    return bool(groups) and all(_own_options(group) == WHOLE_OPTIMIZER_STATE for group in groups)
+    return bool(groups) and all(
+        _own_options(group) - WHOLE_OPTIMIZER_STATE_ADDED == WHOLE_OPTIMIZER_STATE for group in groups
+    )
 
 
 def _shown_keys(keys: frozenset[str] | set[str]) -> str:

@@ -203,6 +203,8 @@ WHOLE_OPTIMIZER_STATE = frozenset(
     {"lr", "max_iter", "max_eval", "tolerance_grad", "tolerance_change", "history_size", "line_search_fn"}
 )
 """LBFGS's option keys: it keeps one state entry for the whole optimizer, under its first parameter."""
+WHOLE_OPTIMIZER_STATE_ADDED = frozenset({"maximize"})
+"""LBFGS's option keys that a later torch added (``maximize``: torch 2.15); a group may hold them or not."""
 
 NOT_OPTIMIZER_OPTIONS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "param_names"})
 """Keys torch adds to a param group beside the optimizer's own: ``initial_lr`` (every LR scheduler),
