@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from optim_repair.decisions.census import StepCensus, lagging_notice_detail, step_census
 from optim_repair.decisions.comparison import ModelComparison, compare, model_of, weights_beside
 from optim_repair.decisions.identify import keeps_whole_optimizer_state, named_by_options, state_key_sets_by_options
 from optim_repair.decisions.notices import (
@@ -63,6 +64,8 @@ class OptimizerDiagnosis:
     missing_options: tuple[tuple[int, str], ...] = ()
     """The (group, option) pairs its loader asks for and its groups lack (``dcp.load`` of a torch that writes
     ``decoupled_weight_decay``, on a checkpoint written before it did)."""
+    census: StepCensus | None = None
+    """Every parameter's ``step``, where inspect read them (``decisions.census``)."""
 
     @property
     def file(self) -> str:
@@ -349,6 +352,10 @@ def diagnose_optimizer(
     notices += loader_notices(optimizer, loader, missing, len(empty))
     if lacking and release is not None:
         notices.append(dcp_missing_options(optimizer, lacking, release))
+    census = step_census(optimizer, missing)
+    lagging = lagging_notice_detail(census, phantom) if census is not None else None
+    if lagging is not None:
+        notices.append(Notice("lagging-steps", lagging, "info"))
     return OptimizerDiagnosis(
         optimizer=optimizer,
         loader=loader,
@@ -358,6 +365,7 @@ def diagnose_optimizer(
         notices=tuple(notices),
         phantom=phantom,
         missing_options=lacking,
+        census=census,
     )
 
 

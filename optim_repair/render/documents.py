@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import TypedDict
 
 from optim_repair.api import DryRun, FixResult
+from optim_repair.decisions.census import StepCensus
 from optim_repair.decisions.comparison import ModelComparison
 from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis
 from optim_repair.decisions.notices import Notice
@@ -52,6 +53,18 @@ class ModelDoc(TypedDict):
     rename: str | None
 
 
+class StepDoc(TypedDict):
+    param: ParamKey
+    step: int | float
+
+
+class CensusDoc(TypedDict):
+    largest: int | float
+    distribution: list[list[int | float]]
+    steps: list[StepDoc]
+    lagging: list[StepDoc]
+
+
 class OptionDoc(TypedDict):
     group: int
     key: str
@@ -82,6 +95,7 @@ class OptimizerDoc(TypedDict):
     notices: list[NoticeDoc]
     cold: bool
     model: ModelDoc | None
+    census: CensusDoc | None
 
 
 class SkippedDoc(TypedDict):
@@ -210,6 +224,18 @@ def _optimizer_doc(opt: OptimizerDiagnosis) -> OptimizerDoc:
         "notices": _notice_docs(opt.notices),
         "cold": opt.cold,
         "model": _model_doc(opt.model),
+        "census": _census_doc(opt.census),
+    }
+
+
+def _census_doc(census: StepCensus | None) -> CensusDoc | None:
+    if census is None:
+        return None
+    return {
+        "largest": census.largest,
+        "distribution": [[step, count] for step, count in census.distribution],
+        "steps": [{"param": param, "step": step} for param, step in census.steps],
+        "lagging": [{"param": param, "step": step} for param, step in census.lagging],
     }
 
 

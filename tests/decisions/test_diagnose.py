@@ -318,6 +318,14 @@ def test_python_names_are_the_json_names(unirl_checkpoint: Built) -> None:
                 "not_in_model": list(found.not_in_model),
                 "not_in_optimizer": list(found.not_in_optimizer),
             }
+        if name == "census":  # the same fields, each pair as JSON writes it
+            found = python
+            python = {
+                "largest": found.largest,
+                "distribution": [list(pair) for pair in found.distribution],
+                "steps": [{"param": param, "step": step} for param, step in found.steps],
+                "lagging": [{"param": param, "step": step} for param, step in found.lagging],
+            }
         if name in ("malformed", "notices"):
             python = [{key: getattr(item, key) for key in value[0]} for item in python] if value else list(python)
         assert (list(python) if isinstance(python, tuple) else python) == value, name

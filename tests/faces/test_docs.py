@@ -102,6 +102,7 @@ def test_every_json_field_is_documented(field: str) -> None:
         "flattened-missing-state",
         "phantom-step-entries",
         "cold",
+        "lagging-steps",
         "skipped-unsafe",
         "deepspeed-zero",
         "universal-missing-state",
