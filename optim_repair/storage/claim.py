@@ -241,8 +241,8 @@ def claimed(
     """The claim on ``marker`` for ``planned`` keys, held for the block: released when it ends, everything the run
     wrote deleted when it raises."""
     claim = Claim(store, marker, planned)
-    claim.take(notice)
     try:
+        claim.take(notice)  # a signal held while the marker is put comes the moment it is: undone here too
         yield claim
     except BaseException:
         claim.undo()
