@@ -17,6 +17,7 @@ from optim_repair.checkpoint.discovery import Discovery, Entry
 from optim_repair.checkpoint.planning import FinishedPlan
 from optim_repair.errors import InputError, OutputError, Remedy, VerificationError, os_error_reason, shown_name
 from optim_repair.formats.copied import verify_copied_file, verify_copied_link
+from optim_repair.formats.dcp import REPAIR_SHARD_PREFIX
 from optim_repair.progress import QUIET, Meter, Notice, Reporter
 from optim_repair.records.request import DEFAULT_COPY, CopyRequest
 from optim_repair.records.verification import NOTHING, Verification
@@ -47,14 +48,15 @@ def check_output(source: Path, out: Path, *, force: bool) -> None:
 
 def _refuse_other_than_a_copy(source: Path, out: Path) -> None:
     """``--force`` replaces a directory only where it looks like an earlier copy of ``source``: every name at its
-    top is one the checkpoint has. Else it says what it would delete (``--force --out ~`` deletes nothing)."""
+    top is one the checkpoint has, or the shard a repair of a DCP checkpoint adds. Else it says what it would
+    delete (``--force --out ~`` deletes nothing)."""
     if out.is_symlink() or not out.is_dir():
         return
     try:
         theirs, ours = set(os.listdir(out)), set(os.listdir(source))
     except OSError as exc:
         raise OutputError(f"cannot be read ({os_error_reason(exc)})", path=str(out)) from exc
-    foreign = sorted(theirs - ours)
+    foreign = sorted(name for name in theirs - ours if not name.startswith(REPAIR_SHARD_PREFIX))
     if foreign:
         shown = ", ".join(shown_name(name) for name in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
         raise OutputError(

@@ -19,6 +19,7 @@ import torch
 
 import optim_repair
 from optim_repair.errors import InputError, OutputError, RepairRefused, VerificationError
+from optim_repair.formats.dcp import REPAIR_SHARD_PREFIX
 from optim_repair.formats.torchfile import adapter as torch_adapter
 from tests.factories import dcp as dk
 from tests.factories import defects, trainers
@@ -73,6 +74,11 @@ def test_force_replaces_only_what_looks_like_an_earlier_copy(root: Path, tmp_pat
     (home / "notes.txt").write_text("mine")
     with untouched(home), pytest.raises(OutputError, match=r"holds 1 entries the checkpoint has none of \(notes.txt\)"):
         fix(built.path, home, force=True)
+    repaired = tmp_path / "repaired"  # an earlier repair of a DCP checkpoint: its own shard beside the original's
+    dcp_built = dk.unirl_dcp(root / "dcp")
+    fix(dcp_built.path, repaired)
+    assert any(path.name.startswith(REPAIR_SHARD_PREFIX) for path in repaired.iterdir())
+    fix(dcp_built.path, repaired, force=True)  # the README's resume script runs fix --force again on a new step
     single = trainers.lightning(root / "single")
     with (
         untouched(home),

@@ -8,6 +8,7 @@ repaired copy). None of them imports torch.
 
 from optim_repair.formats.dcp.metadata import (
     METADATA_FILE,
+    REPAIR_SHARD_PREFIX,
     SHARD_SUFFIX,
     DcpBytes,
     DcpChunk,
@@ -25,6 +26,7 @@ from optim_repair.formats.dcp.reader import read_dcp
 
 __all__ = [
     "METADATA_FILE",
+    "REPAIR_SHARD_PREFIX",
     "SHARD_SUFFIX",
     "DcpBytes",
     "DcpChunk",

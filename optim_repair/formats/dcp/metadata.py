@@ -19,6 +19,8 @@ from optim_repair.records.inventory import ParamKey, TensorMeta
 
 METADATA_FILE = ".metadata"
 SHARD_SUFFIX = ".distcp"
+REPAIR_SHARD_PREFIX = "__optim_repair_"
+"""How the shard a repair adds to a DCP checkpoint is named: no name torch's writer gives a rank's shards."""
 _RANK_METADATA = re.compile(r"__([0-9]+)\.metadata")
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from optim_repair.errors import InputError, OutputError, os_error_reason
-from optim_repair.formats.dcp.metadata import METADATA_FILE, SHARD_SUFFIX, display_path
+from optim_repair.formats.dcp.metadata import METADATA_FILE, REPAIR_SHARD_PREFIX, SHARD_SUFFIX, display_path
 from optim_repair.formats.dcp.metadata_memo import memo_objects
 from optim_repair.formats.dcp.metadata_older import without_strides
 from optim_repair.formats.dcp.metadata_writer import Place, extended_metadata, rebuilt_metadata
@@ -26,9 +26,9 @@ from optim_repair.storage.disk import write_all
 
 def _shard_name(taken: Callable[[str], bool]) -> str:
     number = 0
-    while taken(f"__optim_repair_{number}{SHARD_SUFFIX}"):
+    while taken(f"{REPAIR_SHARD_PREFIX}{number}{SHARD_SUFFIX}"):
         number += 1
-    return f"__optim_repair_{number}{SHARD_SUFFIX}"
+    return f"{REPAIR_SHARD_PREFIX}{number}{SHARD_SUFFIX}"
 
 
 _EPOCH = (1980, 0, 0, 0, 0, 0)
