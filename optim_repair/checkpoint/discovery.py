@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from optim_repair.errors import InputError, os_error_reason
-from optim_repair.formats.dcp import METADATA_FILE, SHARD_SUFFIX, is_dcp_directory, is_rank_metadata, metadata_names
-from optim_repair.formats.registry import Role, role_of
+from optim_repair.formats.dcp import SHARD_SUFFIX, is_dcp_directory, metadata_names
+from optim_repair.formats.registry import Role, is_dcp_metadata, role_of
 from optim_repair.formats.safetensors import SAFETENSORS_SUFFIX
 from optim_repair.formats.torchfile import TORCH_SUFFIXES
 from optim_repair.records.steps import save_under_way, step_number
@@ -341,7 +341,7 @@ def discover(path: Path, *, dereference: bool = False) -> Discovery:
     except OSError as exc:
         raise InputError(f"cannot read ({os_error_reason(exc)})", path=path) from exc
     if stat.S_ISREG(mode):
-        if path.name == METADATA_FILE or path.suffix == SHARD_SUFFIX or is_rank_metadata(path.name):
+        if is_dcp_metadata(path.name) or path.suffix == SHARD_SUFFIX:
             raise InputError(f"part of a DCP checkpoint; pass its directory, {path.parent}", path=path)
         if path.suffix == SAFETENSORS_SUFFIX:
             raise InputError(model_only(target), path=path)
@@ -372,8 +372,7 @@ def _complete(step: Path) -> bool:
         if directory == str(step) and save_under_way(names):
             return False
         files = files or bool(names)
-        committed = METADATA_FILE in names or any(is_rank_metadata(name) for name in names)
-        if any(name.endswith(SHARD_SUFFIX) for name in names) and not committed:
+        if any(name.endswith(SHARD_SUFFIX) for name in names) and not any(is_dcp_metadata(name) for name in names):
             return False
     return files
 

@@ -209,16 +209,24 @@ def _edit_structure(ctx: MutationContext, meta: Any, directory: str) -> str:
 METADATA_EDITS = (_edit_storage, _edit_storage, _edit_index, _edit_item, _edit_planner, _edit_structure)
 
 
-def dcp_metadata_edit(ctx: MutationContext) -> bool:
-    """Unpickle a DCP ``.metadata`` of a seed built here (plain pickle), edit fields, pickle it again."""
+def _seed_metadata(ctx: MutationContext) -> tuple[str, Any] | None:
+    """A DCP directory of the case and its seed's ``.metadata`` unpickled (a seed built here: plain pickle)."""
     dirs = ctx.dcp_dirs()
     if not dirs:
-        return False
+        return None
     directory = ctx.rng.choice(dirs)
     original = ctx.seed.tree[f"{directory}/.metadata"]
     assert isinstance(original, bytes)
     _dcp_classes()
-    meta = pickle.loads(original)  # only ever a seed this process built
+    return directory, pickle.loads(original)  # only ever a seed this process built
+
+
+def dcp_metadata_edit(ctx: MutationContext) -> bool:
+    """Unpickle a DCP ``.metadata`` of a seed built here (plain pickle), edit fields, pickle it again."""
+    found = _seed_metadata(ctx)
+    if found is None:
+        return False
+    directory, meta = found
     for _ in range(ctx.rng.choice((1, 1, 1, 2, 3))):
         edit = ctx.rng.choice(METADATA_EDITS)
         try:
@@ -249,14 +257,11 @@ def dcp_rank_local(ctx: MutationContext) -> bool:
 def dcp_torch_215(ctx: MutationContext) -> bool:
     """Pickle a DCP ``.metadata`` of a seed as torch 2.15 writes it: each ``TensorProperties`` with a sixth field,
     the saved tensor's strides (now and then one wrong), which a fix for an older torch drops again."""
-    dirs = ctx.dcp_dirs()
-    if not dirs:
+    found = _seed_metadata(ctx)
+    if found is None:
         return False
-    directory = ctx.rng.choice(dirs)
-    original = ctx.seed.tree[f"{directory}/.metadata"]
-    assert isinstance(original, bytes)
+    directory, meta = found
     classes = _dcp_classes()
-    meta = pickle.loads(original)  # only ever a seed this process built
     strides: dict[int, Any] = {}
     for item in meta.state_dict_metadata.values():
         if isinstance(item, classes.TensorStorageMetadata):

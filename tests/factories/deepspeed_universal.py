@@ -2,9 +2,9 @@
 
 ``save(root)`` runs, in one spawned process (gloo, world size 1, DeepSpeed's CPU accelerator):
 
-1. ``Net`` (``body`` = ``nn.Linear(4, 6)``, ``head`` = ``nn.Linear(6, 3)``) wrapped by ``deepspeed.initialize``
-   with a client ``torch.optim.AdamW`` and ZeRO stage ``STAGE`` in fp32; ``PRE_STEPS`` steps in which ``head``
-   takes no part in the forward pass (``HEAD``: the unused branch).
+1. ``Net`` of ``tests.factories.fsdp`` (``body`` = ``nn.Linear(4, 6)``, ``head`` = ``nn.Linear(6, 3)``) wrapped
+   by ``deepspeed.initialize`` with a client ``torch.optim.AdamW`` and ZeRO stage ``STAGE`` in fp32; ``PRE_STEPS``
+   steps in which ``head`` takes no part in the forward pass (``HEAD``: the unused branch).
 2. ``engine.save_checkpoint(root / "zero", tag=TAG)``: the ordinary ZeRO checkpoint
    (``zero/TAG/mp_rank_00_model_states.pt`` and ``zero/TAG/zero_pp_rank_0_mp_rank_00_optim_states.pt``).
 3. The same run goes on for ``POST_STEPS`` steps with every parameter; its parameters are written to
@@ -45,7 +45,9 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from torch import Tensor, nn
+from torch import Tensor
+
+from tests.factories.fsdp import Net
 
 __all__ = ["HEAD", "POST_STEPS", "PRE_STEPS", "STAGE", "TAG", "resume", "save", "uninterrupted"]
 
@@ -56,19 +58,6 @@ TAG = "global_step3"
 HEAD = ("head.weight", "head.bias")
 """The parameters that never got a gradient before the checkpoint."""
 LR = 0.01
-
-
-class Net(nn.Module):
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.body = nn.Linear(4, 6)
-            self.head = nn.Linear(6, 3)
-
-    def forward(self, x: Tensor, use_all: bool = False) -> Tensor:
-        y: Tensor = self.body(x)
-        return self.head(y) if use_all else y
 
 
 def _free_port() -> int:

@@ -11,6 +11,7 @@ import pickle
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -251,23 +252,29 @@ def test_an_empty_key_path_is_no_weight(tmp_path: Path) -> None:
     assert "blocks.0.attn.to_q.weight" not in inventory.weights[0].lookup()
 
 
-def test_a_bytes_entry_torch_would_refuse_is_refused(tmp_path: Path) -> None:
-    """``dcp.load`` ``torch.load``s every bytes entry: each is read as a torch file is, its framing included."""
-    path = dk.unirl_dcp(tmp_path).path
+def _rewrite_entry(path: Path, key: str, edit: Callable[[str, bytes], bytes]) -> None:
+    """The bytes entry ``key`` of the DCP checkpoint at ``path`` written again, each record of its archive through
+    ``edit`` (by its name inside ``archive/``), appended to its shard and pointed at by the metadata."""
     with (path / ".metadata").open("rb") as stream:
         metadata = pickle.load(stream)
-    info = metadata.storage_data[MetadataIndex("optim.param_groups.0.lr")]
+    info = metadata.storage_data[MetadataIndex(key)]
     shard = path / info.relative_path
     with zipfile.ZipFile(io.BytesIO(shard.read_bytes()[info.offset : info.offset + info.length])) as archive:
         records = [(record, archive.read(record)) for record in archive.infolist()]
     damaged = io.BytesIO()
     with zipfile.ZipFile(damaged, "w") as archive:
         for record, data in records:
-            archive.writestr(record, b"middle" if record.filename.endswith("/byteorder") else data)
+            archive.writestr(record, edit(record.filename.rpartition("/")[2], data))
     with shard.open("ab") as stream:
         info.offset, info.length = stream.tell(), stream.write(damaged.getvalue())
     with (path / ".metadata").open("wb") as stream:
         pickle.dump(metadata, stream)
+
+
+def test_a_bytes_entry_torch_would_refuse_is_refused(tmp_path: Path) -> None:
+    """``dcp.load`` ``torch.load``s every bytes entry: each is read as a torch file is, its framing included."""
+    path = dk.unirl_dcp(tmp_path).path
+    _rewrite_entry(path, "optim.param_groups.0.lr", lambda name, data: b"middle" if name == "byteorder" else data)
     with pytest.raises(CheckpointException, match="Unknown endianness type: middle"):
         load({"optim": {"param_groups": [{"lr": 0.0}]}}, checkpoint_id=path)
     result = run_cli(["inspect", path], code=4)
@@ -303,21 +310,10 @@ def test_a_bytes_entry_outside_the_optimizers_whose_pickle_torch_cannot_unpickle
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     path = dk.torchtitan_dcp(tmp_path).path
-    with (path / ".metadata").open("rb") as stream:
-        metadata = pickle.load(stream)
-    info = metadata.storage_data[MetadataIndex("lr_scheduler._is_initial")]
-    shard = path / info.relative_path
-    with zipfile.ZipFile(io.BytesIO(shard.read_bytes()[info.offset : info.offset + info.length])) as archive:
-        records = [(record, archive.read(record)) for record in archive.infolist()]
-    damaged = io.BytesIO()
-    with zipfile.ZipFile(damaged, "w") as archive:
-        for record, data in records:
-            underflows = data.replace(pickle.NEWFALSE + pickle.STOP, pickle.TUPLE1 + pickle.STOP)
-            archive.writestr(record, underflows if record.filename.endswith("/data.pkl") else data)
-    with shard.open("ab") as stream:
-        info.offset, info.length = stream.tell(), stream.write(damaged.getvalue())
-    with (path / ".metadata").open("wb") as stream:
-        pickle.dump(metadata, stream)
+    underflows = pickle.NEWFALSE + pickle.STOP, pickle.TUPLE1 + pickle.STOP
+    _rewrite_entry(
+        path, "lr_scheduler._is_initial", lambda name, data: data.replace(*underflows) if name == "data.pkl" else data
+    )
     with pytest.raises(CheckpointException, match="unpickling stack underflow"):
         _load_state_dict({}, FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     result = run_cli(["inspect", path], code=4)
