@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from optim_repair.checkpoint import copies, stored
+from optim_repair.checkpoint.diffing import diff_listings
 from optim_repair.checkpoint.discovery import discover, latest_step
 from optim_repair.checkpoint.planning import FinishedPlan, finish_plan
 from optim_repair.checkpoint.reading import DiskListing, Listing, disk_model, model_weights, read_parsed
@@ -19,6 +20,7 @@ from optim_repair.decisions.repair import plan_repair
 from optim_repair.errors import InputError, Remedy, UsageError
 from optim_repair.formats.planned import Parsed
 from optim_repair.progress import Notice, Progress, Reporter, ignore, silent
+from optim_repair.records.difference import Difference
 from optim_repair.records.inventory import CheckpointInventory, WeightMap
 from optim_repair.records.repair_plan import Addition, FillChoice, PlanFill, RepairPlan
 from optim_repair.records.request import NO_OPERATIONS, CopyRequest, Operations, PlanRequest
@@ -116,6 +118,28 @@ def latest_checkpoint(
     if disagreeing is not None:
         notice(disagreeing)
     return step
+
+
+def diff(
+    a: str | Path,
+    b: str | Path,
+    *,
+    metadata_only: bool = False,
+    profile: str | None = None,
+    endpoint_url: str | None = None,
+) -> Difference:
+    """Compare two checkpoints, each anything ``inspect`` reads (a torch file, a checkpoint directory, a DCP
+    directory, a prefix in object storage), of one format or two.
+
+    Optimizers are matched by where they sit and compared by what they hold (parameters, state entries, each
+    ``step``, each group's hyperparameters); every tensor, value and file by name, tensors bit for bit (dtype,
+    shape, strides, storage sharing, every byte: how many elements differ, by how much at most). A DCP checkpoint
+    and the torch file ``dcp_to_torch_save`` makes of it hold the same. ``metadata_only`` reads no tensor bytes.
+    Nothing is loaded with torch; bytes are read in bounded memory. ``Difference.same`` says whether they agree.
+    """
+    options = StoreOptions(profile, endpoint_url)
+    with _listing(a, options) as first, _listing(b, options) as second:
+        return diff_listings(first, second, metadata_only=metadata_only)
 
 
 def compare(checkpoint: str | Path, model: str | Path) -> Diagnosis:

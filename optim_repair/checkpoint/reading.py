@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import BinaryIO, Literal, Protocol
 
 from optim_repair.checkpoint.discovery import Discovery, Entry, discover, model_only
 from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError, UsageError
@@ -25,6 +25,7 @@ from optim_repair.formats.safetensors import joined_shards, read_weights
 from optim_repair.formats.torchfile import TorchFile, open_torch_file, read_inventory
 from optim_repair.records.inventory import CheckpointInventory, FileInventory, Skipped, WeightMap
 from optim_repair.records.traffic import Traffic
+from optim_repair.storage.disk import open_regular
 
 LIGHTNING_META = "meta.pt"
 """What Lightning's FSDPStrategy writes beside the ``.metadata`` of its sharded checkpoint (its own state)."""
@@ -77,6 +78,13 @@ class Listing(Protocol):
 
     def read_safetensors(self, rel: str, name: str) -> WeightMap:
         """The weights the safetensors file ``rel`` describes."""
+
+    def reader(self, rel: str) -> Callable[[], BinaryIO]:
+        """Opens the file ``rel`` (``""``: the argument) to read any of its bytes, nothing kept between reads."""
+
+    def others(self) -> Iterator[tuple[str, int]]:
+        """For a directory: every regular file no reader parses (outside its DCP checkpoints, neither a torch nor a
+        safetensors file), with its size."""
 
     def weights_beside(self) -> tuple[WeightMap, ...]:
         """For a torch file: the shapes the safetensors files beside it give (HF's ``model.safetensors``)."""
@@ -305,6 +313,14 @@ class DiskListing:
 
     def read_safetensors(self, rel: str, name: str) -> WeightMap:
         return read_weights(self._path(rel), name)
+
+    def reader(self, rel: str) -> Callable[[], BinaryIO]:
+        return partial(open_regular, self._path(rel), self.named(rel))
+
+    def others(self) -> Iterator[tuple[str, int]]:
+        for entry in self.found.entries:
+            if entry.role == "file" and entry.dcp is None and entry.read_through:
+                yield entry.rel, self._path(entry.rel).stat().st_size
 
     def weights_beside(self) -> tuple[WeightMap, ...]:
         """Shapes from the safetensors files next to a file argument; a damaged one is passed over (only a source

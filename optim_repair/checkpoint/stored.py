@@ -241,6 +241,18 @@ class StoredCheckpoint:
                 progress(size)
         self.whole.update(left)
 
+    def reader(self, rel: str) -> Callable[[], BinaryIO]:
+        key, stored = self.url.object(rel) if rel else self.url.key, self.listing[rel]
+        return lambda: cast(BinaryIO, RangedObject(self.store, key, stored, retain=False))
+
+    def others(self) -> Iterator[tuple[str, int]]:
+        inside = tuple(f"{rel}/" for rel in self.dcp if rel)
+        if "" in self.dcp:
+            return
+        for name, stored in self.listing.items():
+            if role_of(name) == "file" and not name.startswith(inside):
+                yield name, stored.size
+
     def opener(self, name: str, first: Sequence[tuple[int, int]] = ()) -> Callable[[], BinaryIO]:
         """Opens the object ``name`` by ranges, every one it opens sharing what was fetched of it (``fetched``),
         ``first`` the moment it is first opened."""

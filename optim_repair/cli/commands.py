@@ -302,6 +302,46 @@ def fix(
     run_command(command, screen, json=json)
 
 
+@app.command(
+    cls=Command,
+    epilog=exit_codes({ExitCode.OK: "A and B hold the same state", ExitCode.REPAIRABLE: "A and B differ"}),
+)
+def diff(
+    a: Annotated[
+        str, typer.Argument(metavar="A", help="A checkpoint, as inspect takes it (a file, a directory, s3://).")
+    ],
+    b: Annotated[str, typer.Argument(metavar="B", help="The checkpoint to compare A with, in any format.")],
+    metadata_only: Annotated[
+        bool,
+        typer.Option(
+            "--metadata-only",
+            help="Compare names, dtypes, shapes and steps without reading tensor bytes.",
+        ),
+    ] = False,
+    profile: ProfileOption = None,
+    endpoint_url: EndpointOption = None,
+    json: JsonFlag = False,
+    quiet: QuietFlag = False,
+    color: ColorOption = "auto",
+) -> None:
+    """Compare two checkpoints: optimizers by what they hold, every tensor bit for bit."""
+    screen = make_screen(color, quiet)
+
+    def command() -> int:
+        paths = [text if is_remote(text) else Path(text) for text in (a, b)]
+        difference = api.diff(
+            paths[0], paths[1], metadata_only=metadata_only, profile=profile, endpoint_url=endpoint_url
+        )
+        with writes_to("stdout"):
+            if json:
+                render.print_json(render.diff_document(difference))
+            else:
+                render.print_diff(difference, screen)
+        return ExitCode.OK if difference.same else ExitCode.REPAIRABLE
+
+    run_command(command, screen, json=json)
+
+
 @app.command(cls=Command, epilog=exit_codes({ExitCode.OK: "demo completed"}))
 def demo(
     keep: Annotated[bool, typer.Option("--keep", help="Keep the demo's files instead of removing them.")] = False,

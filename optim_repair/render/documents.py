@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TypedDict
 
 from optim_repair.api import DryRun, FixResult
@@ -243,7 +243,7 @@ def inspect_document(diagnosis: Diagnosis) -> InspectDoc:
     inventory = diagnosis.inventory
     return {
         "schema_version": SCHEMA_VERSION,
-        "versions": _versions(),
+        "versions": versions_doc(),
         "path": inventory.path,
         "format": inventory.format,
         "verdict": diagnosis.verdict,
@@ -326,12 +326,12 @@ def dry_run_document(planned: DryRun) -> DryRunDoc:
     }
 
 
-def _versions() -> VersionsDoc:
+def versions_doc() -> VersionsDoc:
     found = versions()
     return {"optim_repair": found.optim_repair, "torch": found.torch}
 
 
-def print_json(document: InspectDoc | FixDoc | DryRunDoc | ErrorDoc) -> None:
+def print_json(document: Mapping[str, object]) -> None:
     # ASCII with escapes (a name may hold a lone surrogate), and never NaN, which JSON does not have.
     sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
 

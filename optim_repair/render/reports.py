@@ -21,6 +21,7 @@ from optim_repair.render.terminal import (
     SHOWN,
     Screen,
     Shown,
+    human_bytes,
     listed,
     name,
     new_table,
@@ -108,17 +109,6 @@ def print_inspect(diagnosis: Diagnosis, screen: Screen) -> None:
         print_line(console, Shown(_traffic(diagnosis.inventory.traffic)), indent=0)
 
 
-def _human_bytes(count: int) -> str:
-    if count < 1024:
-        return f"{count} B"
-    size = count / 1024
-    for unit in ("KiB", "MiB"):
-        if size < 1024:
-            return f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"
-
-
 def _print_additions(console: Console, diagnosis: Diagnosis, plan: RepairPlan) -> None:
     table = new_table(console)
     table.add_column("optimizer")
@@ -197,8 +187,8 @@ def _print_changes(console: Console, plan: RepairPlan) -> None:
 
 def _traffic(traffic: Traffic) -> str:
     return (
-        f"object storage: {traffic.requests} requests, {_human_bytes(traffic.read)} read, "
-        f"{_human_bytes(traffic.written)} written, {_human_bytes(traffic.copied)} copied inside the store"
+        f"object storage: {traffic.requests} requests, {human_bytes(traffic.read)} read, "
+        f"{human_bytes(traffic.written)} written, {human_bytes(traffic.copied)} copied inside the store"
     )
 
 
@@ -215,7 +205,7 @@ def print_fix(result: FixResult, screen: Screen) -> None:
     v = result.verification
     verified = Shown.assemble(
         ("verified", "bold green"),
-        f": {v.tensors} existing tensors and {_human_bytes(v.bytes)} {proof(v)}, "
+        f": {v.tensors} existing tensors and {human_bytes(v.bytes)} {proof(v)}, "
         f"bit-identical; the only changes are the {_changes(result.plan)}",
     )
     print_line(console, verified, indent=0)
@@ -235,12 +225,12 @@ def print_dry_run(planned: DryRun, screen: Screen) -> None:
     _print_changes(console, planned.plan)
     _print_additions(console, planned.diagnosis, planned.plan)
     _print_fill_notes(console, planned.diagnosis, planned.plan)
-    sizes = f"would write about {_human_bytes(planned.bytes_to_write)}"
+    sizes = f"would write about {human_bytes(planned.bytes_to_write)}"
     if planned.free_bytes is None:
         print_line(console, Shown(f"{sizes} into the store"), indent=0)
         return
     # a dry run that would not fit is refused, as the run is: what is printed fits
-    print_line(console, Shown(f"{sizes}; {_human_bytes(planned.free_bytes)} free there: enough room"), indent=0)
+    print_line(console, Shown(f"{sizes}; {human_bytes(planned.free_bytes)} free there: enough room"), indent=0)
 
 
 def print_demo(report: DemoReport, screen: Screen, *, kept: bool) -> None:

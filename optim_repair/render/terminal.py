@@ -165,6 +165,18 @@ def shown_names(params: tuple[ParamKey, ...]) -> str:
     return listed([name(p) for p in params[:SHOWN]], len(params))
 
 
+def human_bytes(count: int) -> str:
+    """A size as people read it: ``512 B``, ``1.5 KiB``, ``2.0 GiB``."""
+    if count < 1024:
+        return f"{count} B"
+    size = count / 1024
+    for unit in ("KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
 def print_error(message: str, screen: Screen) -> None:
     print_line(screen.stderr(), Shown(f"optim-repair: error: {message}", style="bold red"), indent=0)
 

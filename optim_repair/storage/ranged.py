@@ -96,12 +96,20 @@ class RangedObject(RangeFile):
     listed ETag."""
 
     def __init__(
-        self, store: Store, key: str, stored: StoredObject, spans: list[tuple[int, bytes]] | None = None
+        self,
+        store: Store,
+        key: str,
+        stored: StoredObject,
+        spans: list[tuple[int, bytes]] | None = None,
+        *,
+        retain: bool = True,
     ) -> None:
-        """``spans``: what was fetched of it already, shared with each object opened over the same list."""
+        """``spans``: what was fetched of it already, shared with each object opened over the same list;
+        ``retain=False``: only the last GET is kept (a read through every byte, in memory that does not grow)."""
         super().__init__()
         self._store, self._key, self._stored = store, key, stored
         self._spans = [] if spans is None else spans
+        self._retain = retain
         self._size = stored.size
 
     @property
@@ -138,6 +146,8 @@ class RangedObject(RangeFile):
         found = self._cached(self._position, length)
         if found is None:
             end = min(self._stored.size, self._position + max(length, READAHEAD))
+            if not self._retain:
+                self._spans.clear()
             self._keep(self._position, self._store.get_range(self._key, self._stored, self._position, end))
             found = self._cached(self._position, length)
             assert found is not None

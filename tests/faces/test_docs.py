@@ -69,13 +69,15 @@ def _fields(doc_type: type, prefix: str = "") -> list[str]:
 
 _SMALL = (
     render.MalformedDoc, render.NoticeDoc, render.SkippedDoc, render.AddedDoc, render.ShapeMismatchDoc,
-    render.ChangedDoc, render.OptionDoc, render.AddedOptionDoc,
+    render.ChangedDoc, render.OptionDoc, render.AddedOptionDoc, render.KeyDoc, render.StepDoc, render.OptionChangeDoc,
+    render.LeafDiffDoc,
 )  # fmt: skip
 """Documented in one row each, as ``{a, b, c}``."""
 
 
 @pytest.mark.parametrize(
-    "field", sorted({*_fields(render.FixDoc), *_fields(render.DryRunDoc), *_fields(render.ErrorDoc)})
+    "field",
+    sorted({*_fields(render.FixDoc), *_fields(render.DryRunDoc), *_fields(render.ErrorDoc), *_fields(render.DiffDoc)}),
 )
 def test_every_json_field_is_documented(field: str) -> None:
     if "{" in field:

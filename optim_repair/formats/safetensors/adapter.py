@@ -23,7 +23,15 @@ SHARDING_INFO = "DCP_SHARDING_INFO"
 def read_weights(path: Path, source: str, *, opener: Callable[[], BinaryIO] | None = None) -> WeightMap:
     """The tensors a safetensors file describes, from its JSON header alone (read from ``path``, or from what
     ``opener`` opens: an object in a store)."""
-    header, data_size = parsed_header(path, source, opener)
+    return placed_weights(path, source, opener=opener)[0]
+
+
+def placed_weights(
+    path: Path, source: str, *, opener: Callable[[], BinaryIO] | None = None
+) -> tuple[WeightMap, dict[str, int]]:
+    """``read_weights``, and where in the file each tensor's bytes begin."""
+    header, data_size, data_start = parsed_header(path, source, opener)
+    starts: dict[str, int] = {}
     metadata = header.pop("__metadata__", {})
     if not (isinstance(metadata, dict) and all(isinstance(value, str) for value in metadata.values())):
         raise InputError("not a safetensors file (its __metadata__ is no map of strings)", path=source)
@@ -41,7 +49,8 @@ def read_weights(path: Path, source: str, *, opener: Callable[[], BinaryIO] | No
             raise InputError(f"not a safetensors file (entry {shown(name)} does not fit its bytes)", path=source)
         meta = TensorMeta(dtype, shape, contiguous_strides(shape), name, 0, end - start)
         tensors.append((name, meta))
-    return WeightMap(source, tuple(tensors), _shard_offsets(metadata, dict(tensors), source))
+        starts[name] = data_start + start
+    return WeightMap(source, tuple(tensors), _shard_offsets(metadata, dict(tensors), source)), starts
 
 
 def _shard_offsets(

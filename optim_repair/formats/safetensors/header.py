@@ -33,8 +33,8 @@ def _header_text(stream: BinaryIO, length: int, source: str) -> str:
     return raw.decode("utf-8")
 
 
-def parsed_header(path: Path, source: str, opener: Callable[[], BinaryIO] | None) -> tuple[dict[str, Any], int]:
-    """The header as parsed JSON, and how many bytes of tensor data follow it."""
+def parsed_header(path: Path, source: str, opener: Callable[[], BinaryIO] | None) -> tuple[dict[str, Any], int, int]:
+    """The header as parsed JSON, how many bytes of tensor data follow it, and where they begin."""
     try:
         with (opener or partial(open_regular, path, source))() as stream:
             head = stream.read(8)
@@ -51,4 +51,4 @@ def parsed_header(path: Path, source: str, opener: Callable[[], BinaryIO] | None
         raise InputError("not a safetensors file (bad header)", path=source) from exc
     if not isinstance(header, dict):
         raise InputError("not a safetensors file (bad header)", path=source)
-    return header, data_size
+    return header, data_size, 8 + length

@@ -1,0 +1,337 @@
+"""Comparing two checkpoints read from any listing: their leaves matched by name, each tensor's bytes read in order.
+
+Each side is read as ``inspect`` reads it (``read_parsed``), then listed leaf by leaf by its formats' readers
+(``formats.*.leaves``). Two tensors are compared over the boxes where their pieces meet (a DCP chunk, a whole
+storage), each box as the runs of bytes its elements occupy, in blocks of ``CHUNK`` bytes: at the speed of the
+disk or the store, in memory that does not grow with the tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, cast
+
+from optim_repair.checkpoint.reading import Listing, read_parsed
+from optim_repair.decisions.difference import Values, described, leaf_differences, optimizer_differences
+from optim_repair.decisions.elements import ElementTally
+from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError, UsageError, os_error_reason
+from optim_repair.formats.dcp import is_rank_metadata
+from optim_repair.formats.dcp.leaves import dcp_leaves
+from optim_repair.formats.dcp.metadata import display_path
+from optim_repair.formats.pickled import tensor_meta
+from optim_repair.formats.planned import Parsed
+from optim_repair.formats.safetensors.leaves import safetensors_leaves
+from optim_repair.formats.torchfile.leaves import torch_leaves
+from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, open_zip
+from optim_repair.records.difference import Difference, LeafDifference, LeafTally
+from optim_repair.records.dtypes import CHUNK, decode_element, itemsize, numel
+from optim_repair.records.inventory import CheckpointInventory
+from optim_repair.records.leaves import Leaf, LeafName, Piece, RawLeaf, TensorLeaf, ValueLeaf, leaf_text
+from optim_repair.storage.ranged import FileSlice
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""A box of a tensor's elements: where it starts, and its size."""
+
+
+class _Files:
+    """The files of one side, each opened once (a few at a time), to read by ranges."""
+
+    def __init__(self, listing: Listing, stack: contextlib.ExitStack) -> None:
+        self.listing, self._stack, self._open = listing, stack, {}  # type: ignore[var-annotated]
+
+    def stream(self, file: str) -> BinaryIO:
+        stream: BinaryIO | None = self._open.get(file)
+        if stream is None:
+            if len(self._open) >= 8:
+                self._open.pop(next(iter(self._open))).close()
+            try:
+                stream = self._open[file] = self.listing.reader(file)()
+            except OSError as exc:
+                raise InputError(f"cannot read ({os_error_reason(exc)})", path=self.listing.named(file)) from exc
+            self._stack.callback(stream.close)
+        return stream
+
+    def read(self, file: str, offset: int, length: int) -> bytes:
+        stream = self.stream(file)
+        stream.seek(offset)
+        data = stream.read(length)
+        if len(data) != length:
+            raise InputError(f"truncated: {length} bytes at {offset} lie past its end", path=self.listing.named(file))
+        return data
+
+    def size(self, file: str) -> int:
+        return self.stream(file).seek(0, 2)
+
+
+class _Shards:
+    """One DCP checkpoint's shards, read through its side's files (``ShardFiles``)."""
+
+    def __init__(self, files: _Files, rel: str) -> None:
+        self._files, self._rel = files, rel
+
+    def size(self, relative: str, where: str) -> int:
+        return self._files.size(display_path(self._rel, relative))
+
+    def read(self, relative: str, ranges: Sequence[tuple[int, int]], where: str) -> Iterator[bytes]:
+        for offset, length in ranges:
+            yield self._files.read(display_path(self._rel, relative), offset, length)
+
+
+def _dcp_directory(key: str) -> tuple[str, str]:
+    """A kept metadata's DCP directory, and the file its leaves are listed under (a rank's view: its own)."""
+    head, _, base = key.rpartition("/")
+    if is_rank_metadata(base):
+        return head, key
+    if is_rank_metadata(key):
+        return "", key
+    return key, key
+
+
+def _whole_file(files: _Files, rel: str) -> RawLeaf:
+    return RawLeaf(rel, 0, files.size(rel))
+
+
+def _torch(listing: Listing, parsed: Parsed, files: _Files, rel: str) -> dict[LeafName, Leaf]:
+    try:
+        torch_file = parsed.torch_files.get(rel) or listing.parse_torch(rel)
+    except (UnsafeInputError, NotATorchFile, UsageError):
+        return {(rel, ()): _whole_file(files, rel)}
+    return {(rel, path): leaf for path, leaf in torch_leaves(torch_file, rel, listing.named(rel)).items()}
+
+
+def side_leaves(listing: Listing, parsed: Parsed, files: _Files) -> dict[LeafName, Leaf]:
+    """Every leaf of the checkpoint ``listing`` found (``parsed``: what reading it kept)."""
+    if listing.is_file:
+        return _torch(listing, parsed, files, "")
+    leaves: dict[LeafName, Leaf] = {}
+    for key, meta in parsed.dcp.items():
+        rel, file = _dcp_directory(key)
+        found = dcp_leaves(meta, _Shards(files, rel), rel, file or ".")
+        leaves.update(((file, path), leaf) for path, leaf in found.items())
+    for item in listing.listed():
+        if item.unread is not None or item.role == "dcp":
+            continue
+        if item.role == "torch":
+            leaves.update(_torch(listing, parsed, files, item.rel))
+        elif item.role == "safetensors":
+            try:
+                found = safetensors_leaves(Path(item.rel), item.rel, listing.named(item.rel), listing.reader(item.rel))
+            except InputError:
+                found = {(): _whole_file(files, item.rel)}
+            leaves.update(((item.rel, path), leaf) for path, leaf in found.items())
+    for rel, size in listing.others():
+        leaves[rel, ()] = RawLeaf(rel, 0, size)
+    return leaves
+
+
+def _resolved(piece: Piece, dtype: str, files: _Files) -> Piece:
+    """A piece whose layout is known: a DCP chunk's from the ``torch.save`` archive holding it (or its raw bytes,
+    where a storage writer stores them as they are)."""
+    if piece.archive is None:
+        return piece
+    where = f"{files.listing.named(piece.file)}@{piece.base}"
+    if piece.transforms:
+        raise UsageError(
+            f"its chunks are compressed ({', '.join(piece.transforms)}): compare them with {{argument}}",
+            path=where,
+            argument="metadata_only",
+        )
+    if files.read(piece.file, piece.base, len(ZIP_MAGIC)) != ZIP_MAGIC:
+        if piece.archive != numel(piece.size) * itemsize(dtype):
+            raise InputError(f"a chunk of {piece.archive} bytes holds {numel(piece.size)} {dtype} elements", path=where)
+        return Piece(piece.start, piece.size, piece.file, piece.base, piece.stride, 0)
+    chunk = cast(BinaryIO, FileSlice(files.stream(piece.file), piece.base, piece.archive))
+    archive = open_zip(chunk, Path(where), where)
+    meta = tensor_meta(archive.graph.root)
+    if meta is None or meta.shape != piece.size or meta.dtype != dtype or not meta.in_bounds:
+        raise InputError(f"its chunk is no {dtype} tensor of shape {list(piece.size)}", path=where)
+    base = piece.base + archive.offsets[meta.storage]
+    return Piece(piece.start, piece.size, piece.file, base, meta.stride, meta.storage_offset)
+
+
+def _meet(a: Piece, b: Piece) -> Box | None:
+    start = tuple(max(x, y) for x, y in zip(a.start, b.start, strict=True))
+    end = tuple(min(x + dx, y + dy) for x, dx, y, dy in zip(a.start, a.size, b.start, b.size, strict=True))
+    if any(lo >= hi for lo, hi in zip(start, end, strict=True)):
+        return None if start else ((), ())
+    return start, tuple(hi - lo for lo, hi in zip(start, end, strict=True))
+
+
+def _runs(piece: Piece, box: Box, item: int) -> Iterator[tuple[int, int]]:
+    """The ``(offset, length)`` runs of bytes that the box's elements take in the piece's file, in row-major
+    order, adjacent runs joined."""
+    start, size = box
+    first = piece.offset + sum((s - p) * stride for s, p, stride in zip(start, piece.start, piece.stride, strict=True))
+    inner, span = len(size), 1  # the trailing dimensions that lie as one run
+    while inner > 0 and (size[inner - 1] == 1 or piece.stride[inner - 1] == span):
+        span *= size[inner - 1]
+        inner -= 1
+    pending: tuple[int, int] | None = None
+    for index in itertools.product(*(range(extent) for extent in size[:inner])):
+        offset = piece.base + (first + sum(i * stride for i, stride in zip(index, piece.stride, strict=False))) * item
+        if pending is not None and pending[0] + pending[1] == offset:
+            pending = (pending[0], pending[1] + span * item)
+            continue
+        if pending is not None:
+            yield pending
+        pending = (offset, span * item)
+    if pending is not None:
+        yield pending
+
+
+class _Reader:
+    """The bytes of a sequence of runs in one file, taken a block at a time."""
+
+    def __init__(self, files: _Files, file: str, runs: Iterator[tuple[int, int]]) -> None:
+        self._files, self._file, self._runs = files, file, runs
+        self._offset, self._left = 0, 0
+
+    def take(self, length: int) -> bytes:
+        parts = []
+        while length:
+            if not self._left:
+                self._offset, self._left = next(self._runs)
+            size = min(length, self._left)
+            parts.append(self._files.read(self._file, self._offset, size))
+            self._offset, self._left, length = self._offset + size, self._left - size, length - size
+        return b"".join(parts) if len(parts) != 1 else parts[0]
+
+
+@dataclass
+class _Compared:
+    tally: ElementTally
+    covered: int = 0
+    nbytes: int = 0
+    first: tuple[bytes, bytes] | None = None
+
+
+def _stream_pair(
+    compared: _Compared, files: tuple[_Files, _Files], pieces: tuple[Piece, Piece], box: Box, item: int
+) -> None:
+    readers = [_Reader(side, piece.file, _runs(piece, box, item)) for side, piece in zip(files, pieces, strict=True)]
+    left = numel(box[1]) * item
+    compared.covered += numel(box[1])
+    block = CHUNK - CHUNK % item
+    while left:
+        length = min(block, left)
+        a, b = readers[0].take(length), readers[1].take(length)
+        if compared.first is None:
+            compared.first = (a[:item], b[:item])
+        compared.tally.add(a, b)
+        compared.nbytes += length
+        left -= length
+
+
+def compare_tensors(a: TensorLeaf, b: TensorLeaf, files: tuple[_Files, _Files]) -> _Compared:
+    """The elements of two tensors of one dtype and shape, compared where their pieces meet."""
+    item = itemsize(a.dtype)
+    compared = _Compared(ElementTally(a.dtype))
+    pieces_b = [_resolved(piece, b.dtype, files[1]) for piece in b.pieces]
+    for piece_a in (_resolved(piece, a.dtype, files[0]) for piece in a.pieces):
+        for piece_b in pieces_b:
+            box = _meet(piece_a, piece_b)
+            if box is not None:
+                _stream_pair(compared, files, (piece_a, piece_b), box, item)
+    return compared
+
+
+def compare_raw(a: RawLeaf, b: RawLeaf, files: tuple[_Files, _Files]) -> _Compared:
+    """Two stretches of stored bytes of one length, byte by byte."""
+    whole = ((0,), (a.length,))
+    pieces = tuple(Piece((0,), (leaf.length,), leaf.file, leaf.offset, (1,), 0) for leaf in (a, b))
+    compared = _Compared(ElementTally("bits8"))
+    _stream_pair(compared, files, (pieces[0], pieces[1]), whole, 1)
+    return compared
+
+
+def _place(leaf: Leaf) -> tuple[str, int]:
+    if isinstance(leaf, TensorLeaf) and leaf.pieces:
+        return leaf.pieces[0].file, leaf.pieces[0].base
+    return (leaf.file, leaf.offset) if isinstance(leaf, RawLeaf) else ("", -1)
+
+
+@dataclass
+class _Sides:
+    """Both sides, read, listed and opened."""
+
+    inventories: tuple[CheckpointInventory, CheckpointInventory]
+    leaves: tuple[dict[LeafName, Leaf], dict[LeafName, Leaf]]
+    files: tuple[_Files, _Files]
+
+
+def _bytes_differ(
+    name: LeafName, a: Leaf, b: Leaf, sides: _Sides, values: tuple[Values, Values]
+) -> tuple[LeafDifference | None, int]:
+    if isinstance(a, TensorLeaf) and isinstance(b, TensorLeaf):
+        compared = compare_tensors(a, b, sides.files)
+        if compared.covered != a.numel:
+            return LeafDifference(leaf_text(name), "chunks", described(a), described(b)), compared.nbytes
+        if a.numel == 1 and compared.first is not None:
+            values[0][name], values[1][name] = (decode_element(a.dtype, first) for first in compared.first)
+    else:
+        assert isinstance(a, RawLeaf) and isinstance(b, RawLeaf)
+        compared = compare_raw(a, b, sides.files)
+    tally = compared.tally
+    if not tally.differing:
+        return None, compared.nbytes
+    numel_ = a.numel if isinstance(a, TensorLeaf) else a.length
+    found = LeafDifference(
+        leaf_text(name), "bytes", described(a), described(b), tally.differing, numel_, tally.largest, tally.non_finite
+    )
+    return found, compared.nbytes
+
+
+def compared(sides: _Sides, *, metadata_only: bool, paths: tuple[str, str], started: float) -> Difference:
+    """What differs between the two sides."""
+    leaves_a, leaves_b = sides.leaves
+    found: list[LeafDifference] = []
+    found.extend(
+        LeafDifference(leaf_text(n), "only in A", described(leaf), None)
+        for n, leaf in leaves_a.items()
+        if n not in leaves_b
+    )
+    found.extend(
+        LeafDifference(leaf_text(n), "only in B", None, described(leaf))
+        for n, leaf in leaves_b.items()
+        if n not in leaves_a
+    )
+    values: tuple[Values, Values] = ({}, {})
+    counts = {"tensors": 0, "values": 0, "raw": 0, "identical": 0, "bytes": 0}
+    both = sorted((name for name in leaves_a if name in leaves_b), key=lambda name: _place(leaves_a[name]))
+    for name in both:
+        a, b = leaves_a[name], leaves_b[name]
+        kind = "tensors" if isinstance(a, TensorLeaf) else "values" if isinstance(a, ValueLeaf) else "raw"
+        counts[kind] += 1
+        differs = leaf_differences(name, a, b)
+        found.extend(differs)
+        read = not metadata_only or (isinstance(a, TensorLeaf) and a.numel == 1)  # a step is read either way
+        if read and kind != "values" and not any(d.what in ("kind", "dtype", "shape", "bytes") for d in differs):
+            difference, nbytes = _bytes_differ(name, a, b, sides, values)
+            counts["bytes"] += nbytes
+            if difference is not None:
+                differs = [*differs, difference]
+                found.append(difference)
+        counts["identical"] += not differs
+    optimizers, only_a, only_b = optimizer_differences(*sides.inventories, values[0], values[1])
+    tally = LeafTally(counts["tensors"], counts["values"], counts["raw"], counts["identical"], counts["bytes"])
+    return Difference(
+        paths[0], paths[1], metadata_only, optimizers, only_a, only_b, tuple(found), tally, time.monotonic() - started
+    )
+
+
+def diff_listings(a: Listing, b: Listing, *, metadata_only: bool = False) -> Difference:
+    """Compare the checkpoints two listings found: everything each holds, ``metadata_only`` without tensor bytes."""
+    started = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        read = [read_parsed(listing) for listing in (a, b)]
+        files = (_Files(a, stack), _Files(b, stack))
+        leaves = (side_leaves(a, read[0][1], files[0]), side_leaves(b, read[1][1], files[1]))
+        for listing in (a, b):
+            listing.check_unchanged()
+        sides = _Sides((read[0][0], read[1][0]), leaves, files)
+        return compared(sides, metadata_only=metadata_only, paths=(a.root, b.root), started=started)

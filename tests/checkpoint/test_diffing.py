@@ -1,0 +1,171 @@
+"""``diff`` on pairs real libraries wrote: two steps of one AdamW run (the laggards and the advancing named), an
+original and its repaired copy (only the additions differ), a DCP checkpoint and torch's ``dcp_to_torch_save`` of
+it (the same), a torch file with one bit of a moment flipped (found and counted), and a side in a real S3 server."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+from optim_repair import api
+from optim_repair.errors import InputError
+from optim_repair.formats.torchfile import open_torch_file
+from tests.factories import dcp as dk
+from tests.factories import s3server, trainers
+from tests.factories.s3server import PREFIX
+
+EXPERT_EVERY = 3
+"""The expert gets a gradient on steps 0, 3, 6, ...: none between the saves at steps 4 and 6 but step 3's."""
+
+
+def _run(root: Path, saves: tuple[int, ...]) -> list[Path]:
+    """One real AdamW run (a body trained every step, an expert now and then, a head never), saved as UniRL saves
+    it (``get_optimizer_state_dict``, ``torch.save``) after each step in ``saves``."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"body": nn.Linear(4, 4), "expert": nn.Linear(4, 4), "head": nn.Linear(4, 2)})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    paths = []
+    for step in range(1, max(saves) + 1):
+        optimizer.zero_grad(set_to_none=True)
+        hidden = torch.tanh(model["body"](x))
+        if (step - 1) % EXPERT_EVERY == 0:
+            hidden = model["expert"](hidden)
+        hidden.pow(2).mean().backward()
+        optimizer.step()
+        if step in saves:
+            path = root / f"step-{step}" / "checkpoint.pt"
+            path.parent.mkdir(parents=True)
+            state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+            torch.save(state, path)
+            paths.append(path)
+    return paths
+
+
+def test_two_steps_of_a_run_name_the_parameters_that_advanced_and_those_that_did_not(tmp_path: Path) -> None:
+    first, second = _run(tmp_path, (5, 6))
+    difference = api.diff(first, second)
+    assert not difference.same
+    (optimizer,) = difference.optimizers
+    assert {step.param for step in optimizer.moved("advanced")} == {"body.weight", "body.bias"}
+    assert {(step.param, step.a, step.b) for step in optimizer.moved("same")} == {
+        ("expert.weight", 2.0, 2.0), ("expert.bias", 2.0, 2.0), ("head.weight", 0, 0), ("head.bias", 0, 0)
+    }  # fmt: skip
+    assert not (optimizer.appeared or optimizer.vanished or optimizer.options or optimizer.only_in_a)
+    differing = {leaf.name: leaf for leaf in difference.leaves}
+    assert set(differing) == {
+        "model.body.weight",
+        "model.body.bias",
+        "optimizer.state.body.weight.step",
+        "optimizer.state.body.bias.step",
+        "optimizer.state.body.weight.exp_avg",
+        "optimizer.state.body.weight.exp_avg_sq",
+        "optimizer.state.body.bias.exp_avg",
+        "optimizer.state.body.bias.exp_avg_sq",
+    }  # fmt: skip: a parameter without a gradient is passed over, its moments and weights as they were
+    step = differing["optimizer.state.body.weight.step"]
+    assert (step.what, step.elements, step.numel, step.largest) == ("bytes", 1, 1, 1.0)
+    assert difference.tally.bytes_compared > 0
+
+
+def test_a_checkpoint_and_a_copy_of_it_hold_the_same(tmp_path: Path) -> None:
+    (first,) = _run(tmp_path, (2,))
+    copy = tmp_path / "copy.pt"
+    shutil.copyfile(first, copy)
+    difference = api.diff(first, copy)
+    assert difference.same and not difference.leaves
+    assert difference.tally.identical == difference.tally.tensors + difference.tally.values
+
+
+def test_an_original_and_its_repaired_copy_differ_only_by_the_added_entries(tmp_path: Path) -> None:
+    built = trainers.unirl_torch(tmp_path / "in")
+    api.fix(built.path, tmp_path / "out", fill="fresh", sync=False)
+    difference = api.diff(built.path, tmp_path / "out")
+    (optimizer,) = difference.optimizers
+    ((_, missing),) = built.missing.items()
+    assert set(optimizer.appeared) == {str(name) for name in missing}
+    assert {leaf.what for leaf in difference.leaves} == {"only in B"}
+    assert {leaf.name.split(".state.")[1].rsplit(".", 1)[0] for leaf in difference.leaves} == set(missing)
+    assert not (optimizer.vanished or optimizer.options or optimizer.only_in_a or optimizer.only_in_b)
+
+
+def test_a_dcp_checkpoint_and_torchs_conversion_of_it_hold_the_same(tmp_path: Path) -> None:
+    built = dk.unirl_dcp(tmp_path / "in")
+    converted = tmp_path / "converted.pt"
+    dcp_to_torch_save(built.path, converted)
+    for a, b in ((built.path, converted), (converted, built.path)):
+        difference = api.diff(a, b)
+        assert difference.same, difference.leaves
+        (optimizer,) = difference.optimizers
+        assert optimizer.steps and {step.movement for step in optimizer.steps} == {"same"}
+        assert difference.tally.tensors > 0 and difference.tally.bytes_compared > 0
+
+
+def test_two_ranks_chunks_compare_with_the_whole_tensors_of_the_conversion(tmp_path: Path) -> None:
+    built = dk.sharded_dcp(tmp_path / "in")
+    converted = tmp_path / "converted.pt"
+    dcp_to_torch_save(built.path, converted)
+    difference = api.diff(built.path, converted)
+    assert difference.same, difference.leaves
+
+
+def _flip_first_moment_bit(path: Path, name: str) -> None:
+    """Flip the lowest bit of the first element of the state tensor ``name`` (``exp_avg``), in place."""
+    parsed = open_torch_file(path, path.name)
+    entry = parsed.graph.root["optimizer"]["state"][name]["exp_avg"]
+    storage = entry.args[0]
+    offset, _ = parsed.storage_range(storage.key)
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_one_flipped_bit_in_a_moment_is_found_and_counted(tmp_path: Path) -> None:
+    (first,) = _run(tmp_path, (2,))
+    flipped = tmp_path / "flipped.pt"
+    shutil.copyfile(first, flipped)
+    _flip_first_moment_bit(flipped, "body.weight")
+    difference = api.diff(first, flipped)
+    (leaf,) = difference.leaves
+    assert (leaf.name, leaf.what, leaf.elements, leaf.numel) == ("optimizer.state.body.weight.exp_avg", "bytes", 1, 16)
+    original = struct.unpack("<f", first.read_bytes()[_offset(first) : _offset(first) + 4])[0]
+    changed = struct.unpack("<f", flipped.read_bytes()[_offset(first) : _offset(first) + 4])[0]
+    assert leaf.largest == pytest.approx(abs(original - changed), rel=1e-6)
+    assert api.diff(first, flipped, metadata_only=True).same  # no tensor bytes read
+
+
+def _offset(path: Path) -> int:
+    parsed = open_torch_file(path, path.name)
+    storage = parsed.graph.root["optimizer"]["state"]["body.weight"]["exp_avg"].args[0]
+    return parsed.storage_range(storage.key)[0]
+
+
+def test_a_truncated_side_is_an_input_error_naming_it(tmp_path: Path) -> None:
+    (first,) = _run(tmp_path, (2,))
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(first.read_bytes()[:-200])
+    with pytest.raises(InputError):
+        api.diff(first, cut)
+
+
+def test_a_side_in_a_store_compares_as_it_does_on_a_disk(
+    server: s3server.Server, environment: None, tmp_path: Path
+) -> None:
+    built = dk.sharded_dcp(tmp_path / "in")
+    bucket = s3server.new_bucket(server)
+    s3server.upload(server, built.path, bucket, PREFIX)
+    converted = tmp_path / "converted.pt"
+    dcp_to_torch_save(built.path, converted)
+    assert api.diff(f"s3://{bucket}/{PREFIX}", converted).same
+    api.fix(built.path, tmp_path / "out", sync=False)
+    difference = api.diff(f"s3://{bucket}/{PREFIX}", tmp_path / "out")
+    (optimizer,) = difference.optimizers
+    ((_, missing),) = built.missing.items()
+    assert set(optimizer.appeared) == set(missing) and {leaf.what for leaf in difference.leaves} == {"only in B"}

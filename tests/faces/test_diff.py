@@ -1,0 +1,65 @@
+"""``optim-repair diff`` as a user runs it: exit 0 for the same state and 1 for a difference, one JSON document,
+an 80-column report that names who is not training, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from tests.checkpoint.test_diffing import _run
+from tests.conftest import run_cli
+from tests.factories.terminal import run_in_terminal
+
+
+def test_the_same_state_is_exit_0_and_a_difference_exit_1(tmp_path: Path) -> None:
+    first, second = _run(tmp_path, (5, 6))
+    copy = tmp_path / "copy.pt"
+    shutil.copyfile(first, copy)
+    same = run_cli(["diff", first, copy], code=0)
+    assert "same; " in same.stdout and not same.stderr
+    run_cli(["diff", first, second], code=1)
+
+
+def test_json_is_one_document_with_every_step_and_every_difference(tmp_path: Path) -> None:
+    first, second = _run(tmp_path, (5, 6))
+    document = json.loads(run_cli(["diff", first, second, "--json"], code=1).stdout)
+    assert document["schema_version"] == 2 and document["same"] is False and document["metadata_only"] is False
+    (optimizer,) = document["optimizers"]
+    assert optimizer["steps"] == {"advanced": 2, "same": 4, "went_back": 0, "unknown": 0}
+    moved = {change["param"]: (change["a"], change["b"], change["movement"]) for change in optimizer["step_changes"]}
+    assert moved["body.weight"] == (5.0, 6.0, "advanced") and moved["head.bias"] == (0, 0, "same")
+    assert len(document["differences"]) == 8 and document["leaves"]["bytes_compared"] > 0
+    assert all(leaf["what"] == "bytes" and leaf["elements"] >= 1 for leaf in document["differences"])
+
+
+def test_on_an_80_column_terminal_the_report_names_who_is_not_training(tmp_path: Path) -> None:
+    first, second = _run(tmp_path, (5, 6))
+    code, lines = run_in_terminal(["diff", str(first), str(second), "--color", "never"])
+    assert code == 1
+    assert all(len(line) <= 80 for line in lines), lines
+    at = lines.index("optimizer optimizer: step 2 advanced, 4 stood still")
+    assert lines[at + 1].startswith("  not training: ") and lines[at + 2].startswith("  ")
+    said = " ".join(" ".join(lines[at + 1 : at + 3]).split())
+    assert (
+        said == "not training: head.weight (step 0), head.bias (step 0), expert.weight (step 2), expert.bias (step 2)"
+    )
+    assert lines[-1].startswith("differ: 8 leaves; 36 in both, 28 identical; ") and len(lines) <= 24  # one screen
+
+
+def test_metadata_only_reads_no_tensor_bytes_but_steps(tmp_path: Path) -> None:
+    first, second = _run(tmp_path, (5, 6))
+    document = json.loads(run_cli(["diff", first, second, "--json", "--metadata-only"], code=1).stdout)
+    assert document["metadata_only"] is True
+    assert {leaf["name"] for leaf in document["differences"]} == {
+        "optimizer.state.body.weight.step", "optimizer.state.body.bias.step"
+    }  # fmt: skip
+    assert document["leaves"]["bytes_compared"] == 4 * 4  # one float32 step a parameter with state
+
+
+def test_a_missing_side_is_one_line_and_exit_4(tmp_path: Path) -> None:
+    (first,) = _run(tmp_path, (2,))
+    result = run_cli(["diff", first, tmp_path / "nowhere.pt"], code=4)
+    assert result.stderr.count("\n") == 1 and "nowhere.pt" in result.stderr
+    document = json.loads(run_cli(["diff", first, tmp_path / "nowhere.pt", "--json"], code=4).stdout)
+    assert document["error"]["exit_code"] == 4
