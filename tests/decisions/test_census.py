@@ -4,14 +4,7 @@ expert as lagging, with the head at step 0; in JSON every parameter's step, on a
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-import pty
-import re
-import struct
-import subprocess
-import termios
 from pathlib import Path
 
 import torch
@@ -22,7 +15,7 @@ from optim_repair.decisions.census import step_census
 from optim_repair.formats.dcp import read_dcp
 from tests.conftest import run_cli
 from tests.factories import dcp as dk
-from tests.factories.support import installed_command
+from tests.factories.terminal import run_in_terminal
 
 STEPS = 6
 EXPERT_EVERY = 3
@@ -81,26 +74,8 @@ def test_no_census_where_no_step_is_read(tmp_path: Path) -> None:
 
 def test_on_an_80_column_terminal_the_laggards_are_named_within_the_width(tmp_path: Path) -> None:
     path = _saved(tmp_path / "run")
-    leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
-    env = {key: value for key, value in os.environ.items() if key not in ("COLUMNS", "LINES")}
-    process = subprocess.Popen(
-        [*installed_command(), "inspect", str(path), "--color", "never"],
-        stdin=follower, stdout=follower, stderr=follower, env={**env, "TERM": "xterm"},
-    )  # fmt: skip
-    os.close(follower)
-    output = b""
-    while True:
-        try:
-            chunk = os.read(leader, 65536)
-        except OSError:  # the follower closed: EIO
-            break
-        if not chunk:
-            break
-        output += chunk
-    os.close(leader)
-    assert process.wait(timeout=60) == 1
-    lines = re.sub(r"\x1b\[[0-9;]*m", "", output.decode()).replace("\r\n", "\n").splitlines()  # styles: no width
+    code, lines = run_in_terminal(["inspect", str(path), "--color", "never"])
+    assert code == 1
     assert all(len(line) <= 80 for line in lines), lines
     text = " ".join(" ".join(lines).split())
     assert "lagging-steps" in text and "expert.weight (2)" in text and "head.weight (0)" in text
