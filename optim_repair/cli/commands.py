@@ -117,6 +117,8 @@ def inspect(
 ) -> None:
     """Report every optimizer, every parameter without state, and every malformed entry."""
     screen = make_screen(color, quiet)
+    given = {"--model": model, "--for-torch": for_torch, "--profile": profile, "--endpoint-url": endpoint_url}
+    carried = (*(["--dereference"] if dereference else []), *(w for o, v in given.items() if v for w in (o, v)))
 
     def command() -> int:
         diagnosis = api.inspect(
@@ -127,7 +129,7 @@ def inspect(
             if json:
                 render.print_json(render.inspect_document(diagnosis))
             else:
-                render.print_inspect(diagnosis, screen)
+                render.print_inspect(diagnosis, screen, carried)
         return _VERDICT_EXIT[diagnosis.verdict]
 
     run_command(command, screen, json=json)

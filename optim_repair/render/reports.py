@@ -24,6 +24,7 @@ from optim_repair.render.terminal import (
     listed,
     name,
     new_table,
+    print_command,
     print_line,
     print_table,
     shown_names,
@@ -43,19 +44,24 @@ def _notice_code(notice: Notice) -> tuple[str, str]:
     return notice.code, _NOTICE_STYLE[notice.severity]
 
 
+_FINDINGS = ("missing", "empty", "malformed")
+"""The table's columns of findings, each left out where it is zero in every row."""
+
+
 def _print_optimizer_table(console: Console, diagnosis: Diagnosis) -> None:
+    counts = [{"missing": opt.missing, "empty": opt.empty, "malformed": opt.malformed} for opt in diagnosis.optimizers]
+    found = [column for column in _FINDINGS if any(count[column] for count in counts)]
     table = new_table(console)
-    for column in ("optimizer", "keys", "groups", "params", "states", "missing", "empty", "malformed"):
+    for column in ("optimizer", "keys", "groups", "params", "states", *found):
         table.add_column(column, justify="right" if column in ("groups", "params", "states") else "left")
     rows = []
-    for opt in diagnosis.optimizers:
-        row = [
-            _optimizer_label(opt), opt.key_style, str(opt.groups), str(opt.params), str(opt.states),
-            str(len(opt.missing)), str(len(opt.empty)), str(len(opt.malformed)),
-        ]  # fmt: skip
-        rows.append(row)
-        styles = {5: "yellow" if opt.missing else "", 7: "red" if opt.malformed else ""}
-        table.add_row(*(Shown(value, style=styles.get(i, "")) for i, value in enumerate(row)))
+    styles = {"missing": "yellow", "malformed": "red"}
+    for opt, count in zip(diagnosis.optimizers, counts, strict=True):
+        rows.append([_optimizer_label(opt), opt.key_style, str(opt.groups), str(opt.params), str(opt.states)])
+        rows[-1] += [str(len(count[column])) for column in found]
+        cells = [Shown(value) for value in rows[-1][:5]]
+        cells += [Shown(str(len(count[c])), style=styles.get(c, "") if count[c] else "") for c in found]
+        table.add_row(*cells)
     print_table(console, table, rows)
 
 
@@ -87,7 +93,7 @@ def _print_model(console: Console, where: str, found: ModelComparison) -> None:
     if found.not_in_model:
         print_line(console, Shown.assemble(("not-in-model", "yellow"), f": {shown_names(found.not_in_model)}"))
     if found.rename is not None:
-        print_line(console, Shown(f"every such name maps onto the model's with: fix --rename '{found.rename}'"))
+        print_line(console, Shown(f"every such name maps onto the model's with the rename {found.rename}"))
     for mismatch in found.shape_mismatches:
         shapes = f"{list(mismatch.state_shape)} but the model's parameter has {list(mismatch.model_shape)}"
         detail = f": {name(mismatch.param)} {name(mismatch.key)} is {shapes}"
@@ -97,7 +103,8 @@ def _print_model(console: Console, where: str, found: ModelComparison) -> None:
         print_line(console, Shown.assemble(("not-in-optimizer", "cyan"), names))
 
 
-def print_inspect(diagnosis: Diagnosis, screen: Screen) -> None:
+def print_inspect(diagnosis: Diagnosis, screen: Screen, carried: tuple[str, ...] = ()) -> None:
+    """The report; a repairable one ends with the fix to run, ``carried`` the options it takes over from inspect's."""
     console = screen.stdout()
     verdict = diagnosis.verdict
     path, fmt = name(diagnosis.inventory.path), diagnosis.inventory.format
@@ -106,6 +113,29 @@ def print_inspect(diagnosis: Diagnosis, screen: Screen) -> None:
     _print_details(console, diagnosis)
     if diagnosis.inventory.traffic is not None:
         print_line(console, Shown(_traffic(diagnosis.inventory.traffic)), indent=0)
+    if verdict == "repairable":
+        print_command(console, "next: ", _fix_command(diagnosis, carried))
+
+
+def _fix_command(diagnosis: Diagnosis, carried: tuple[str, ...]) -> list[str]:
+    """``optim-repair fix CKPT --out CKPT-fixed``, with the renames that map the names onto the model's."""
+    path = name(diagnosis.inventory.path)
+    if diagnosis.inventory.is_directory or path.endswith("/"):
+        slash = "/" if path.endswith("/") else ""
+        out = f"{path.rstrip('/')}-fixed{slash}"
+    else:
+        stem, dot, suffix = path.rpartition(".")
+        out = f"{stem}-fixed.{suffix}" if dot and "/" not in suffix else f"{path}-fixed"
+    renames = dict.fromkeys(str(opt.model.rename) for opt in diagnosis.optimizers if opt.model and opt.model.rename)
+    return [
+        "optim-repair",
+        "fix",
+        path,
+        "--out",
+        out,
+        *carried,
+        *(w for rename in renames for w in ("--rename", rename)),
+    ]
 
 
 def _human_bytes(count: int) -> str:
