@@ -65,16 +65,29 @@ def _print_optimizer_table(console: Console, diagnosis: Diagnosis) -> None:
     print_table(console, table, rows)
 
 
+def _findings(opt: OptimizerDiagnosis) -> list[tuple[str, str, str]]:
+    """The parameters without state and the notices of ``opt``: code, style, detail."""
+    missing = [("missing", "yellow", shown_names(opt.missing))] if opt.missing else []
+    return missing + [(notice.code, _NOTICE_STYLE[notice.severity], notice.detail) for notice in opt.notices]
+
+
 def _print_details(console: Console, diagnosis: Diagnosis) -> None:
+    """Each optimizer's findings; one that several optimizers share (the steps of a run) said once, naming each."""
+    sharing: dict[tuple[str, str], list[str]] = {}
+    for opt in diagnosis.optimizers:
+        for code, _, detail in _findings(opt):
+            sharing.setdefault((code, detail), []).append(_optimizer_label(opt))
     for opt in diagnosis.optimizers:
         where = _optimizer_label(opt)
-        if opt.missing:
-            print_line(console, Shown.assemble(("missing", "yellow"), f" in {where}: {shown_names(opt.missing)}"))
         for finding in opt.malformed:
             detail = f" in {where}: {finding.param!r}: {finding.detail}"
             print_line(console, Shown.assemble((finding.code, "red"), detail))
-        for notice in opt.notices:
-            print_line(console, Shown.assemble(_notice_code(notice), f" in {where}: {notice.detail}"))
+        for code, style, detail in _findings(opt):
+            places = sharing[(code, detail)]
+            if places[0] == where:
+                print_line(
+                    console, Shown.assemble((code, style), f" in {listed(places[:SHOWN], len(places))}: {detail}")
+                )
         if opt.model is not None:
             _print_model(console, where, opt.model)
     for notice in diagnosis.notices:

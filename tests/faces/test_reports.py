@@ -124,3 +124,13 @@ def test_inspect_at_80_columns_fits_hangs_its_notices_and_ends_with_the_fix_to_r
     assert fixed.returncode == 0, fixed.stderr
     healthy = piped(tmp_path, "inspect", "torch/checkpoint-2-fixed")
     assert ": healthy" in healthy and "next:" not in healthy
+
+
+def test_a_run_directory_says_each_notice_once_naming_its_steps(tmp_path: Path) -> None:
+    trainers.unirl_torch(tmp_path / "run")
+    shutil.copytree(tmp_path / "run" / "checkpoint-2", tmp_path / "run" / "checkpoint-4")
+    lines = piped(tmp_path, "inspect", "run").splitlines()
+    steps = "in checkpoint-2/checkpoint.pt:optimizer_state_dict, checkpoint-4/checkpoint.pt:optimizer_state_dict:"
+    for code in ("missing", "stock-loader-phantom-step", "fsdp1-loader"):
+        (line,) = [line for line in lines if line.lstrip().startswith(f"{code} ")]
+        assert line.startswith(f"  {code} {steps} "), line
