@@ -12,6 +12,8 @@ import typer
 from optim_repair import api, render, signals
 from optim_repair.cli.boundary import (
     FILLS,
+    MODEL_CHANGES,
+    STORAGE,
     Checkpoint,
     ColorOption,
     Command,
@@ -141,7 +143,12 @@ def inspect(
         {
             ExitCode.OK: "copy written and verified (with --dry-run: planned, nothing written)",
             ExitCode.MALFORMED: "malformed, or not repairable as asked; nothing written",
-        }
+        },
+        examples=(
+            "optim-repair fix ckpt/ --out fixed/ --dry-run",
+            "optim-repair fix ckpt/ --out fixed/ --rename '^_orig_mod\\.='",
+            "optim-repair fix s3://bucket/run/ --latest --out s3://bucket/fixed/",
+        ),
     ),
 )
 def fix(
@@ -190,25 +197,38 @@ def fix(
             metavar="OLD=NEW",
             help="Rename parameters: a Python regular expression and its replacement, applied to every name in "
             "state and param_groups (repeatable; before --drop and --add-from-model).",
+            rich_help_panel=MODEL_CHANGES,
         ),
     ] = None,
     drop: Annotated[
         list[str] | None,
-        typer.Option(metavar="PATTERN", help="Drop the parameters whose name matches (repeatable)."),
+        typer.Option(
+            metavar="PATTERN",
+            help="Drop the parameters whose name matches (repeatable).",
+            rich_help_panel=MODEL_CHANGES,
+        ),
     ] = None,
     drop_not_in_model: Annotated[
-        bool, typer.Option("--drop-not-in-model", help="Drop every parameter the model does not have.")
+        bool,
+        typer.Option(
+            "--drop-not-in-model", help="Drop every parameter the model does not have.", rich_help_panel=MODEL_CHANGES
+        ),
     ] = False,
     add_from_model: Annotated[
         bool,
         typer.Option(
             "--add-from-model",
             help="Add every model parameter no param group holds (to --to-group), filled as --fill says.",
+            rich_help_panel=MODEL_CHANGES,
         ),
     ] = False,
     to_group: Annotated[
         int | None,
-        typer.Option(metavar="N", help="The param group (0-based) --add-from-model adds to; default: the only one."),
+        typer.Option(
+            metavar="N",
+            help="The param group (0-based) --add-from-model adds to; default: the only one.",
+            rich_help_panel=MODEL_CHANGES,
+        ),
     ] = None,
     reset_phantom_step: Annotated[
         bool,
@@ -216,6 +236,7 @@ def fix(
             "--reset-phantom-step",
             help="Also turn entries with step=1 and all-zero moments (a phantom step) back into the state the "
             "optimizer would have: {}, or with --fill fresh its exact fresh state.",
+            rich_help_panel=MODEL_CHANGES,
         ),
     ] = False,
     latest: LatestFlag = False,
@@ -230,6 +251,7 @@ def fix(
             metavar="store|download",
             parser=choice("--verify", ["store", "download"]),
             help="For s3://: prove server-side copies by the store's checksums (store), or read them back.",
+            rich_help_panel=STORAGE,
         ),
     ] = "store",
     profile: ProfileOption = None,
