@@ -170,7 +170,7 @@ def _after(text: Text, offset: int) -> Text:
 def print_command(console: Console, label: str, words: list[str]) -> None:
     """A command to run, after ``label``, quoted for the shell; on a terminal wrapped between its words, a
     backslash ending each line but the last and the later lines hanging, so that it still pastes whole."""
-    first, *rest = [shlex.quote(word) for word in words]
+    first, *rest = [escaped(shlex.quote(word)) for word in words]  # a name from the input, as every name is shown
     lines = [Shown(label, style="bold") + Shown(first)]
     for word in rest:
         if console.soft_wrap or len(lines[-1]) + len(word) + 3 <= console.width:  # a blank, and room for " \\"
