@@ -176,11 +176,8 @@ def _run_in(workdir: Path, progress: Callable[[str], None]) -> DemoReport:
     checkpoint = _save_like_unirl(workdir)
     stock_error = _stock_error(checkpoint)
     diagnosis = api.inspect(checkpoint)
-    fixes = tuple(
-        api.fix(checkpoint, workdir / f"{checkpoint.name}-{fill}", fill=fill, notice=progress)
-        for fill in ("empty", "fresh")
-    )
-    progress(f"resuming for {STEPS_AFTER} steps with every head in use, and comparing with a run that never stopped")
+    fixes = tuple(api.fix(checkpoint, workdir / f"{checkpoint.name}-{fill}", fill=fill) for fill in ("empty", "fresh"))
+    progress(f"resuming each copy for {STEPS_AFTER} steps, and training a run that never stopped")
     reference = _uninterrupted()
     empty, fresh = fixes
     outcomes = (

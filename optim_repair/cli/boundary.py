@@ -48,10 +48,12 @@ _COMMON_EXITS = {
 }
 
 
-def exit_codes(own: dict[ExitCode, str]) -> str:
-    """A command's exit codes, for the end of its help: its own, then those every command shares."""
+def exit_codes(own: dict[ExitCode, str], examples: tuple[str, ...] = ()) -> str:
+    """The end of a command's help: its ``examples``, then its exit codes, its own and those every command shares."""
     rows = sorted({**_COMMON_EXITS, **own}.items())
-    return "\b\nExit codes:\n" + "\n".join(f"  {int(code):>3}  {meaning}" for code, meaning in rows)
+    listed = "".join(f"  {line}\n" for line in examples)
+    shown = f"\b\nExamples:\n{listed}\n" if examples else ""
+    return shown + "\b\nExit codes:\n" + "\n".join(f"  {int(code):>3}  {meaning}" for code, meaning in rows)
 
 
 _click_errors: Any = importlib.import_module(typer.BadParameter.__module__)
@@ -85,6 +87,20 @@ class Command(TyperCommand):
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         # "optim-repair fix [OPTIONS] CKPT", as the docs write it, not typer's "{CKPT}"
         return [piece.strip("{}") for piece in super().collect_usage_pieces(ctx)]
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        """The argument, then the options, each under its ``rich_help_panel`` (``Options`` without one): the
+        grouping typer gives only in its rich help, in click's plain help."""
+        sections: dict[str, list[tuple[str, str]]] = {"Arguments": [], "Options": []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                panel = "Arguments" if param.param_type_name == "argument" else None
+                sections.setdefault(panel or getattr(param, "rich_help_panel", None) or "Options", []).append(record)
+        for title, records in sections.items():
+            if records:
+                with formatter.section(title):
+                    formatter.write_dl(records)
 
 
 class Group(TyperGroup):
@@ -126,6 +142,8 @@ def rename_pair(text: str) -> tuple[str, str]:
     return old, new
 
 
+MODEL_CHANGES, STORAGE, OUTPUT = "Model changes", "Object storage", "Output"
+"""The sections of a command's help that group its options, after the ``Options`` every run needs."""
 Checkpoint = Annotated[
     str,
     typer.Argument(
@@ -136,12 +154,20 @@ Checkpoint = Annotated[
 ]
 ProfileOption = Annotated[
     str | None,
-    typer.Option("--profile", metavar="NAME", help="For s3://: the AWS profile (default: as the AWS CLI finds it)."),
+    typer.Option(
+        "--profile",
+        metavar="NAME",
+        help="For s3://: the AWS profile (default: as the AWS CLI finds it).",
+        rich_help_panel=STORAGE,
+    ),
 ]
 EndpointOption = Annotated[
     str | None,
     typer.Option(
-        "--endpoint-url", metavar="URL", help="For s3://: an S3-compatible endpoint (default: AWS_ENDPOINT_URL)."
+        "--endpoint-url",
+        metavar="URL",
+        help="For s3://: an S3-compatible endpoint (default: AWS_ENDPOINT_URL).",
+        rich_help_panel=STORAGE,
     ),
 ]
 ForTorchOption = Annotated[
@@ -154,7 +180,10 @@ ForTorchOption = Annotated[
     ),
 ]
 JsonFlag = Annotated[
-    bool, typer.Option("--json", help="Print one JSON document (schema_version 2) instead, errors included.")
+    bool,
+    typer.Option(
+        "--json", help="Print one JSON document (schema_version 2) instead, errors included.", rich_help_panel=OUTPUT
+    ),
 ]
 LatestFlag = Annotated[
     bool,
@@ -173,7 +202,9 @@ DereferenceFlag = Annotated[
         "link is kept as a link (one to a file outside CKPT is read through; the copy holds a repaired file).",
     ),
 ]
-QuietFlag = Annotated[bool, typer.Option("--quiet", "-q", help="Show results only: no progress, no messages.")]
+QuietFlag = Annotated[
+    bool, typer.Option("--quiet", "-q", help="Show results only: no progress, no messages.", rich_help_panel=OUTPUT)
+]
 ColorOption = Annotated[
     str,
     typer.Option(
@@ -181,6 +212,7 @@ ColorOption = Annotated[
         metavar="auto|always|never",
         parser=choice("--color", ["auto", "always", "never"]),
         help="Colour: auto (a terminal, unless NO_COLOR), always, or never.",
+        rich_help_panel=OUTPUT,
     ),
 ]
 

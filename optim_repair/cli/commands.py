@@ -12,6 +12,8 @@ import typer
 from optim_repair import api, render, signals
 from optim_repair.cli.boundary import (
     FILLS,
+    MODEL_CHANGES,
+    STORAGE,
     Checkpoint,
     ColorOption,
     Command,
@@ -41,7 +43,7 @@ app = typer.Typer(
     cls=Group,
     help="Find and repair missing optimizer state in PyTorch checkpoints, without touching the original.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # plain click help
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -117,6 +119,8 @@ def inspect(
 ) -> None:
     """Report every optimizer, every parameter without state, and every malformed entry."""
     screen = make_screen(color, quiet)
+    given = {"--model": model, "--for-torch": for_torch, "--profile": profile, "--endpoint-url": endpoint_url}
+    carried = (*(["--dereference"] if dereference else []), *(w for o, v in given.items() if v for w in (o, v)))
 
     def command() -> int:
         diagnosis = api.inspect(
@@ -127,7 +131,7 @@ def inspect(
             if json:
                 render.print_json(render.inspect_document(diagnosis))
             else:
-                render.print_inspect(diagnosis, screen)
+                render.print_inspect(diagnosis, screen, carried)
         return _VERDICT_EXIT[diagnosis.verdict]
 
     run_command(command, screen, json=json)
@@ -139,7 +143,12 @@ def inspect(
         {
             ExitCode.OK: "copy written and verified (with --dry-run: planned, nothing written)",
             ExitCode.MALFORMED: "malformed, or not repairable as asked; nothing written",
-        }
+        },
+        examples=(
+            "optim-repair fix ckpt/ --out fixed/ --dry-run",
+            "optim-repair fix ckpt/ --out fixed/ --rename '^_orig_mod\\.='",
+            "optim-repair fix s3://bucket/run/ --latest --out s3://bucket/fixed/",
+        ),
     ),
 )
 def fix(
@@ -188,25 +197,38 @@ def fix(
             metavar="OLD=NEW",
             help="Rename parameters: a Python regular expression and its replacement, applied to every name in "
             "state and param_groups (repeatable; before --drop and --add-from-model).",
+            rich_help_panel=MODEL_CHANGES,
         ),
     ] = None,
     drop: Annotated[
         list[str] | None,
-        typer.Option(metavar="PATTERN", help="Drop the parameters whose name matches (repeatable)."),
+        typer.Option(
+            metavar="PATTERN",
+            help="Drop the parameters whose name matches (repeatable).",
+            rich_help_panel=MODEL_CHANGES,
+        ),
     ] = None,
     drop_not_in_model: Annotated[
-        bool, typer.Option("--drop-not-in-model", help="Drop every parameter the model does not have.")
+        bool,
+        typer.Option(
+            "--drop-not-in-model", help="Drop every parameter the model does not have.", rich_help_panel=MODEL_CHANGES
+        ),
     ] = False,
     add_from_model: Annotated[
         bool,
         typer.Option(
             "--add-from-model",
             help="Add every model parameter no param group holds (to --to-group), filled as --fill says.",
+            rich_help_panel=MODEL_CHANGES,
         ),
     ] = False,
     to_group: Annotated[
         int | None,
-        typer.Option(metavar="N", help="The param group (0-based) --add-from-model adds to; default: the only one."),
+        typer.Option(
+            metavar="N",
+            help="The param group (0-based) --add-from-model adds to; default: the only one.",
+            rich_help_panel=MODEL_CHANGES,
+        ),
     ] = None,
     reset_phantom_step: Annotated[
         bool,
@@ -214,6 +236,7 @@ def fix(
             "--reset-phantom-step",
             help="Also turn entries with step=1 and all-zero moments (a phantom step) back into the state the "
             "optimizer would have: {}, or with --fill fresh its exact fresh state.",
+            rich_help_panel=MODEL_CHANGES,
         ),
     ] = False,
     latest: LatestFlag = False,
@@ -228,6 +251,7 @@ def fix(
             metavar="store|download",
             parser=choice("--verify", ["store", "download"]),
             help="For s3://: prove server-side copies by the store's checksums (store), or read them back.",
+            rich_help_panel=STORAGE,
         ),
     ] = "store",
     profile: ProfileOption = None,

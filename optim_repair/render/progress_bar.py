@@ -19,16 +19,21 @@ SHOW_PROGRESS_FROM = 256 << 20
 
 _BINARY_UNITS = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
 _STAGE_LABELS = {"write": "writing", "sync": "syncing", "verify": "verifying"}
+ECHO_ROOM = 3
+"""Columns the rows leave free at their end, where the terminal echoes Ctrl-C as ``^C``: in a row as wide as the
+terminal that echo would wrap onto a line of its own, and clearing the rows on the way out would leave the first."""
 SETTLE_SECONDS = 2.0
 """How long a stage runs before its rate and time left are shown: the first readings are noise."""
 
 
 class BinarySpeed(ProgressColumn):
-    """The rate in the units the byte counts use (MiB/s beside GiB), once the stage has settled."""
+    """The rate in the units the byte counts use (MiB/s beside GiB), once the stage has settled; none for a stage
+    added with ``rate=False``."""
 
     def render(self, task: Task) -> Text:
         speed = task.finished_speed or task.speed
-        if speed is None or (not task.finished and task.elapsed is not None and task.elapsed < SETTLE_SECONDS):
+        unsettled = not task.finished and task.elapsed is not None and task.elapsed < SETTLE_SECONDS
+        if speed is None or unsettled or not task.fields.get("rate", True):
             return Text("", style="progress.data.speed")
         unit, suffix = filesize.pick_unit_and_suffix(int(speed), _BINARY_UNITS, 1024)
         return Text(f"{speed / unit:.1f} {suffix}/s", style="progress.data.speed")
@@ -63,16 +68,19 @@ def progress_bar(screen: Screen, *, show: bool) -> Iterator[Progress]:
         if not bars:
             if step.total < SHOW_PROGRESS_FROM:
                 return
+            console = screen.stderr()
+            console.width -= ECHO_ROOM
             bar = RichProgress(
                 TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-                BinarySpeed(), TimeLeft(), console=screen.stderr(), transient=True,
+                BinarySpeed(), TimeLeft(), console=console, transient=True,
             )  # fmt: skip
             bar.start()
             bars.append(bar)
         if step.stage not in tasks:
             for task in tasks.values():  # a stage starts when the one before it is done
                 bars[0].update(task, completed=step.total)
-            tasks[step.stage] = bars[0].add_task(f"{_STAGE_LABELS[step.stage]:<9}", total=step.total)
+            label = f"{_STAGE_LABELS[step.stage]:<9}"  # syncing: bytes made durable come in bursts, at no rate
+            tasks[step.stage] = bars[0].add_task(label, total=step.total, rate=step.stage != "sync")
         bars[0].update(tasks[step.stage], completed=step.done)
 
     try:

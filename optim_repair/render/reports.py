@@ -25,6 +25,7 @@ from optim_repair.render.terminal import (
     listed,
     name,
     new_table,
+    print_command,
     print_line,
     print_table,
     shown_names,
@@ -44,32 +45,50 @@ def _notice_code(notice: Notice) -> tuple[str, str]:
     return notice.code, _NOTICE_STYLE[notice.severity]
 
 
+_FINDINGS = ("missing", "empty", "malformed")
+"""The table's columns of findings, each left out where it is zero in every row."""
+
+
 def _print_optimizer_table(console: Console, diagnosis: Diagnosis) -> None:
+    counts = [{"missing": opt.missing, "empty": opt.empty, "malformed": opt.malformed} for opt in diagnosis.optimizers]
+    found = [column for column in _FINDINGS if any(count[column] for count in counts)]
     table = new_table(console)
-    for column in ("optimizer", "keys", "groups", "params", "states", "missing", "empty", "malformed"):
+    for column in ("optimizer", "keys", "groups", "params", "states", *found):
         table.add_column(column, justify="right" if column in ("groups", "params", "states") else "left")
     rows = []
-    for opt in diagnosis.optimizers:
-        row = [
-            _optimizer_label(opt), opt.key_style, str(opt.groups), str(opt.params), str(opt.states),
-            str(len(opt.missing)), str(len(opt.empty)), str(len(opt.malformed)),
-        ]  # fmt: skip
-        rows.append(row)
-        styles = {5: "yellow" if opt.missing else "", 7: "red" if opt.malformed else ""}
-        table.add_row(*(Shown(value, style=styles.get(i, "")) for i, value in enumerate(row)))
+    styles = {"missing": "yellow", "malformed": "red"}
+    for opt, count in zip(diagnosis.optimizers, counts, strict=True):
+        rows.append([_optimizer_label(opt), opt.key_style, str(opt.groups), str(opt.params), str(opt.states)])
+        rows[-1] += [str(len(count[column])) for column in found]
+        cells = [Shown(value) for value in rows[-1][:5]]
+        cells += [Shown(str(len(count[c])), style=styles.get(c, "") if count[c] else "") for c in found]
+        table.add_row(*cells)
     print_table(console, table, rows)
 
 
+def _findings(opt: OptimizerDiagnosis) -> list[tuple[str, str, str]]:
+    """The parameters without state and the notices of ``opt``: code, style, detail."""
+    missing = [("missing", "yellow", shown_names(opt.missing))] if opt.missing else []
+    return missing + [(notice.code, _NOTICE_STYLE[notice.severity], notice.detail) for notice in opt.notices]
+
+
 def _print_details(console: Console, diagnosis: Diagnosis) -> None:
+    """Each optimizer's findings; one that several optimizers share (the steps of a run) said once, naming each."""
+    sharing: dict[tuple[str, str], list[str]] = {}
+    for opt in diagnosis.optimizers:
+        for code, _, detail in _findings(opt):
+            sharing.setdefault((code, detail), []).append(_optimizer_label(opt))
     for opt in diagnosis.optimizers:
         where = _optimizer_label(opt)
-        if opt.missing:
-            print_line(console, Shown.assemble(("missing", "yellow"), f" in {where}: {shown_names(opt.missing)}"))
         for finding in opt.malformed:
             detail = f" in {where}: {finding.param!r}: {finding.detail}"
             print_line(console, Shown.assemble((finding.code, "red"), detail))
-        for notice in opt.notices:
-            print_line(console, Shown.assemble(_notice_code(notice), f" in {where}: {notice.detail}"))
+        for code, style, detail in _findings(opt):
+            places = sharing[(code, detail)]
+            if places[0] == where:
+                print_line(
+                    console, Shown.assemble((code, style), f" in {listed(places[:SHOWN], len(places))}: {detail}")
+                )
         if opt.model is not None:
             _print_model(console, where, opt.model)
     for notice in diagnosis.notices:
@@ -88,7 +107,7 @@ def _print_model(console: Console, where: str, found: ModelComparison) -> None:
     if found.not_in_model:
         print_line(console, Shown.assemble(("not-in-model", "yellow"), f": {shown_names(found.not_in_model)}"))
     if found.rename is not None:
-        print_line(console, Shown(f"every such name maps onto the model's with: fix --rename '{found.rename}'"))
+        print_line(console, Shown(f"every such name maps onto the model's with the rename {found.rename}"))
     for mismatch in found.shape_mismatches:
         shapes = f"{list(mismatch.state_shape)} but the model's parameter has {list(mismatch.model_shape)}"
         detail = f": {name(mismatch.param)} {name(mismatch.key)} is {shapes}"
@@ -98,7 +117,8 @@ def _print_model(console: Console, where: str, found: ModelComparison) -> None:
         print_line(console, Shown.assemble(("not-in-optimizer", "cyan"), names))
 
 
-def print_inspect(diagnosis: Diagnosis, screen: Screen) -> None:
+def print_inspect(diagnosis: Diagnosis, screen: Screen, carried: tuple[str, ...] = ()) -> None:
+    """The report; a repairable one ends with the fix to run, ``carried`` the options it takes over from inspect's."""
     console = screen.stdout()
     verdict = diagnosis.verdict
     path, fmt = name(diagnosis.inventory.path), diagnosis.inventory.format
@@ -107,6 +127,29 @@ def print_inspect(diagnosis: Diagnosis, screen: Screen) -> None:
     _print_details(console, diagnosis)
     if diagnosis.inventory.traffic is not None:
         print_line(console, Shown(_traffic(diagnosis.inventory.traffic)), indent=0)
+    if verdict == "repairable":
+        print_command(console, "next: ", _fix_command(diagnosis, carried))
+
+
+def _fix_command(diagnosis: Diagnosis, carried: tuple[str, ...]) -> list[str]:
+    """``optim-repair fix CKPT --out CKPT-fixed``, with the renames that map the names onto the model's."""
+    path = name(diagnosis.inventory.path)
+    if diagnosis.inventory.is_directory or path.endswith("/"):
+        slash = "/" if path.endswith("/") else ""
+        out = f"{path.rstrip('/')}-fixed{slash}"
+    else:
+        stem, dot, suffix = path.rpartition(".")
+        out = f"{stem}-fixed.{suffix}" if dot and "/" not in suffix else f"{path}-fixed"
+    renames = dict.fromkeys(str(opt.model.rename) for opt in diagnosis.optimizers if opt.model and opt.model.rename)
+    return [
+        "optim-repair",
+        "fix",
+        path,
+        "--out",
+        out,
+        *carried,
+        *(w for rename in renames for w in ("--rename", rename)),
+    ]
 
 
 def _print_additions(console: Console, diagnosis: Diagnosis, plan: RepairPlan) -> None:
@@ -234,25 +277,31 @@ def print_dry_run(planned: DryRun, screen: Screen) -> None:
 
 
 def print_demo(report: DemoReport, screen: Screen, *, kept: bool) -> None:
+    """The demo's story in one screen: each step in a line or two, and the resumes in a table."""
     console = screen.stdout()
     console.rule("1. A real run saved a checkpoint; torch refuses to resume from it")
-    print_line(console, Shown(name(str(report.checkpoint / "checkpoint.pt"))), indent=0)
-    print_line(console, Shown.assemble("stock set_optimizer_state_dict: ", (report.stock_error, "red")), indent=0)
+    refused = report.stock_error.split(". ")[0].rstrip(".") + "."  # its first sentence
+    print_line(console, Shown.assemble("stock set_optimizer_state_dict: ", (refused, "red")), indent=0)
     console.rule("2. optim-repair inspect")
-    print_inspect(report.diagnosis, screen)
-    console.rule("3. optim-repair fix, both fills")
+    (opt,) = report.diagnosis.optimizers
+    verdict = report.diagnosis.verdict
+    found = f": {len(opt.missing)} of {opt.params} parameters have no state: {shown_names(opt.missing)}"
+    print_line(console, Shown.assemble((verdict, _VERDICT_STYLE[verdict]), found), indent=0)
+    console.rule("3. optim-repair fix: a copy for each fill, proved against the original")
     for fix in report.fixes:
-        print_fix(fix, screen)
-    console.rule("4. Resume from each copy and train on with every head in use")
+        keys = sorted({key for addition in fix.plan.additions for key in addition.keys}) or ["{}"]
+        added = f"--fill {fix.plan.fill}: added {', '.join(keys)} for {len(fix.plan.additions)} parameters; "
+        proved = f"{fix.verification.tensors} existing tensors bit-identical"
+        print_line(console, Shown.assemble(added, ("verified", "bold green"), f": {proved}"), indent=0)
+    console.rule("4. Resume each copy, every head in use; compare with a run never stopped")
     table = new_table(console)
-    for column in ("fill", "loader", "loads", "continues bit-identically", "max |Δ| vs uninterrupted run"):
+    for column in ("fill", "loader", "continues bit-identically", "max |Δ|"):
         table.add_column(column)
     rows = []
     for outcome in report.outcomes:
-        same = "yes" if outcome.identical else "no: phantom step=1 from torch's loader"
-        rows.append([outcome.fill, outcome.loader, "yes" if outcome.loaded else "no", same])
-        rows[-1].append(f"{outcome.max_difference:.3g}")
-        table.add_row(*rows[-1][:3], Shown(same, style="green" if outcome.identical else "red"), rows[-1][4])
+        same = "yes" if outcome.identical else "no: phantom step=1"
+        rows.append([outcome.fill, outcome.loader, same, f"{outcome.max_difference:.3g}"])
+        table.add_row(*rows[-1][:2], Shown(same, style="green" if outcome.identical else "red"), rows[-1][3])
     print_table(console, table, rows)
     closing = (
         "{} entries resume exactly through optim_repair.set_optimizer_state_dict (a drop-in for torch's); "

@@ -6,6 +6,7 @@ With ``reports`` and ``progress_bar``, the only modules that import rich.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -141,14 +142,44 @@ def print_table(console: Console, table: Table, rows: list[list[str]]) -> None:
         print_line(console, Shown(f"{row[0]}: {pairs}"), indent=0)
 
 
+HANG = 2
+"""How much further than its first line the later lines of a wrapped line are indented."""
+
+
 def print_line(console: Console, text: Text, indent: int = 2) -> None:
-    """One line of the report, indented; on a terminal wrapped between words, its later lines under its first."""
+    """One line of the report, indented; on a terminal wrapped between words, its later lines hanging ``HANG``
+    columns further in than its first."""
     if console.soft_wrap:
         console.print(Shown(" " * indent) + text)
         return
-    for line in text.wrap(console, max(console.width - indent, 20)):
+    first = text.wrap(console, max(console.width - indent, 20))[0]
+    rest = _after(text, len(first.plain))
+    first.rstrip()
+    console.print(Shown(" " * indent) + first)
+    for line in rest.wrap(console, max(console.width - indent - HANG, 20)) if rest.plain else ():
         line.rstrip()
-        console.print(Shown(" " * indent) + line)
+        console.print(Shown(" " * (indent + HANG)) + line)
+
+
+def _after(text: Text, offset: int) -> Text:
+    """What of ``text`` follows ``offset``, without the blanks it starts with, styles kept."""
+    skipped = offset + len(text.plain[offset:]) - len(text.plain[offset:].lstrip())
+    return text.divide([skipped])[-1] if skipped < len(text.plain) else Shown()
+
+
+def print_command(console: Console, label: str, words: list[str]) -> None:
+    """A command to run, after ``label``, quoted for the shell; on a terminal wrapped between its words, a
+    backslash ending each line but the last and the later lines hanging, so that it still pastes whole."""
+    first, *rest = [escaped(shlex.quote(word)) for word in words]  # a name from the input, as every name is shown
+    lines = [Shown(label, style="bold") + Shown(first)]
+    for word in rest:
+        if console.soft_wrap or len(lines[-1]) + len(word) + 3 <= console.width:  # a blank, and room for " \\"
+            lines[-1].append(f" {word}")
+        else:
+            lines[-1].append(" \\")
+            lines.append(Shown(" " * (len(label) + HANG) + word))
+    for line in lines:
+        console.print(line, soft_wrap=True)
 
 
 def name(key: ParamKey) -> str:

@@ -52,7 +52,7 @@ def test_a_compiled_models_names_are_explained_by_a_rename(tmp_path: Path) -> No
     assert found["rename"] == "^_orig_mod\\.=" and found["shape_mismatches"] == []
     assert (found["optimizer_params"], found["model_params"], found["by_index"]) == (6, 6, False)
     report = run_cli(["inspect", path, "--model", weights], code=1).stdout
-    assert "fix --rename '^_orig_mod\\.='" in report
+    assert report.splitlines()[-1].endswith(f"--model {weights} --rename '^_orig_mod\\.='"), "the fix to run"
     compared = optim_repair.compare(path, weights).optimizers[0].model
     assert compared == optim_repair.inspect(path, model=weights).optimizers[0].model
 

@@ -608,3 +608,18 @@ def test_a_deepspeed_zero_checkpoint_is_healthy_and_copied(root: Path, tmp_path:
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == sorted(
         p.relative_to(built.path) for p in built.path.rglob("*")
     )
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])
+def test_the_shell_completion_completes_commands_and_options(shell: str) -> None:
+    """The script --show-completion prints calls the installed command back, which completes what was typed."""
+    assert "--install-completion" in run_cli(["--help"]).stdout
+    named = {**os.environ, "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"}  # the shell named, not detected
+    script = subprocess.run(
+        [*installed_command(), "--show-completion", shell], capture_output=True, text=True, env=named
+    )
+    assert script.returncode == 0 and "_OPTIM_REPAIR_COMPLETE" in script.stdout, script.stderr
+    typed = {"COMP_WORDS": "optim-repair fix --fi", "COMP_CWORD": "2", "_TYPER_COMPLETE_ARGS": "optim-repair fix --fi"}
+    asked = {**typed, "_TYPER_COMPLETE_FISH_ACTION": "get-args", "_OPTIM_REPAIR_COMPLETE": f"complete_{shell}"}
+    completed = subprocess.run(installed_command(), capture_output=True, text=True, env={**os.environ, **asked})
+    assert completed.returncode == 0 and "--fill" in completed.stdout, completed.stderr

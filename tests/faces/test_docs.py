@@ -254,3 +254,21 @@ def test_the_readme_json_example_is_a_real_document(tmp_path: Path) -> None:
     shown, real = example["optimizers"][0], document["optimizers"][0]
     assert [n["code"] for n in shown["notices"]] == [n["code"] for n in real["notices"]]
     assert {k: v for k, v in shown.items() if k != "notices"} == {k: v for k, v in real.items() if k != "notices"}
+
+
+def test_fix_help_groups_its_options_and_ends_with_examples_the_docs_show() -> None:
+    text = _help("fix")
+    sections = dict(re.findall(r"^(\w[\w ]*):\n((?:  .*\n|\n(?=  ))+)", text, re.MULTILINE))
+    panels = {
+        "Model changes": ["--rename", "--drop", "--drop-not-in-model", "--add-from-model", "--to-group"],
+        "Object storage": ["--verify", "--profile", "--endpoint-url"],
+        "Output": ["--json", "--quiet", "--color"],
+    }
+    for panel, options in panels.items():
+        assert panel in sections, (panel, text)
+        assert all(re.search(rf"^  (-\w, )?{option}\b", sections[panel], re.MULTILINE) for option in options), panel
+        assert not any(re.search(rf"^  (-\w, )?{option}\b", sections["Options"], re.MULTILINE) for option in options)
+    examples = re.findall(r"^\s+(optim-repair fix .+)$", text.split("Examples:")[1].split("Exit codes:")[0], re.M)
+    assert 2 <= len(examples) <= 3
+    for example in examples:
+        assert example in CLI_DOC, example
