@@ -9,9 +9,12 @@ disk or the store, in memory that does not grow with the tensors.
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, cast
@@ -324,11 +327,58 @@ def compared(sides: _Sides, *, metadata_only: bool, paths: tuple[str, str], star
     )
 
 
+def same_bytes(a: Listing, b: Listing) -> int | None:
+    """For two file arguments: their size where they hold the same bytes, read side by side in blocks up to the
+    first that differs; else None."""
+    with a.reader("")() as first, b.reader("")() as second:
+        size = first.seek(0, 2)
+        if second.seek(0, 2) != size:
+            return None
+        first.seek(0)
+        second.seek(0)
+        block_a, block_b = bytearray(CHUNK), bytearray(CHUNK)
+        into_a, into_b = cast(io.RawIOBase, first).readinto, cast(io.RawIOBase, second).readinto
+        while True:
+            read = into_a(block_a)
+            if into_b(block_b) != read:
+                return None
+            if read < CHUNK:
+                return size if block_a[:read] == block_b[:read] else None
+            if block_a != block_b:  # whole bytearrays compare by memcmp
+                return None
+
+
+def _same_file(
+    a: Listing, b: Listing, read: tuple[CheckpointInventory, Parsed], size: int, started: float
+) -> Difference:
+    """Two file arguments of the same ``size`` bytes: one holds what the other does, every leaf identical."""
+    inventory, parsed = read
+    with contextlib.ExitStack() as stack:
+        leaves = side_leaves(a, parsed, _Files(a, stack))
+    count = Counter("tensors" if isinstance(leaf, TensorLeaf) else "values" if isinstance(leaf, ValueLeaf) else "raw"
+                    for leaf in leaves.values())  # fmt: skip
+    optimizers, _, _ = optimizer_differences(inventory, inventory, {}, {})
+    tally = LeafTally(count["tensors"], count["values"], count["raw"], len(leaves), size)
+    return Difference(a.root, b.root, False, optimizers, (), (), (), tally, time.monotonic() - started)
+
+
 def diff_listings(a: Listing, b: Listing, *, metadata_only: bool = False) -> Difference:
-    """Compare the checkpoints two listings found: everything each holds, ``metadata_only`` without tensor bytes."""
+    """Compare the checkpoints two listings found: everything each holds, ``metadata_only`` without tensor bytes.
+
+    Two file arguments are first compared whole, side by side with reading the first (on a thread: the reads
+    release the interpreter); when their bytes are the same, the second is not parsed again."""
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
-        read = [read_parsed(listing) for listing in (a, b)]
+        whole = None
+        if a.is_file and b.is_file and not metadata_only:
+            whole = stack.enter_context(ThreadPoolExecutor(1)).submit(same_bytes, a, b)
+        read = [read_parsed(a)]
+        size = whole.result() if whole is not None else None
+        if size is not None:
+            a.check_unchanged()
+            b.check_unchanged()
+            return _same_file(a, b, read[0], size, started)
+        read.append(read_parsed(b))
         files = (_Files(a, stack), _Files(b, stack))
         leaves = (side_leaves(a, read[0][1], files[0]), side_leaves(b, read[1][1], files[1]))
         for listing in (a, b):

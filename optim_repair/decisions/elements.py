@@ -92,10 +92,10 @@ class ElementTally:
         """Add two blocks of equal length, each of whole elements."""
         if a == b:
             return
-        view_a, view_b = memoryview(a), memoryview(b)
         for start in range(0, len(a), STRETCH):
-            if view_a[start : start + STRETCH] != view_b[start : start + STRETCH]:
-                self._differing(bytes(view_a[start : start + STRETCH]), bytes(view_b[start : start + STRETCH]))
+            stretch_a, stretch_b = a[start : start + STRETCH], b[start : start + STRETCH]
+            if stretch_a != stretch_b:  # bytes compare by memcmp (memoryviews, element by element)
+                self._differing(stretch_a, stretch_b)
 
     def _differing(self, a: bytes, b: bytes) -> None:
         size = itemsize(self.dtype)

@@ -148,10 +148,15 @@ class OptimizerInventory:
         return tuple(param for group in self.groups for param in group.params)
 
     def entry(self, param: ParamKey) -> StateEntry | None:
+        return self._by_param.get(param)
+
+    @cached_property
+    def _by_param(self) -> dict[ParamKey, StateEntry]:
+        """Each entry by its parameter (the first, where a malformed state dict names one twice)."""
+        found: dict[ParamKey, StateEntry] = {}
         for entry in self.entries:
-            if entry.param == param:
-                return entry
-        return None
+            found.setdefault(entry.param, entry)
+        return found
 
 
 @dataclass(frozen=True)
