@@ -189,6 +189,10 @@ def main() -> int:
     if args.build_into:
         build(args.build_into, args.gib, args.params, moe_counts)
         return 0
+    # Measured as installed: pip compiles a package's bytecode as it installs it (a checkout run with
+    # PYTHONDONTWRITEBYTECODE would compile every module on every start instead).
+    package = Path(__file__).resolve().parents[1] / "optim_repair"
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(package)], check=True)
     tool = [sys.executable, "-m", "optim_repair"]
     python = sys.executable
     with tempfile.TemporaryDirectory(prefix="optim-repair-bench-", dir=args.workdir) as tmp:
@@ -242,6 +246,24 @@ def main() -> int:
                 "inspect (DCP)",
                 [*tool, "inspect", dcp_dir],
                 3.0,
+            ),
+        ]
+        twin = root / "twin.pt"
+        shutil.copyfile(torch_file, twin)
+        pairs += [
+            (
+                "diff (torch file, its copy)",
+                [*tool, "diff", torch_file, twin],
+                "cmp",
+                ["cmp", torch_file, twin],
+                1.2,
+            ),
+            (
+                "diff --metadata-only (torch file, its copy)",
+                [*tool, "diff", torch_file, twin, "--metadata-only"],
+                "inspect (torch file)",
+                [*tool, "inspect", torch_file],
+                2.0,
             ),
         ]
         for count in moe_counts:
