@@ -6,6 +6,7 @@ Library use::
     diagnosis = optim_repair.inspect("checkpoint-1000/")
     plan = optim_repair.plan(diagnosis, fill="fresh")  # a dry run: what fix would add
     optim_repair.fix(diagnosis, "checkpoint-1000-fixed/", fill="fresh")
+    optim_repair.diff("checkpoint-1000/", "checkpoint-1000-fixed/").same  # what changed, bit for bit
 
     # in a trainer, instead of torch.distributed.checkpoint.state_dict.set_optimizer_state_dict:
     from optim_repair import set_optimizer_state_dict
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
         DryRun,
         FixResult,
         compare,
+        diff,
         dry_run,
         fix,
         inspect,
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
         UsageError,
         VerificationError,
     )
+    from optim_repair.records.difference import Difference, LeafDifference, OptimizerDifference
     from optim_repair.records.repair_plan import Addition, FilledOptimizer, FreshTensor, RepairPlan
     from optim_repair.records.verification import Verification
     from optim_repair.torch_loader import set_optimizer_state_dict
@@ -51,14 +54,15 @@ if TYPE_CHECKING:
 _HOMES = {
     **dict.fromkeys(
         (
-            "DryRun", "FixResult", "compare", "dry_run", "fix", "inspect", "latest_checkpoint", "model_changes",
-            "plan",
+            "DryRun", "FixResult", "compare", "diff", "dry_run", "fix", "inspect", "latest_checkpoint",
+            "model_changes", "plan",
         ),
         "optim_repair.api",
     ),
     **dict.fromkeys(("Versions", "versions"), "optim_repair.version"),
     **dict.fromkeys(("Diagnosis", "Malformed", "OptimizerDiagnosis"), "optim_repair.decisions.diagnose"),
     "Notice": "optim_repair.decisions.notices",
+    **dict.fromkeys(("Difference", "LeafDifference", "OptimizerDifference"), "optim_repair.records.difference"),
     **dict.fromkeys(
         (
             "ExitCode", "InputError", "OptimRepairError", "OutputError", "Remedy", "RepairRefused",
@@ -76,16 +80,19 @@ the console entry point can handle an interrupt before anything heavy loads (the
 __all__ = [
     "Addition",
     "Diagnosis",
+    "Difference",
     "DryRun",
     "ExitCode",
     "FilledOptimizer",
     "FixResult",
     "FreshTensor",
     "InputError",
+    "LeafDifference",
     "Malformed",
     "Notice",
     "OptimRepairError",
     "OptimizerDiagnosis",
+    "OptimizerDifference",
     "OutputError",
     "Remedy",
     "RepairPlan",
@@ -96,6 +103,7 @@ __all__ = [
     "VerificationError",
     "Versions",
     "compare",
+    "diff",
     "dry_run",
     "fix",
     "inspect",
