@@ -4,6 +4,7 @@ it (the same), a torch file with one bit of a moment flipped (found and counted)
 
 from __future__ import annotations
 
+import pickle
 import shutil
 import struct
 from pathlib import Path
@@ -169,3 +170,19 @@ def test_a_side_in_a_store_compares_as_it_does_on_a_disk(
     (optimizer,) = difference.optimizers
     ((_, missing),) = built.missing.items()
     assert set(optimizer.appeared) == set(missing) and {leaf.what for leaf in difference.leaves} == {"only in B"}
+
+
+def test_a_tensor_listed_with_one_chunk_twice_compares_as_itself(tmp_path: Path) -> None:
+    """Found by the fuzzer: a step whose metadata lists its one chunk twice was said to differ from itself."""
+    built = dk.unirl_dcp(tmp_path / "in")
+    metadata = built.path / ".metadata"
+    with metadata.open("rb") as stream:
+        meta = pickle.load(stream)  # the test's own file, written by dcp.save just now
+    key = next(key for key in meta.state_dict_metadata if key.endswith(".step"))
+    item = meta.state_dict_metadata[key]
+    item.chunks = [item.chunks[0], item.chunks[0]]
+    with metadata.open("wb") as stream:
+        pickle.dump(meta, stream)
+    copy = tmp_path / "copy"
+    shutil.copytree(built.path, copy)
+    assert api.diff(built.path, copy).same
