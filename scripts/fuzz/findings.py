@@ -83,8 +83,9 @@ def classify(case: Case, raw: Raw, changed: list[str], out_left: list[str], rss_
                              raw.log))  # fmt: skip
     else:
         response = raw.response
-        for phase in ("inspect", "render", "fix", "reinspect"):
+        for phase in ("inspect", "render", "fix", "reinspect", "diff", "rediff"):
             found += _call_findings(phase, response.get(phase))
+        found += [Finding("diff-disagrees", "diff", unlike[:1000]) for unlike in response.get("unlike", ())]
         inspected, again = response["inspect"], response.get("reinspect")
         if again and again["status"] == "error" and inspected["status"] == "ok":
             found.append(Finding("fixed-copy-rejected", "reinspect", again["message"][:500], again["where"]))

@@ -226,7 +226,13 @@ def run_request(request: Mapping[str, Any], auditor: Auditor, package_dir: str) 
     if inspected is None:
         rendered = _guarded(lambda: json.dumps(inspect_document(diagnosis)))[1]
     disagreement = _whole_read_disagrees(path, dereference, diagnosis, inspected, request["in_dir"])
-    fixed = reinspected = None
+    unlike: list[str] = []
+    diffed: BaseException | None = None
+    if not dereference:  # diff walks as inspect does without it: against itself, it holds the same
+        difference, diffed = _guarded(lambda: optim_repair.diff(path, path))
+        if diffed is None and not difference.same:
+            unlike.append(f"against itself: {[leaf.name for leaf in difference.leaves][:8]}")
+    fixed = reinspected = rediffed = None
     problems: list[tuple[str, str]] = []
     if request["fix"]:
         operations = optim_repair.model_changes(**request["operations"])
@@ -237,6 +243,11 @@ def run_request(request: Mapping[str, Any], auditor: Auditor, package_dir: str) 
         )
         if fixed is None:
             _, reinspected = _guarded(lambda: optim_repair.inspect(out, dereference=dereference))
+        if fixed is None and not dereference and not request["operations"]:
+            # every leaf of the original is in the copy, unchanged: the copy only adds
+            copied, rediffed = _guarded(lambda: optim_repair.diff(path, out))
+            changed = [leaf for leaf in copied.leaves if leaf.a is not None] if rediffed is None else []
+            unlike.extend(f"in the copy: {leaf.name} {leaf.what}: {leaf.a} -> {leaf.b}" for leaf in changed[:8])
     auditor.armed = False
     events = auditor.events
     if request["fix"] and fixed is None:  # the second opinion: torch's own loaders, outside the audit
@@ -250,8 +261,11 @@ def run_request(request: Mapping[str, Any], auditor: Auditor, package_dir: str) 
         "events": events,
         "torch": problems,
         "summary": disagreement,
+        "diff": _describe(diffed, package_dir) if not dereference else None,
+        "rediff": _describe(rediffed, package_dir) if request["fix"] and fixed is None else None,
+        "unlike": unlike,
     }
-    diagnosis = inspected = rendered = fixed = reinspected = None
+    diagnosis = inspected = rendered = fixed = reinspected = diffed = rediffed = None
     leaked = {fd: target for fd, target in _open_fds().items() if fd not in fds}
     if leaked:
         gc.collect()
