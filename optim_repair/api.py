@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -12,15 +13,17 @@ from typing import Literal
 from optim_repair.checkpoint import copies, stored
 from optim_repair.checkpoint.diffing import diff_listings
 from optim_repair.checkpoint.discovery import discover, latest_step
+from optim_repair.checkpoint.file_changes import copy_changes
 from optim_repair.checkpoint.planning import FinishedPlan, finish_plan
 from optim_repair.checkpoint.reading import DiskListing, Listing, disk_model, model_weights, read_parsed
 from optim_repair.checkpoint.trackers import tracker_disagrees
 from optim_repair.decisions.diagnose import Diagnosis, diagnose
+from optim_repair.decisions.difference import repair_difference
 from optim_repair.decisions.repair import plan_repair
 from optim_repair.errors import InputError, Remedy, UsageError
 from optim_repair.formats.planned import Parsed
 from optim_repair.progress import Notice, Progress, Reporter, ignore, silent
-from optim_repair.records.difference import Difference
+from optim_repair.records.difference import Difference, FileChange, LeafTally
 from optim_repair.records.inventory import CheckpointInventory, WeightMap
 from optim_repair.records.repair_plan import Addition, FillChoice, PlanFill, RepairPlan
 from optim_repair.records.request import NO_OPERATIONS, CopyRequest, Operations, PlanRequest
@@ -319,6 +322,11 @@ class FixResult:
     verification: Verification
     traffic: Traffic | None = None
     """For a copy in object storage: the requests and bytes reading, copying and writing took."""
+    files: tuple[FileChange, ...] = ()
+    """Each file of a copy on a disk: rewritten, copied, hard-linked, downloaded or added (() for one in a store,
+    whose ``traffic`` says what moved)."""
+    seconds: float = 0.0
+    """How long the fix took, reading to proof."""
 
     @property
     def fill(self) -> PlanFill:
@@ -327,6 +335,15 @@ class FixResult:
     @property
     def added(self) -> tuple[Addition, ...]:
         return self.plan.additions
+
+    @property
+    def difference(self) -> Difference:
+        """The copy as ``diff`` finds it against the original: what the plan added, renamed and dropped, the
+        files as written, and what the proof compared (every original tensor identical)."""
+        proven = LeafTally(tensors=self.verification.tensors, identical=self.verification.tensors,
+                           bytes_compared=self.verification.bytes)  # fmt: skip
+        found = repair_difference(self.diagnosis.inventory, self.plan, str(self.out), self.files, proven)
+        return replace(found, seconds=self.seconds)
 
 
 def fix(
@@ -372,6 +389,7 @@ def fix(
     ``.metadata`` last; the copies are proven by the store's checksums, or with ``verify="download"`` read back.
     ``for_torch`` names the torch release that will load the copy, as for ``inspect``.
     """
+    started = time.monotonic()
     request = _request(fill, optimizer, model, reset_phantom_step, operations)
     reporter = Reporter(progress, notice)
     options = StoreOptions(profile, endpoint_url)
@@ -387,4 +405,8 @@ def fix(
         read = held.enter_context(_opened(checkpoint, options, dereference, mirror, release))
         finished = _finished(read, request, weights)
         written, verification, traffic = copies.write(read.listing, finished, out, copy, options, reporter)
-    return FixResult(read.diagnosis, finished.plan, written, verification, traffic)
+        files = () if is_remote(written) else copy_changes(
+            read.listing.local, Path(written), finished, downloaded=is_remote(source)
+        )  # fmt: skip
+    seconds = time.monotonic() - started
+    return FixResult(read.diagnosis, finished.plan, written, verification, traffic, files, seconds)

@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import BinaryIO, cast
 
 from optim_repair.checkpoint.reading import Listing, read_parsed
-from optim_repair.decisions.difference import Values, described, leaf_differences, optimizer_differences
+from optim_repair.decisions.difference import (
+    Values,
+    described,
+    files_compared,
+    leaf_differences,
+    optimizer_differences,
+)
 from optim_repair.decisions.elements import ElementTally
 from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError, UsageError, os_error_reason
 from optim_repair.formats.dcp import is_rank_metadata
@@ -31,7 +37,7 @@ from optim_repair.formats.planned import Parsed
 from optim_repair.formats.safetensors.leaves import safetensors_leaves
 from optim_repair.formats.torchfile.leaves import torch_leaves
 from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, open_zip
-from optim_repair.records.difference import Difference, LeafDifference, LeafTally
+from optim_repair.records.difference import Difference, FileChange, LeafDifference, LeafTally
 from optim_repair.records.dtypes import CHUNK, decode_element, itemsize, numel
 from optim_repair.records.inventory import CheckpointInventory
 from optim_repair.records.leaves import Leaf, LeafName, Piece, RawLeaf, TensorLeaf, ValueLeaf, leaf_text
@@ -298,16 +304,19 @@ def compared(sides: _Sides, *, metadata_only: bool, paths: tuple[str, str], star
     """What differs between the two sides."""
     leaves_a, leaves_b = sides.leaves
     found: list[LeafDifference] = []
-    found.extend(
-        LeafDifference(leaf_text(n), "only in A", described(leaf), None)
-        for n, leaf in leaves_a.items()
+    differing: set[str] = set()
+    only = [
+        (n, LeafDifference(leaf_text(n), "only in A", described(x), None))
+        for n, x in leaves_a.items()
         if n not in leaves_b
-    )
-    found.extend(
-        LeafDifference(leaf_text(n), "only in B", None, described(leaf))
-        for n, leaf in leaves_b.items()
+    ]
+    only += [
+        (n, LeafDifference(leaf_text(n), "only in B", None, described(x)))
+        for n, x in leaves_b.items()
         if n not in leaves_a
-    )
+    ]
+    found.extend(difference for _, difference in only)
+    differing.update(n[0] for n, _ in only)
     values: tuple[Values, Values] = ({}, {})
     counts = {"tensors": 0, "values": 0, "raw": 0, "identical": 0, "bytes": 0}
     both = sorted((name for name in leaves_a if name in leaves_b), key=lambda name: _place(leaves_a[name]))
@@ -325,10 +334,14 @@ def compared(sides: _Sides, *, metadata_only: bool, paths: tuple[str, str], star
                 differs = [*differs, difference]
                 found.append(difference)
         counts["identical"] += not differs
+        if differs:
+            differing.add(name[0])
     optimizers, only_a, only_b = optimizer_differences(*sides.inventories, values[0], values[1])
     tally = LeafTally(counts["tensors"], counts["values"], counts["raw"], counts["identical"], counts["bytes"])
+    seconds = time.monotonic() - started
+    files = files_compared(leaves_a, leaves_b, differing)
     return Difference(
-        paths[0], paths[1], metadata_only, optimizers, only_a, only_b, tuple(found), tally, time.monotonic() - started
+        paths[0], paths[1], metadata_only, optimizers, only_a, only_b, tuple(found), tally, seconds, files
     )
 
 
@@ -364,7 +377,8 @@ def _same_file(
                     for leaf in leaves.values())  # fmt: skip
     optimizers, _, _ = optimizer_differences(inventory, inventory, {}, {})
     tally = LeafTally(count["tensors"], count["values"], count["raw"], len(leaves), size)
-    return Difference(a.root, b.root, False, optimizers, (), (), (), tally, time.monotonic() - started)
+    files = (FileChange("", "same", size),)
+    return Difference(a.root, b.root, False, optimizers, (), (), (), tally, time.monotonic() - started, files)
 
 
 def diff_listings(a: Listing, b: Listing, *, metadata_only: bool = False) -> Difference:

@@ -10,11 +10,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from optim_repair.decisions.comparison import model_of, weights_beside
+from optim_repair.decisions.optimizers import PARAM_SHAPED_KEYS
 from optim_repair.errors import shown
-from optim_repair.records.difference import LeafDifference, Movement, OptimizerDifference, OptionChange, StepChange
+from optim_repair.records.difference import (
+    Difference,
+    FileChange,
+    LeafDifference,
+    LeafTally,
+    Movement,
+    OptimizerDifference,
+    OptionChange,
+    StepChange,
+)
+from optim_repair.records.dtypes import itemsize
 from optim_repair.records.inventory import CheckpointInventory, OptimizerInventory, ParamKey, TensorMeta
 from optim_repair.records.keys import flat_key
 from optim_repair.records.leaves import Leaf, LeafName, RawLeaf, TensorLeaf, ValueLeaf, leaf_text, path_part
+from optim_repair.records.repair_plan import Addition, FreshTensor, GroupOption, ParamChange, RepairPlan
 
 Values = dict[LeafName, float | int | bool | complex | None]
 """One-element tensors' values read from their bytes, by leaf (what a DCP checkpoint's inventory lacks)."""
@@ -90,16 +102,26 @@ def _options(a: OptimizerInventory, b: OptimizerInventory) -> list[OptionChange]
 
 
 def index_names(opt: OptimizerInventory, inventory: CheckpointInventory) -> dict[ParamKey, str]:
-    """For an index-keyed optimizer, each index's name in the one model beside it, where that model has exactly
-    a tensor a parameter (index ``i`` is the model's ``i``-th parameter); else none."""
+    """For an index-keyed optimizer, each index's name in the one model beside it, where that model lists its
+    tensors in the model's order and has exactly a tensor a parameter (index ``i`` is the model's ``i``-th
+    parameter); else none: a safetensors file's names are sorted, not in the model's order."""
     file = next((file for file in inventory.files if opt in file.optimizers), None)
     if opt.key_style != "index" or file is None:
         return {}
     models = model_of(opt, weights_beside(file, inventory))
     params = list(dict.fromkeys(opt.params))
-    if len(models) != 1 or len(models[0].tensors) != len(params) or sorted(params) != list(range(len(params))):
+    if len(models) != 1 or not models[0].in_model_order or len(models[0].tensors) != len(params):
         return {}
-    return {index: models[0].tensors[index][0] for index in range(len(params))}
+    if sorted(params) != list(range(len(params))):
+        return {}
+    tensors = models[0].tensors
+    for entry in opt.entries:  # a buffer counted for a frozen parameter would shift the names: shapes tell
+        for key, value in entry.values or ():
+            if not (isinstance(value, TensorMeta) and key in PARAM_SHAPED_KEYS and entry.param in range(len(params))):
+                continue
+            if tensors[int(entry.param)][1].shape != value.shape:
+                return {}
+    return {index: tensors[index][0] for index in range(len(params))}
 
 
 def optimizer_difference(
@@ -205,3 +227,87 @@ def _sharing(leaf: TensorLeaf) -> str:
     assert leaf.shares is not None
     first, count = leaf.shares
     return "its own storage" if count == 1 else f"a storage of {count} tensors, first {'.'.join(first)}"
+
+
+def _held(leaves: dict[LeafName, Leaf]) -> dict[str, int]:
+    """Each file's leaves' bytes, by file."""
+    held: dict[str, int] = {}
+    for (file, _), leaf in leaves.items():
+        size = leaf.numel * itemsize(leaf.dtype) if isinstance(leaf, TensorLeaf) else getattr(leaf, "length", 0)
+        held[file] = held.get(file, 0) + size
+    return held
+
+
+def files_compared(
+    leaves_a: dict[LeafName, Leaf], leaves_b: dict[LeafName, Leaf], differing: set[str]
+) -> tuple[FileChange, ...]:
+    """Each file of either side: the same, differing, or on one side only, with the bytes of what it holds."""
+    held_a, held_b = _held(leaves_a), _held(leaves_b)
+    found = []
+    for file in sorted(held_a.keys() | held_b.keys()):
+        if file not in held_b:
+            found.append(FileChange(file, "only in A", held_a[file]))
+        elif file not in held_a:
+            found.append(FileChange(file, "only in B", held_b[file]))
+        else:
+            found.append(FileChange(file, "differs" if file in differing else "same", held_b[file]))
+    return tuple(found)
+
+
+def _added_leaves(addition: Addition) -> list[LeafDifference]:
+    file, address = addition.file, tuple(path_part(part) for part in addition.address)
+    entry = (file, (*address, "state", path_part(addition.param)))
+    if not addition.state:
+        return [LeafDifference(leaf_text(entry), "only in B", None, "{}")]
+    return [
+        LeafDifference(
+            leaf_text((file, (*entry[1], key))),
+            "only in B",
+            None,
+            f"{value.dtype} {list(value.shape)}" if isinstance(value, FreshTensor) else shown(value),
+        )
+        for key, value in addition.state
+    ]
+
+
+def repair_difference(
+    inventory: CheckpointInventory, plan: RepairPlan, out: str, files: tuple[FileChange, ...], tally: LeafTally
+) -> Difference:
+    """A repair's copy as ``diff`` would find it against its original, from the plan alone: per optimizer the
+    entries added (an index named by its model where it has one), the renames and drops, the options added; each
+    added leaf; ``files`` as the copy was written, and ``tally``: what the proof compared."""
+    optimizers = []
+    for opt in inventory.optimizers:
+
+        def here(item: Addition | ParamChange | GroupOption, opt: OptimizerInventory = opt) -> bool:
+            return (item.file, item.location) == (opt.file, opt.location)
+
+        added = [addition for addition in plan.additions if here(addition)]
+        changes = [change for change in plan.changes if here(change)]
+        options = [option for option in plan.options if here(option)]
+        if not (added or changes or options):
+            continue
+        names = index_names(opt, inventory)
+
+        def named(param: ParamKey, names: dict[ParamKey, str] = names) -> str:
+            return f"{param} ({names[param]})" if param in names else str(param)
+
+        optimizers.append(
+            OptimizerDifference(
+                location=opt.location,
+                file_a=opt.file,
+                file_b=opt.file,
+                only_in_a=tuple(named(change.old) for change in changes),
+                only_in_b=tuple(str(change.new) for change in changes if change.new is not None),
+                appeared=tuple(named(addition.param) for addition in added if not addition.replaces),
+                vanished=(),
+                keys_appeared=tuple(
+                    (named(addition.param), key) for addition in added if addition.replaces for key, _ in addition.state
+                ),
+                keys_vanished=(),
+                steps=(),
+                options=tuple(OptionChange(option.group, option.key, None, shown(option.value)) for option in options),
+            )
+        )
+    leaves = tuple(leaf for addition in plan.additions for leaf in _added_leaves(addition))
+    return Difference(inventory.path, out, False, tuple(optimizers), (), (), leaves, tally, 0.0, files)

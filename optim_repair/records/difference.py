@@ -13,6 +13,23 @@ Movement = Literal["advanced", "same", "went back", "unknown"]
 What = Literal["only in A", "only in B", "kind", "dtype", "shape", "stride", "sharing", "bytes", "value", "chunks"]
 
 
+How = Literal[
+    "rewritten", "copied", "hard-linked", "downloaded", "added", "link", "same", "differs", "only in A", "only in B"
+]
+
+
+@dataclass(frozen=True)
+class FileChange:
+    """One file of two checkpoints compared (``same``, ``differs``, ``only in A``, ``only in B``), or of a repaired
+    copy and how it came to be there: ``rewritten`` with the additions, ``copied``, ``hard-linked`` or
+    ``downloaded`` from the original, ``added`` (a DCP checkpoint's new shard), or kept a ``link``."""
+
+    file: str
+    how: How
+    bytes: int
+    """Its size (compared: the bytes of the tensors and files it holds)."""
+
+
 @dataclass(frozen=True)
 class StepChange:
     """A parameter's ``step`` on each side (None: no state, or not read) and which way it moved."""
@@ -113,6 +130,7 @@ class Difference:
     leaves: tuple[LeafDifference, ...]
     tally: LeafTally
     seconds: float = 0.0
+    files: tuple[FileChange, ...] = ()
 
     @property
     def same(self) -> bool:

@@ -169,6 +169,9 @@ class WeightMap:
     offsets: tuple[tuple[str, tuple[int, ...]], ...] = ()
     """For one rank's shard of a model saved by DCP's ``HuggingFaceStorageWriter`` (``DCP_SHARDING_INFO``): where
     each tensor's shard begins in the whole tensor. Its ``tensors`` are then the shards, not the whole tensors."""
+    in_model_order: bool = False
+    """Whether ``tensors`` are in the order the model's ``state_dict`` gave them (a torch file keeps it; a
+    safetensors header sorts its names), so that the ``i``-th is the parameter an optimizer indexes ``i``."""
 
     def lookup(self) -> dict[str, TensorMeta]:
         """Each tensor by its name, and by its name without wrapper prefixes (``keys.unwrapped``) where that

@@ -7,6 +7,7 @@ Results go to stdout; messages, progress and errors to stderr.
 
 from optim_repair.render.differences import (
     DiffDoc,
+    FileDoc,
     KeyDoc,
     LeafDiffDoc,
     OptionChangeDoc,
@@ -15,7 +16,6 @@ from optim_repair.render.differences import (
     print_diff,
 )
 from optim_repair.render.documents import (
-    SCHEMA_VERSION,
     AddedDoc,
     AddedOptionDoc,
     ChangedDoc,
@@ -36,6 +36,7 @@ from optim_repair.render.documents import (
 )
 from optim_repair.render.progress_bar import progress_bar
 from optim_repair.render.reports import print_demo, print_dry_run, print_fix, print_inspect
+from optim_repair.render.schema import SCHEMA_VERSION
 from optim_repair.render.terminal import Color, Screen, message_printer, print_error
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "DiffDoc",
     "DryRunDoc",
     "ErrorDoc",
+    "FileDoc",
     "FixDoc",
     "InspectDoc",
     "KeyDoc",

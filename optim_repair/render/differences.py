@@ -6,10 +6,19 @@ The terminal gets what ``git diff --stat`` gives: a line an optimizer and a leaf
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import TypedDict
 
-from optim_repair.records.difference import Difference, LeafDifference, Movement, OptimizerDifference, StepChange
-from optim_repair.render.documents import SCHEMA_VERSION, VersionsDoc, versions_doc
+from optim_repair.records.difference import (
+    Difference,
+    FileChange,
+    How,
+    LeafDifference,
+    Movement,
+    OptimizerDifference,
+    StepChange,
+)
+from optim_repair.render.schema import SCHEMA_VERSION, VersionsDoc, versions_doc
 from optim_repair.render.terminal import SHOWN, Screen, Shown, escaped, human_bytes, listed, print_line
 
 MOVEMENTS: tuple[tuple[Movement, str], ...] = (
@@ -65,6 +74,12 @@ class LeafDiffDoc(TypedDict):
     non_finite: bool
 
 
+class FileDoc(TypedDict):
+    file: str
+    how: str
+    bytes: int
+
+
 class LeafTallyDoc(TypedDict):
     tensors: int
     values: int
@@ -86,6 +101,7 @@ class DiffDoc(TypedDict):
     optimizers_only_in_b: list[str]
     leaves: LeafTallyDoc
     differences: list[LeafDiffDoc]
+    files: list[FileDoc]
 
 
 def _step_doc(step: StepChange) -> StepDoc:
@@ -144,7 +160,12 @@ def diff_document(difference: Difference) -> DiffDoc:
             "bytes_compared": tally.bytes_compared,
         },
         "differences": [_leaf_doc(leaf) for leaf in difference.leaves],
+        "files": file_docs(difference.files),
     }
+
+
+def file_docs(files: tuple[FileChange, ...]) -> list[FileDoc]:
+    return [{"file": change.file, "how": change.how, "bytes": change.bytes} for change in files]
 
 
 def _names(names: tuple[str, ...]) -> str:
@@ -187,6 +208,32 @@ def _leaf_line(leaf: LeafDifference) -> str:
     return f"{leaf.name}  {leaf.what}: {leaf.a} -> {leaf.b}"
 
 
+_ORDER: tuple[How, ...] = (
+    "rewritten", "added", "differs", "only in A", "only in B", "copied", "downloaded", "hard-linked", "link"
+)  # fmt: skip
+
+
+def file_lines(files: tuple[FileChange, ...], whole: str) -> list[str]:
+    """One line a file (``whole`` names a file argument's one file), as ``git diff --stat`` gives them: the files
+    a comparison found the same are left out, and past ``SHOWN`` lines, the rest are counted by how they came."""
+    shown = sorted((f for f in files if f.how != "same"), key=lambda f: (_ORDER.index(f.how), f.file))
+    width = min(max((len(escaped(f.file or whole)) for f in shown[:SHOWN]), default=0), 40)
+    lines = [f"{escaped(f.file or whole):<{width}}  {f.how:<11}  {human_bytes(f.bytes):>10}" for f in shown[:SHOWN]]
+    rest = shown[SHOWN:]
+    if rest:
+        count = Counter(f.how for f in rest)
+        sizes = human_bytes(sum(f.bytes for f in rest))
+        lines.append(f"… {len(rest)} more: " + ", ".join(f"{n} {how}" for how, n in count.items()) + f" ({sizes})")
+    return lines
+
+
+def files_total(files: tuple[FileChange, ...], seconds: float) -> str:
+    """The line of totals under the file lines: how many files came how, their bytes, and the time taken."""
+    count = Counter(f.how for f in files)
+    parts = [f"{count[how]} {how}" for how in (*_ORDER, "same") if count[how]]
+    return f"{len(files)} file(s): {', '.join(parts)}; {human_bytes(sum(f.bytes for f in files))} in {seconds:.1f} s"
+
+
 def print_diff(difference: Difference, screen: Screen) -> None:
     """The comparison, short: each optimizer's story, the first differing leaves, one line of totals."""
     console = screen.stdout()
@@ -198,6 +245,9 @@ def print_diff(difference: Difference, screen: Screen) -> None:
     for label, places in (("A", difference.optimizers_only_in_a), ("B", difference.optimizers_only_in_b)):
         if places:
             print_line(console, Shown(f"optimizers only in {label}: {_names(places)}"), indent=0)
+    if any(change.file for change in difference.files):  # directories: a line a file that is not the same
+        for line in file_lines(difference.files, ""):
+            print_line(console, Shown(line), indent=1)
     for leaf in difference.leaves[:SHOWN]:
         print_line(console, Shown(_leaf_line(leaf)), indent=2)
     if len(difference.leaves) > SHOWN:

@@ -18,9 +18,8 @@ from optim_repair.decisions.notices import Notice
 from optim_repair.records.inventory import ParamKey, Scalar
 from optim_repair.records.traffic import Traffic
 from optim_repair.records.verification import Verification
-from optim_repair.version import versions
-
-SCHEMA_VERSION = 2
+from optim_repair.render.differences import DiffDoc, FileDoc, diff_document, file_docs
+from optim_repair.render.schema import SCHEMA_VERSION, VersionsDoc, versions_doc
 
 
 class MalformedDoc(TypedDict):
@@ -104,11 +103,6 @@ class SkippedDoc(TypedDict):
     reason: str
 
 
-class VersionsDoc(TypedDict):
-    optim_repair: str
-    torch: str | None
-
-
 class RemoteDoc(TypedDict):
     requests: int
     bytes_read: int
@@ -176,6 +170,9 @@ class PlannedDoc(InspectDoc):
 
 class FixDoc(PlannedDoc):
     verification: VerificationDoc
+    files: list[FileDoc]
+    seconds: float
+    diff: DiffDoc
 
 
 class DryRunDoc(PlannedDoc):
@@ -303,6 +300,9 @@ def fix_document(result: FixResult) -> FixDoc:
             "linked": list(result.verification.linked),
             "proof": proof(result.verification),
         },
+        "files": file_docs(result.files),
+        "seconds": round(result.seconds, 3),
+        "diff": diff_document(result.difference),
     }
 
 
@@ -324,11 +324,6 @@ def dry_run_document(planned: DryRun) -> DryRunDoc:
         "bytes_to_write": planned.bytes_to_write,
         "free_bytes": planned.free_bytes,
     }
-
-
-def versions_doc() -> VersionsDoc:
-    found = versions()
-    return {"optim_repair": found.optim_repair, "torch": found.torch}
 
 
 def print_json(document: Mapping[str, object]) -> None:

@@ -12,10 +12,12 @@ from rich.console import Console
 from optim_repair.api import DryRun, FixResult
 from optim_repair.decisions.comparison import ModelComparison
 from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis
+from optim_repair.decisions.difference import index_names
 from optim_repair.decisions.notices import Notice, fsdp1_after_fill
 from optim_repair.demo import DemoReport
 from optim_repair.records.repair_plan import RepairPlan
 from optim_repair.records.traffic import Traffic
+from optim_repair.render.differences import file_lines, files_total
 from optim_repair.render.documents import proof
 from optim_repair.render.terminal import (
     SHOWN,
@@ -170,7 +172,10 @@ def _print_additions(console: Console, diagnosis: Diagnosis, plan: RepairPlan) -
             if group:
                 keys = sorted({key for a in group for key in a.keys})
                 what = ", ".join(keys) if keys else "{}"
-                parts.append(f"{verb}{what} for {shown_names(tuple(a.param for a in group))}")
+                names = index_names(inv, diagnosis.inventory)  # an index keyed entry named by its model
+                params = [f"{name(a.param)} ({name(names[a.param])})" if a.param in names else name(a.param)
+                          for a in group]  # fmt: skip
+                parts.append(f"{verb}{what} for {listed(params[:SHOWN], len(params))}")
         replaced = sum(a.replaces for a in mine)
         count = f"{len(mine)} ({replaced} replaced)" if replaced else str(len(mine))
         rows.append([label, count, "; ".join(parts) or "—"])
@@ -242,6 +247,8 @@ def print_fix(result: FixResult, screen: Screen) -> None:
         f" (fill: {result.plan.fill})",
     )  # fmt: skip
     print_line(console, title, indent=0)
+    for line in file_lines(result.files, name(str(result.out))):
+        print_line(console, Shown(line), indent=1)
     _print_changes(console, result.plan)
     _print_additions(console, result.diagnosis, result.plan)
     _print_fill_notes(console, result.diagnosis, result.plan)
@@ -254,8 +261,10 @@ def print_fix(result: FixResult, screen: Screen) -> None:
     print_line(console, verified, indent=0)
     if result.traffic is not None:
         print_line(console, Shown(_traffic(result.traffic)), indent=0)
-    if v.linked:
+    if v.linked and not result.files:  # a copy on a disk says so file by file
         print_line(console, Shown(f"hard-linked to the original's, not copied: {shown_names(v.linked)}"), indent=0)
+    if result.files:
+        print_line(console, Shown(files_total(result.files, result.seconds)), indent=0)
 
 
 def print_dry_run(planned: DryRun, screen: Screen) -> None:

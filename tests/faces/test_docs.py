@@ -60,6 +60,8 @@ def _fields(doc_type: type, prefix: str = "") -> list[str]:
         fields.append(prefix + name)
         origin = typing.get_origin(hint)
         inner = typing.get_args(hint)[0] if origin is list else hint
+        if typing.is_typeddict(inner) and inner in _BY_REFERENCE:
+            continue  # documented in its own section
         if typing.is_typeddict(inner) and inner in _SMALL:
             fields.extend(f"{prefix}{name}[]{{{key}}}" for key in typing.get_type_hints(inner))
         elif typing.is_typeddict(inner):
@@ -70,9 +72,11 @@ def _fields(doc_type: type, prefix: str = "") -> list[str]:
 _SMALL = (
     render.MalformedDoc, render.NoticeDoc, render.SkippedDoc, render.AddedDoc, render.ShapeMismatchDoc,
     render.ChangedDoc, render.OptionDoc, render.AddedOptionDoc, render.KeyDoc, render.StepDoc, render.OptionChangeDoc,
-    render.LeafDiffDoc,
+    render.LeafDiffDoc, render.FileDoc,
 )  # fmt: skip
 """Documented in one row each, as ``{a, b, c}``."""
+_BY_REFERENCE = (render.DiffDoc,)
+"""Documents nested in another (fix's ``diff``), documented in their own section."""
 
 
 @pytest.mark.parametrize(

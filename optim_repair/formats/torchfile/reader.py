@@ -198,7 +198,7 @@ def _weight_map(node: dict[Any, Any], source: str) -> WeightMap | None:
         if meta is None or not meta.in_bounds:  # a damaged record is no source of shapes
             return None
         tensors.append((key, meta))
-    return WeightMap(source, tuple(tensors))
+    return WeightMap(source, tuple(tensors), in_model_order=True)
 
 
 def find_optimizers(root: Any) -> list[tuple[tuple[Any, ...], dict[Any, Any]]]:
