@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -43,6 +44,7 @@ from optim_repair.records.inventory import CheckpointInventory
 from optim_repair.records.leaves import Leaf, LeafName, Piece, RawLeaf, TensorLeaf, ValueLeaf, leaf_text
 from optim_repair.storage.ranged import FileSlice
 
+_SWITCH_SECONDS = 0.0005
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """A box of a tensor's elements: where it starts, and its size."""
 
@@ -51,7 +53,8 @@ class _Files:
     """The files of one side, each opened once (a few at a time), to read by ranges."""
 
     def __init__(self, listing: Listing, stack: contextlib.ExitStack) -> None:
-        self.listing, self._stack, self._open = listing, stack, {}  # type: ignore[var-annotated]
+        self.listing, self._stack = listing, stack
+        self._open: dict[str, BinaryIO] = {}
 
     def stream(self, file: str) -> BinaryIO:
         stream: BinaryIO | None = self._open.get(file)
@@ -150,7 +153,7 @@ def _resolved(piece: Piece, dtype: str, files: _Files) -> Piece:
             path=where,
             argument="metadata_only",
         )
-    if files.read(piece.file, piece.base, len(ZIP_MAGIC)) != ZIP_MAGIC:
+    if files.read(piece.file, piece.base, min(len(ZIP_MAGIC), piece.archive)) != ZIP_MAGIC:
         if piece.archive != numel(piece.size) * itemsize(dtype):
             raise InputError(f"a chunk of {piece.archive} bytes holds {numel(piece.size)} {dtype} elements", path=where)
         return Piece(piece.start, piece.size, piece.file, piece.base, piece.stride, 0)
@@ -390,6 +393,10 @@ def diff_listings(a: Listing, b: Listing, *, metadata_only: bool = False) -> Dif
     with contextlib.ExitStack() as stack:
         whole = None
         if a.is_file and b.is_file and not metadata_only:
+            # The reading thread waits for the interpreter after every block; parsing holds it meanwhile, for
+            # up to a switch interval (5 ms) each time: a shorter one lets the reads go at the disk's speed.
+            stack.callback(sys.setswitchinterval, sys.getswitchinterval())
+            sys.setswitchinterval(_SWITCH_SECONDS)
             whole = stack.enter_context(ThreadPoolExecutor(1)).submit(same_bytes, a, b)
         read = [read_parsed(a)]
         size = whole.result() if whole is not None else None
