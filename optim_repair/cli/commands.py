@@ -36,6 +36,7 @@ from optim_repair.cli.boundary import (
 )
 from optim_repair.decisions.optimizers import OPTIMIZERS
 from optim_repair.errors import ClosedPipe, ExitCode, Stopped
+from optim_repair.formats.pickle_limits import SCANNER
 from optim_repair.storage.schemes import is_remote
 from optim_repair.version import versions
 
@@ -53,7 +54,7 @@ app = typer.Typer(
 def _version(value: bool) -> None:
     if value:
         found = versions()
-        typer.echo(f"optim-repair {found.optim_repair} (torch {found.torch or 'not installed'})")
+        typer.echo(f"optim-repair {found.optim_repair} (torch {found.torch or 'not installed'}, {SCANNER} scanner)")
         raise typer.Exit()
 
 

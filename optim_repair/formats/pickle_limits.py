@@ -18,20 +18,26 @@ counting shared parts each time) and a depth for every object, and refuses:
 Whatever it accepts, the unpickler finishes in time linear in the pickle's size. The depths it
 computes are exact unless the pickle grows a container after taking it from the memo (which
 ``pickle`` never writes); ``scan`` then says so, and the caller measures the unpickled graph itself.
-The decoder is one loop over the bytes, which hands the less frequent opcodes to a method each;
-about 0.5 µs an opcode.
+The decoder is one loop over the bytes, handing the rarer opcodes to a method each (about 0.5 µs an opcode).
+``_scan.c`` is it compiled, which ``scan`` runs where built unless ``OPTIM_REPAIR_PURE_PYTHON=1`` (``SCANNER``).
 """
 
 from __future__ import annotations
 
 import io
 import mmap
+import os
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError
 from optim_repair.formats import pickle_opcodes as opcodes
+
+try:
+    from optim_repair.formats import _scan as _compiled
+except ImportError:  # not built (no C compiler where it was installed): the Python scan alone
+    _compiled = None  # type: ignore[assignment]
 
 MAX_DEPTH = 100
 """How deeply containers may nest: a tuple's hash, and every recursive walk of the graph (comparison,
@@ -371,10 +377,24 @@ _HANDLERS: Sequence[_Handler] = [_METHODS.get(kind, _Scan._nothing) for kind in 
 """The method that handles each kind, by kind (``_nothing`` for those that ``_Scan.run`` handles itself)."""
 
 
+def scan_python(data: Any, pos: int = 0) -> tuple[int, bool]:
+    """``scan`` in Python, on bytes or an mmap: the reference for ``scan_compiled``."""
+    return _Scan().run(data, pos)
+
+
+def scan_compiled(data: Any, pos: int = 0) -> tuple[int, bool]:
+    """``scan`` compiled, on any buffer: ``scan_python``'s results and refusals (where ``_scan.c`` was built)."""
+    limits = MAX_DEPTH, MAX_WEIGHT, HASH_BUDGET_BASE, HASH_BUDGET_PER_OP
+    return _compiled.scan(data, pos, opcodes.PACKED, _Refused, *limits)
+
+
+SCANNER = "compiled" if _compiled and os.environ.get("OPTIM_REPAIR_PURE_PYTHON") != "1" else "pure-python"
+
+
 def scan(data: Any, pos: int = 0) -> tuple[int, bool]:
     """Check the pickle that starts at ``pos`` in ``data`` (bytes or mmap); return where it ends, and
     whether it grows a container taken from the memo (its depths may be stale)."""
-    return _Scan().run(data, pos)
+    return scan_compiled(data, pos) if SCANNER == "compiled" else scan_python(data, pos)
 
 
 def check_pickle(stream: BinaryIO, source: str, what: str = "pickle") -> bool:

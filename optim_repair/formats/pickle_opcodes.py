@@ -80,3 +80,6 @@ TABLE: Sequence[tuple[int, int, int, int] | None] = [
     entry(_KNOWN[code]) if code in _KNOWN else None for code in range(256)
 ]
 """Each opcode's entry (see ``entry``), by its byte; ``None`` for a byte that is no opcode ``KIND_NAMES`` names."""
+PACKED = b"".join(bytes(value & 0xFF for value in found or (-1, 0, 0, 0)) for found in TABLE)
+"""``TABLE`` for the compiled scan (``_scan.c``, which numbers kinds and encodings as here): four bytes an opcode,
+its entry's, each a byte (negatives as two's complement; kind ``0xff`` for ``None``)."""

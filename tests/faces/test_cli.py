@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from typer.testing import Result
 
 import optim_repair
+from optim_repair.formats.pickle_limits import SCANNER
 from tests import factories
 from tests.conftest import run_cli
 from tests.factories import defects, hostile, models, trainers
@@ -97,7 +98,11 @@ def inspect_json(path: Path, code: int) -> dict[str, Any]:
     document: dict[str, Any] = json.loads(result.stdout)
     assert set(document) >= INSPECT_FIELDS
     assert document["schema_version"] == 2 and document["format"] == "torch" and document["path"] == str(path)
-    assert document["versions"] == {"optim_repair": optim_repair.__version__, "torch": TORCH_PACKAGE}
+    assert document["versions"] == {
+        "optim_repair": optim_repair.__version__,
+        "torch": TORCH_PACKAGE,
+        "scanner": SCANNER,
+    }
     for opt in document["optimizers"]:
         check_optimizer_doc(opt)
     for skipped in document["skipped"]:
@@ -460,7 +465,7 @@ def test_inspect_and_help_never_import_torch(unirl_checkpoint: Built) -> None:
 
 def test_version_help_and_quiet(unirl_checkpoint: Built, tmp_path: Path) -> None:
     version = run_cli(["--version"]).stdout
-    assert version == f"optim-repair {optim_repair.__version__} (torch {TORCH_PACKAGE})\n"
+    assert version == f"optim-repair {optim_repair.__version__} (torch {TORCH_PACKAGE}, {SCANNER} scanner)\n"
     assert run_cli(["-V"]).stdout == version
     assert run_cli(["fix", "-h"]).stdout.startswith("Usage: ")
     out = tmp_path / "fixed"

@@ -2,6 +2,8 @@
 
 The scan decodes opcodes itself; ``pickletools`` is the reference for what each opcode is (its
 argument's encoding, what it takes from the stack and leaves there) and where each one starts.
+Every test runs on both scans: the Python one, and the compiled one, shown to do as the Python one
+on every input it is given (``tests/formats/conftest.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tests.factories import dcp as dk
 from tests.factories import hostile
 from tests.factories.models import TwoHeadNet, make_optimizer, train
 
+pytestmark = pytest.mark.usefixtures("both_scans")
 OPCODES = {ord(op.code): op for op in pickletools.opcodes}
 PUSH = {pickletools.pydict: b"}", pickletools.pylist: b"]", pickletools.pyset: b"\x8f", pickletools.pytuple: b")"}
 """How to push an object of a given type; ``None`` (``N``) for every other."""
