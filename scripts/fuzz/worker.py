@@ -207,6 +207,29 @@ def _whole_read_disagrees(
     return None if summarized == read_whole else f"summarized: {summarized[:240]} | whole: {read_whole[:240]}"
 
 
+def _scans_disagree(path: str, dereference: bool, diagnosis: Any, inspected: BaseException | None) -> list[str]:
+    """Where the compiled pickle scan ran: what inspect says with the Python one instead, where it differs."""
+    import optim_repair
+    from optim_repair.formats import pickle_limits
+    from optim_repair.render import inspect_document
+
+    if pickle_limits.SCANNER != "compiled":
+        return []
+    pickle_limits.SCANNER = "pure-python"
+    try:
+        again, failed = _guarded(lambda: optim_repair.inspect(path, dereference=dereference))
+    finally:
+        pickle_limits.SCANNER = "compiled"
+
+    def outcome(result: Any, error: BaseException | None) -> str:
+        if error is not None:
+            return f"{type(error).__name__}: {error}"
+        return json.dumps(inspect_document(result), sort_keys=True)
+
+    compiled, python = outcome(diagnosis, inspected), outcome(again, failed)
+    return [] if compiled == python else [f"scans: compiled {compiled[:240]} | python {python[:240]}"]
+
+
 def run_request(request: Mapping[str, Any], auditor: Auditor, package_dir: str) -> dict[str, Any]:
     """Run one case in this process: inspect, and maybe fix and inspect the copy; what happened, as plain data."""
     import optim_repair
@@ -226,7 +249,7 @@ def run_request(request: Mapping[str, Any], auditor: Auditor, package_dir: str) 
     if inspected is None:
         rendered = _guarded(lambda: json.dumps(inspect_document(diagnosis)))[1]
     disagreement = _whole_read_disagrees(path, dereference, diagnosis, inspected, request["in_dir"])
-    unlike: list[str] = []
+    unlike: list[str] = _scans_disagree(path, dereference, diagnosis, inspected)
     diffed: BaseException | None = None
     if not dereference:  # diff walks as inspect does without it: against itself, it holds the same
         difference, diffed = _guarded(lambda: optim_repair.diff(path, path))
