@@ -303,6 +303,13 @@ def main() -> int:
                     2.0,
                 ),
             ]
+        # The scale rows again on the Python pickle scan (OPTIM_REPAIR_PURE_PYTHON=1), beside the same yardstick.
+        pure = ["env", "OPTIM_REPAIR_PURE_PYTHON=1", *tool]
+        scaled = [pair for pair in pairs if pair[0].startswith("inspect (") or "MoE" in pair[0]]
+        pairs += [
+            (f"{label} [pure Python scan]", [*pure, *command[len(tool) :]], yard_label, yard_command, None)
+            for label, command, yard_label, yard_command, _ in scaled
+        ]
         remote = _remote_pairs(root, torch_file, dcp_dir, tool) if args.s3 else []
         pairs += [
             (label, command, yard_label, yard_command, None) for label, command, yard_label, yard_command, _ in remote
