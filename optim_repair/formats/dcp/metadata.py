@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from optim_repair.errors import InputError, shown
+from optim_repair.formats.dcp.metadata_records import StorageRun
 from optim_repair.records.dtypes import contiguous_strides, itemsize, numel
 from optim_repair.records.inventory import ParamKey, TensorMeta
 
@@ -146,3 +148,29 @@ def view_key(rel: str, name: str) -> str:
 def display_path(rel: str, name: str) -> str:
     """``name`` inside the directory ``rel`` of the user's argument, for messages."""
     return f"{rel}/{name}" if rel else name
+
+
+def check_stored(
+    items: Mapping[str, DcpItem],
+    storage: Mapping[StorageIndex, DcpStorage],
+    runs: set[StorageRun],
+    summarized: int,
+    source: str,
+) -> None:
+    """Every entry is stored where ``dcp.load`` looks for it: a bytes entry under its key, a tensor's chunks under
+    their offsets, none as the other kind; summarized chunks and storage entries count alike (else: read whole)."""
+    for key, offsets in (*storage, *((key, ()) for run in runs for key in run.keys)):
+        if (offsets is None) != isinstance(items[key], DcpBytes):
+            kind, listed = ("bytes", "tensor") if offsets is None else ("tensor", "bytes")
+            raise InputError(f"stores {shown(key)} as a {kind} entry; its state_dict_metadata lists a {listed} entry",
+                             path=source)  # fmt: skip
+    in_runs = {key for run in runs for key in run.keys}
+    for key, item in items.items():
+        wanted = [(key, None)] if isinstance(item, DcpBytes) else [(key, chunk.offsets) for chunk in item.chunks]
+        if key not in in_runs and any(index not in storage for index in wanted):
+            raise InputError(f"{shown(key)} is listed but stored nowhere", path=source)
+    if runs:  # every chunk, summarized or listed, against every tensor's storage entry
+        chunks = summarized + sum(len(item.chunks) for item in items.values() if isinstance(item, DcpTensor))
+        stored = sum(run.count for run in runs) + sum(offsets is not None for _, offsets in storage)
+        if chunks != stored:
+            raise InputError(f"lists {chunks} chunks and {stored} storage entries of them", path=source)

@@ -28,6 +28,7 @@ from optim_repair.formats.dcp.metadata import (
     KeyPath,
     MetadataPickle,
     StorageIndex,
+    check_stored,
     display_path,
 )
 from optim_repair.formats.dcp.metadata_records import MODULE as SUMMARY_MODULE
@@ -168,9 +169,9 @@ def _record_fields(value: Any, kind: str, source: str) -> dict[str, Any]:
     return value.state
 
 
-def _tensor_item(value: Any, key: str, source: str, view: bool) -> tuple[DcpTensor, int]:
-    """The tensor entry, and how many fields its ``TensorProperties`` pickled (``view``: one rank's own metadata,
-    whose chunks are that rank's alone)."""
+def _tensor_item(value: Any, key: str, source: str, view: bool) -> tuple[DcpTensor, int, int]:
+    """The tensor entry, how many fields its ``TensorProperties`` pickled, and how many of its chunks were
+    summarized (``view``: one rank's own metadata, whose chunks are that rank's alone)."""
     fields = _record_fields(value, "TensorStorageMetadata", source)
     properties = fields.get("properties")
     if not (isinstance(properties, MetadataRecord) and properties.kind == "TensorProperties"):
@@ -192,12 +193,13 @@ def _tensor_item(value: Any, key: str, source: str, view: bool) -> tuple[DcpTens
     chunks = fields.get("chunks")
     if not isinstance(chunks, list):
         raise InputError(f"{key} lists no chunks", path=source)
-    parsed, held = [], 0
+    parsed, held, summarized = [], 0, 0
     for chunk in chunks:
         if isinstance(chunk, ChunkRun):  # chunks summarized as they were read (read_summary)
             if chunk.outside(size):
                 raise InputError(f"a summarized chunk of {key} lies outside it", path=source)
             held += chunk.held
+            summarized += chunk.count
             continue
         chunk_fields = _record_fields(chunk, "ChunkStorageMetadata", source)
         offsets = int_tuple(chunk_fields.get("offsets"), f"a chunk offset of {key}", source)
@@ -214,7 +216,7 @@ def _tensor_item(value: Any, key: str, source: str, view: bool) -> tuple[DcpTens
     whole = numel(size)
     if held < whole and not view:
         raise InputError(f"the chunks of {key} hold {held} of its {whole} elements", path=source)
-    return DcpTensor(dtype.name, size, tuple(parsed), strides), len(state)
+    return DcpTensor(dtype.name, size, tuple(parsed), strides), len(state), summarized
 
 
 def _relative_path(value: Any, source: str) -> str:
@@ -256,14 +258,16 @@ def _parse_metadata(root: Any, source: str, view: bool) -> tuple[DcpMetadata, in
         raise InputError("holds no state_dict_metadata", path=source)
     items: dict[str, DcpItem] = {}
     property_fields: dict[int, str] = {}
+    summarized = 0
     for key, value in entries.items():
         if not isinstance(key, str):
             raise InputError(f"has the key {shown(key)}", path=source)
         if isinstance(value, MetadataRecord) and value.kind == "BytesStorageMetadata":
             items[key] = DcpBytes()
         else:
-            items[key], count = _tensor_item(value, key, source, view)
+            items[key], count, runs_of = _tensor_item(value, key, source, view)
             property_fields.setdefault(count, key)
+            summarized += runs_of
     if len(property_fields) > 1:
         raise InputError(
             f"its tensor properties have 5 fields ({shown(property_fields[5])}) and 6 ({shown(property_fields[6])}): "
@@ -299,6 +303,7 @@ def _parse_metadata(root: Any, source: str, view: bool) -> tuple[DcpMetadata, in
     for key in chain((index[0] for index in storage), (key for run in runs for key in run.keys)):
         if key not in items:
             raise InputError(f"stores {shown(key)}, which its state_dict_metadata does not list", path=source)
+    check_stored(items, storage, set(runs), summarized, source)
     for key in _compact(items, storage):
         items[key] = replace(cast(DcpTensor, items[key]), compact=True)
     shards = runs[0].shards if runs else ShardEnds()

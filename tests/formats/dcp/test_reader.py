@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict_saver import save
 
 from optim_repair.errors import InputError, UnsafeInputError
 from optim_repair.formats.dcp import DcpChunk, DcpTensor, is_dcp_directory, read_dcp, read_metadata
+from optim_repair.formats.dcp.metadata_reader import read_summary
 from optim_repair.records.inventory import TensorMeta
 from tests.conftest import run_cli
 from tests.factories import dcp as dk
@@ -352,3 +353,37 @@ def test_a_bytes_entry_of_several_disks_is_one_line() -> None:
     data[locator + 16 : locator + 20] = struct.pack("<I", 2)
     with pytest.raises(InputError, match=r"damaged zip archive \(zipfiles that span multiple disks"):
         read_saved_object(bytes(data), "entry")
+
+
+def _restored(path: Path, edit: Callable[[Any], None]) -> None:
+    """Edit the ``.metadata`` of the DCP checkpoint ``path`` as torch reads it (this test's own file, just written
+    by ``dcp.save``), and write it back."""
+    meta = pickle.loads((path / ".metadata").read_bytes())
+    edit(meta)
+    (path / ".metadata").write_bytes(pickle.dumps(meta))
+
+
+def _drop_a_moments_storage(meta: Any) -> None:
+    key = next(key for key in meta.state_dict_metadata if key.endswith("exp_avg"))
+    del meta.storage_data[next(index for index in meta.storage_data if index.fqn == key)]
+
+
+def _bytes_entry_made_a_tensor(meta: Any) -> None:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    key = next(key for key, item in meta.state_dict_metadata.items() if key.endswith(".lr") or "param_groups" in key)
+    tensor = next(item for item in meta.state_dict_metadata.values() if isinstance(item, TensorStorageMetadata))
+    meta.state_dict_metadata[key] = tensor
+
+
+@pytest.mark.parametrize("edit", [_drop_a_moments_storage, _bytes_entry_made_a_tensor], ids=lambda edit: edit.__name__)
+def test_an_entry_dcp_load_finds_no_storage_for_is_refused(tmp_path: Path, edit: Callable[[Any], None]) -> None:
+    """Found by the s3 fuzzer's diff check: a chunk or bytes entry without its storage entry, which ``dcp.load``
+    fails on (a KeyError in its reader), was inspected as healthy. Both reads refuse it: the summary and the whole."""
+    built = dk.unirl_dcp(tmp_path)
+    _restored(built.path, edit)
+    for read in (read_summary, read_metadata):
+        with pytest.raises(InputError, match=r"stored nowhere|stores .* as a"):
+            read(built.path)
+    result = run_cli(["inspect", built.path], code=4)
+    assert "stored nowhere" in result.stderr or "state_dict_metadata lists" in result.stderr
