@@ -157,20 +157,22 @@ def check_stored(
     summarized: int,
     source: str,
 ) -> None:
-    """Every entry is stored where ``dcp.load`` looks for it: a bytes entry under its key, a tensor's chunks under
-    their offsets, none as the other kind; summarized chunks and storage entries count alike (else: read whole)."""
+    """Every entry is stored where ``dcp.load`` looks for it: a bytes entry under its key, as many storage entries of
+    tensor chunks as there are chunks, none stored as the other kind (a summary that counts otherwise: read whole)."""
     for key, offsets in (*storage, *((key, ()) for run in runs for key in run.keys)):
         if (offsets is None) != isinstance(items[key], DcpBytes):
             kind, listed = ("bytes", "tensor") if offsets is None else ("tensor", "bytes")
             raise InputError(f"stores {shown(key)} as a {kind} entry; its state_dict_metadata lists a {listed} entry",
                              path=source)  # fmt: skip
-    in_runs = {key for run in runs for key in run.keys}
     for key, item in items.items():
-        wanted = [(key, None)] if isinstance(item, DcpBytes) else [(key, chunk.offsets) for chunk in item.chunks]
-        if key not in in_runs and any(index not in storage for index in wanted):
+        if isinstance(item, DcpBytes) and (key, None) not in storage:
             raise InputError(f"{shown(key)} is listed but stored nowhere", path=source)
-    if runs:  # every chunk, summarized or listed, against every tensor's storage entry
-        chunks = summarized + sum(len(item.chunks) for item in items.values() if isinstance(item, DcpTensor))
-        stored = sum(run.count for run in runs) + sum(offsets is not None for _, offsets in storage)
-        if chunks != stored:
-            raise InputError(f"lists {chunks} chunks and {stored} storage entries of them", path=source)
+    # A tensor's chunks, against its storage entries: counted, as a summary (which keeps no chunk's offsets) can
+    # count them too, so that the summary and the whole read answer alike; a chunk listed twice is stored once.
+    tensors = [(key, item) for key, item in items.items() if isinstance(item, DcpTensor)]
+    stored = sum(run.count for run in runs) + sum(offsets is not None for _, offsets in storage)
+    chunks = summarized + sum(len(item.chunks) for _, item in tensors)
+    if chunks != stored:
+        chunks = summarized + len({(key, chunk.offsets) for key, item in tensors for chunk in item.chunks})
+    if chunks != stored:
+        raise InputError(f"lists {chunks} chunks of tensors and {stored} storage entries of them", path=source)
