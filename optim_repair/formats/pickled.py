@@ -147,6 +147,10 @@ _NOT_CALLABLE = _TORCH_GLOBALS - {"Size", "Tensor", "device", "UntypedStorage"}
 are, which torch's loader also gives as values). A layout is named through ``torch.serialization._get_layout``."""
 
 
+_METADATA = {"_rebuild_tensor": 4, "_rebuild_tensor_v2": 6, "_rebuild_tensor_v3": 7}
+"""Where each tensor rebuild takes its ``metadata`` (``_rebuild_tensor`` takes none: past its four arguments)."""
+
+
 def _check_rebuild(name: str, args: tuple[Any, ...]) -> None:
     """Refuse a tensor torch's loader would refuse to rebuild (``torch._utils._rebuild_tensor_v2`` sets its
     ``requires_grad``, then ``set_`` checks that its elements lie within its storage), from its arguments alone."""
@@ -166,6 +170,9 @@ def _check_rebuild(name: str, args: tuple[Any, ...]) -> None:
         raise TorchRefuses(f"a tensor's {where} reach past its storage {args[0].key} of {args[0].nbytes} bytes")
     if requires_grad and not dtype.startswith(("float", "bfloat", "complex")):
         raise TorchRefuses(f"a {dtype} tensor of storage {args[0].key} requires grad")
+    metadata = args[_METADATA[name]] if len(args) > _METADATA[name] else None
+    if metadata and not isinstance(metadata, dict):  # set_tensor_metadata asserts a dict, where there is any
+        raise TorchRefuses(f"a tensor of storage {args[0].key} has the metadata {shown(metadata)}, not a dict")
 
 
 def _encode(text: str, encoding: str = "latin1") -> bytes:

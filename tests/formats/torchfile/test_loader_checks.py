@@ -56,6 +56,17 @@ def test_a_tensor_torch_cannot_rebuild(tmp_path: Path, old: bytes, new: bytes, r
     refused_as_torch_would(path, reason)
 
 
+def test_a_tensor_rebuilt_with_metadata_that_is_no_dict(tmp_path: Path) -> None:
+    """Found by the fuzzer: torch's set_tensor_metadata asserts a dict (an AssertionError, refused all the same),
+    and inspect called the file healthy."""
+    path = trainers.unirl_torch(tmp_path).path / "checkpoint.pt"
+    rewrite_pickle(path, _first(_FALSE_HOOKS, _FALSE_HOOKS + b"K\x01\x85"))  # a seventh argument: (1,)
+    with pytest.raises(AssertionError, match="expected dict"):
+        torch.load(path, weights_only=True)
+    result = run_cli(["inspect", path], code=4)
+    assert "torch will refuse this file: a tensor of storage 0 has the metadata (1,), not a dict" in result.stderr
+
+
 def test_an_integer_tensor_that_requires_grad(tmp_path: Path) -> None:
     path = single_file(tmp_path, "counts.pt", {"counts": torch.zeros(3, dtype=torch.int64)})
     rewrite_pickle(path, _first(b"\x89ccollections\nOrderedDict\n", b"\x88ccollections\nOrderedDict\n"))
