@@ -18,8 +18,12 @@ from optim_repair.records.inventory import TensorMeta
 from optim_repair.records.leaves import Leaf, LeafPath, Piece, TensorLeaf, ValueLeaf, path_part
 
 MAX_LEAVES = 1 << 23
-"""The most leaves one file may list: far beyond the values of a million-parameter optimizer, and a bound on
-what a pickle that reaches one container by many paths can make a walk list."""
+"""The most leaves one file may list: far beyond the values of a million-parameter optimizer."""
+LEAVES_PER_BYTE = 0.5
+"""How many leaves a pickle may list for each of its bytes, beyond ``MIN_LEAVES``: every value a pickle writes
+takes a byte or more (a memo reference two), so only a pickle that reaches one container by many paths (a list
+of a thousand references to a list of a thousand values) lists more, and is refused before it exhausts memory."""
+MIN_LEAVES = 1 << 18
 
 Placer = Callable[[TensorMeta], Piece | None]
 """Where a tensor's elements lie in its file, or None where the graph's storages are not the file's own."""
@@ -52,16 +56,18 @@ def canonical(value: Any) -> Hashable:
 
 
 class _Walk:
-    def __init__(self, placer: Placer | None, source: str) -> None:
+    def __init__(self, placer: Placer | None, source: str, limit: int) -> None:
         self.placer = placer
         self.source = source
+        self.limit = limit
         self.leaves: dict[LeafPath, Leaf] = {}
         self.storages: dict[str, list[LeafPath]] = {}
         self.walking: set[int] = set()
 
     def add(self, path: LeafPath, leaf: Leaf) -> None:
-        if len(self.leaves) >= MAX_LEAVES:
-            raise InputError(f"holds more than {MAX_LEAVES} values to compare", path=self.source)
+        if len(self.leaves) >= self.limit:
+            reason = f"lists more than {self.limit} values to compare (a pickle that reaches its values by many paths)"
+            raise InputError(reason, path=self.source)
         self.leaves.setdefault(path, leaf)
 
     def tensor(self, path: LeafPath, meta: TensorMeta) -> bool:
@@ -92,10 +98,13 @@ class _Walk:
         self.walking.discard(id(node))
 
 
-def graph_leaves(root: Any, source: str, placer: Placer | None, prefix: LeafPath = ()) -> dict[LeafPath, Leaf]:
-    """Every leaf under ``root``, its path beginning with ``prefix``; each tensor placed by ``placer`` (without
-    one, a tensor is a value: what it is, not its bytes), with the others on its storage (``shares``)."""
-    walk = _Walk(placer, source)
+def graph_leaves(
+    root: Any, source: str, placer: Placer | None, pickled: int, prefix: LeafPath = ()
+) -> dict[LeafPath, Leaf]:
+    """Every leaf under ``root`` (unpickled from ``pickled`` bytes), its path beginning with ``prefix``; each tensor
+    placed by ``placer`` (without one, a tensor is a value: what it is, not its bytes), with the others on its
+    storage (``shares``)."""
+    walk = _Walk(placer, source, min(MAX_LEAVES, MIN_LEAVES + int(pickled * LEAVES_PER_BYTE)))
     walk.visit(root, prefix)
     for paths in walk.storages.values():
         first = min(paths)

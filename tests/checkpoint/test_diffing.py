@@ -186,3 +186,18 @@ def test_a_tensor_listed_with_one_chunk_twice_compares_as_itself(tmp_path: Path)
     copy = tmp_path / "copy"
     shutil.copytree(built.path, copy)
     assert api.diff(built.path, copy).same
+
+
+def test_a_pickle_that_reaches_one_list_by_many_paths_is_refused_before_it_is_listed(tmp_path: Path) -> None:
+    """A thousand references to a list of a thousand values pickle in a few kilobytes and would list a million
+    leaves (a thousand levels of it, more than memory holds): refused, as inspect's scan refuses work out of
+    proportion to a pickle's size."""
+    (first,) = _run(tmp_path, (2,))
+    state = torch.load(first, weights_only=True)
+    shared = list(range(1000))
+    state["shared"] = [shared] * 1000
+    path = tmp_path / "shared.pt"
+    torch.save(state, path)
+    assert path.stat().st_size < first.stat().st_size + 64 * 1024
+    with pytest.raises(InputError, match="values to compare"):
+        api.diff(first, path)

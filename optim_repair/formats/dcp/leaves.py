@@ -70,5 +70,5 @@ def dcp_leaves(meta: DcpMetadata, shards: ShardFiles, rel: str, source: str) -> 
         if graph is None or graph.storages:
             leaves[path] = RawLeaf(display_path(rel, info.relative_path), info.offset, info.length)
         else:
-            leaves.update(graph_leaves(graph.root, where, None, path))
+            leaves.update(graph_leaves(graph.root, where, None, len(data), path))
     return leaves

@@ -5,6 +5,7 @@ from __future__ import annotations
 from optim_repair.errors import InputError, shown
 from optim_repair.formats.leaves import graph_leaves
 from optim_repair.formats.torchfile.files import TorchFile
+from optim_repair.formats.torchfile.legacy import LegacyTorchFile
 from optim_repair.records.inventory import TensorMeta
 from optim_repair.records.leaves import Leaf, LeafPath, Piece
 
@@ -22,4 +23,11 @@ def torch_leaves(torch_file: TorchFile, rel: str, source: str) -> dict[LeafPath,
         start = (0,) * len(meta.shape)
         return Piece(start, meta.shape, rel, base, meta.stride, meta.storage_offset)
 
-    return graph_leaves(torch_file.graph.root, source, placed)
+    return graph_leaves(torch_file.graph.root, source, placed, pickled_bytes(torch_file))
+
+
+def pickled_bytes(torch_file: TorchFile) -> int:
+    """How many bytes a torch file's object graph was pickled in: its ``data.pkl``, or the legacy file's pickle."""
+    if isinstance(torch_file, LegacyTorchFile):
+        return torch_file.storage_start - torch_file.main_start
+    return next(info.file_size for info in torch_file.records if info.filename == f"{torch_file.prefix}data.pkl")
