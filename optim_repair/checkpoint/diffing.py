@@ -303,6 +303,11 @@ def _bytes_differ(
     return found, compared.nbytes
 
 
+def _kind(leaf: Leaf) -> str:
+    """What a leaf is counted as in a tally: ``tensors``, ``values`` or ``raw``."""
+    return "tensors" if isinstance(leaf, TensorLeaf) else "values" if isinstance(leaf, ValueLeaf) else "raw"
+
+
 def compared(sides: _Sides, *, metadata_only: bool, paths: tuple[str, str], started: float) -> Difference:
     """What differs between the two sides."""
     leaves_a, leaves_b = sides.leaves
@@ -325,7 +330,7 @@ def compared(sides: _Sides, *, metadata_only: bool, paths: tuple[str, str], star
     both = sorted((name for name in leaves_a if name in leaves_b), key=lambda name: _place(leaves_a[name]))
     for name in both:
         a, b = leaves_a[name], leaves_b[name]
-        kind = "tensors" if isinstance(a, TensorLeaf) else "values" if isinstance(a, ValueLeaf) else "raw"
+        kind = _kind(a)
         counts[kind] += 1
         differs = leaf_differences(name, a, b)
         found.extend(differs)
@@ -376,8 +381,7 @@ def _same_file(
     inventory, parsed = read
     with contextlib.ExitStack() as stack:
         leaves = side_leaves(a, parsed, _Files(a, stack))
-    count = Counter("tensors" if isinstance(leaf, TensorLeaf) else "values" if isinstance(leaf, ValueLeaf) else "raw"
-                    for leaf in leaves.values())  # fmt: skip
+    count = Counter(_kind(leaf) for leaf in leaves.values())
     optimizers, _, _ = optimizer_differences(inventory, inventory, {}, {})
     tally = LeafTally(count["tensors"], count["values"], count["raw"], len(leaves), size)
     files = (FileChange("", "same", size),)

@@ -353,10 +353,7 @@ def diff(
     screen = make_screen(color, quiet)
 
     def command() -> int:
-        paths = [text if is_remote(text) else Path(text) for text in (a, b)]
-        difference = api.diff(
-            paths[0], paths[1], metadata_only=metadata_only, profile=profile, endpoint_url=endpoint_url
-        )
+        difference = api.diff(a, b, metadata_only=metadata_only, profile=profile, endpoint_url=endpoint_url)
         with writes_to("stdout"):
             if json:
                 render.print_json(render.diff_document(difference))

@@ -233,7 +233,10 @@ def _held(leaves: dict[LeafName, Leaf]) -> dict[str, int]:
     """Each file's leaves' bytes, by file."""
     held: dict[str, int] = {}
     for (file, _), leaf in leaves.items():
-        size = leaf.numel * itemsize(leaf.dtype) if isinstance(leaf, TensorLeaf) else getattr(leaf, "length", 0)
+        if isinstance(leaf, TensorLeaf):
+            size = leaf.numel * itemsize(leaf.dtype)
+        else:
+            size = leaf.length if isinstance(leaf, RawLeaf) else 0
         held[file] = held.get(file, 0) + size
     return held
 
