@@ -13,51 +13,16 @@ from typing import Any
 
 from optim_repair.errors import InputError
 from optim_repair.formats.addresses import resolve
-from optim_repair.formats.pickle_writing import dump_graph, new_tensor, storage_for
-from optim_repair.formats.pickled import Reduced, StorageRef, load_graph
+from optim_repair.formats.pickle_writing import dump_graph
+from optim_repair.formats.pickled import load_graph
+from optim_repair.formats.torchfile.added import NewStorages
 from optim_repair.formats.torchfile.changes import changed_optimizer, put, with_entry
 from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile
 from optim_repair.formats.torchfile.planning import plan_torch_file
 from optim_repair.formats.torchfile.rewrite import NewStorage, write_legacy, write_zip
 from optim_repair.formats.unpickling import ZIP_ERRORS
-from optim_repair.records import keys
-from optim_repair.records.dtypes import numel
-from optim_repair.records.repair_plan import Addition, FreshTensor, ParamChange
-
-
-def _sibling_location(optimizer: dict[Any, Any], key: str) -> str:
-    """Where the optimizer keeps ``key`` for other parameters (``cuda:0``, or ``cpu`` for a CPU ``step``)."""
-    if keys.is_nested(optimizer):
-        values = (entry.get(key) for entry in optimizer[keys.STATE].values() if isinstance(entry, dict))
-    else:
-        values = (
-            value
-            for name, value in optimizer.items()
-            if keys.section_of(name) == keys.STATE and keys.split_flat(name)[2] == key
-        )
-    for value in values:
-        if isinstance(value, Reduced) and value.args and isinstance(value.args[0], StorageRef):
-            return value.args[0].location
-    return "cpu"
-
-
-class _NewStorages:
-    """The storages the additions create, each under a key the file does not use yet."""
-
-    def __init__(self, torch_file: TorchFile) -> None:
-        self._legacy = isinstance(torch_file, LegacyTorchFile)
-        self._taken = set(torch_file.graph.storages)
-        self.created: list[NewStorage] = []
-
-    def tensor(self, value: FreshTensor, location: str) -> Reduced:
-        key = f"optim-repair-{len(self.created)}" if self._legacy else str(len(self._taken))
-        while key in self._taken:
-            key += "_"
-        self._taken.add(key)
-        ref = storage_for(key, value.dtype, numel(value.shape), legacy=self._legacy, location=location)
-        self.created.append(NewStorage(ref, value.nbytes, value.chunks()))
-        return new_tensor(ref, value.shape)
+from optim_repair.records.repair_plan import Addition, ParamChange
 
 
 def edited_root(
@@ -65,17 +30,13 @@ def edited_root(
 ) -> tuple[Any, list[NewStorage]]:
     """The graph's root with ``changes``, then ``additions`` applied, and the storages the additions create."""
     root = torch_file.graph.root
-    storages = _NewStorages(torch_file)
+    storages = NewStorages(torch_file)
     addresses = dict.fromkeys([*(change.address for change in changes), *(a.address for a in additions)])
     for address in sorted(addresses, key=len):
         original = resolve(torch_file.graph.root, address)
         optimizer = changed_optimizer(original, [change for change in changes if change.address == address])
         for addition in (addition for addition in additions if addition.address == address):
-            values = [
-                storages.tensor(value, _sibling_location(original, key)) if isinstance(value, FreshTensor) else value
-                for key, value in addition.state
-            ]
-            with_entry(optimizer, addition, values)
+            with_entry(optimizer, addition, storages.values(addition, original))
         root = put(root, address, optimizer)
     return root, storages.created
 
