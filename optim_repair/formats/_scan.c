@@ -180,7 +180,7 @@ new_tuple(Scan *s, const Py_ssize_t *items, Py_ssize_t nitems)
     return record < 0 ? -1 : push(&s->stack, record);
 }
 
-/* _grow: add `items` to a container's record; 1 where it was shared, else 0 (-1: refused). */
+/* _grow: add `items` to a container's record; 1 where it was shared and is now deeper, else 0 (-1: refused). */
 static int
 grow(Scan *s, Py_ssize_t container, const Py_ssize_t *items, Py_ssize_t nitems)
 {
@@ -196,9 +196,10 @@ grow(Scan *s, Py_ssize_t container, const Py_ssize_t *items, Py_ssize_t nitems)
         return too_deep(s);
     }
     Record *record = &s->records[container];
+    int deeper = depth > record->depth;
     record->weight = weight < s->max_weight + 1 ? weight : s->max_weight + 1;
     record->depth = depth;
-    return record->shared;
+    return record->shared && deeper;
 }
 
 static inline uint32_t
@@ -391,10 +392,10 @@ handle(Scan *s, int kind, int count, int hashes)
                     return too_deep(s);
                 }
                 container->depth = state.depth + 1;
+                s->stale = s->stale || container->shared;
             }
             int64_t weight = container->weight + state.weight;
             container->weight = weight < s->max_weight + 1 ? weight : s->max_weight + 1;
-            s->stale = s->stale || container->shared;
         }
         return 0;
     }

@@ -16,7 +16,7 @@ counting shared parts each time) and a depth for every object, and refuses:
   reads what is past a frame from the file afresh, and misreads it: a memo index of 2**30).
 
 Whatever it accepts, the unpickler finishes in time linear in the pickle's size. The depths it
-computes are exact unless the pickle grows a container after taking it from the memo (which
+computes are exact unless the pickle makes a container deeper after taking it from the memo (which
 ``pickle`` never writes); ``scan`` then says so, and the caller measures the unpickled graph itself.
 The decoder is one loop over the bytes, handing the rarer opcodes to a method each (about 0.5 µs an opcode).
 ``_scan.c`` is it compiled, which ``scan`` runs where built unless ``OPTIM_REPAIR_PURE_PYTHON=1`` (``SCANNER``).
@@ -58,13 +58,13 @@ _Record = list[Any]
 _WEIGHT, _DEPTH, _PARTS, _SHARED = range(4)
 """A record's leaves, counting shared parts each time (at most ``MAX_WEIGHT + 1`` in a container); how deeply
 containers nest in it (0 for a scalar); a tuple's items (``None`` for anything else: a call's arguments are
-weighed by them); and whether it was taken from the memo or duplicated (growing it may leave depths stale)."""
+weighed by them); and whether it was taken from the memo or duplicated (deepening it may leave depths stale)."""
 _LEAF: _Record = [1, 0, None, False]
 """Every scalar's record (never changed: nothing grows or shares a scalar)."""
 
 
 class _Refused(Exception):
-    pass
+    """A refusal, with its reason."""
 
 
 def _underflow() -> _Refused:
@@ -93,8 +93,8 @@ def _new_tuple(items: list[_Record]) -> _Record:
 
 
 def _grow(container: _Record, items: list[_Record]) -> bool:
-    """Add ``items`` to a container's record; return whether it was taken from the memo (its depth in
-    the records of containers holding it may now be stale)."""
+    """Add ``items`` to a container's record; return whether it was taken from the memo and is now deeper (its
+    depth in the records of containers holding it may be stale)."""
     weight, depth = container[_WEIGHT], container[_DEPTH]
     for item in items:
         weight += item[_WEIGHT]
@@ -102,13 +102,13 @@ def _grow(container: _Record, items: list[_Record]) -> bool:
             depth = item[_DEPTH] + 1
     if depth > MAX_DEPTH:
         raise _too_deep()
+    deeper = depth > container[_DEPTH]
     container[_WEIGHT], container[_DEPTH] = min(weight, MAX_WEIGHT + 1), depth
-    return bool(container[_SHARED])
+    return deeper and bool(container[_SHARED])
 
 
 def _argument(data: Any, pos: int, kind: int, arg: int) -> tuple[int, int]:
-    """Skip an argument that ``_Scan.run`` does not read itself; return where the next opcode starts, and
-    a memo index for PUT and GET (a frame's length for FRAME)."""
+    """Skip an argument ``_Scan.run`` does not read; return the next opcode's start and a memo index (or length)."""
     if arg > opcodes.SIZED:
         width = arg - opcodes.SIZED
         if pos + width > len(data):
@@ -330,8 +330,8 @@ class _Scan:
                 if state[_DEPTH] >= MAX_DEPTH:
                     raise _too_deep()
                 container[_DEPTH] = state[_DEPTH] + 1
+                self.stale = self.stale or container[_SHARED]
             container[_WEIGHT] = min(container[_WEIGHT] + state[_WEIGHT], MAX_WEIGHT + 1)
-            self.stale = self.stale or container[_SHARED]
 
     def _persid(self, count: int, hashes: int, ops: int) -> None:
         """BINPERSID, STACK_GLOBAL: an object named by the items taken (an id; a module and a name)."""

@@ -178,10 +178,13 @@ def test_plain_data_in_every_protocol_is_accepted(protocol: int) -> None:
     assert check_pickle(io.BytesIO(data), "plain.pkl") is False
 
 
-def test_growing_a_container_taken_from_the_memo_says_its_depths_may_be_stale() -> None:
-    # [inner] with inner memoized; then inner, fetched from the memo, gets an item.
-    data = hostile.PROTO2 + b"]\x94]\x94a" + b"h\x01Na0."
-    assert scan(data) == (len(data), True)
+def test_making_a_container_taken_from_the_memo_deeper_says_its_depths_may_be_stale() -> None:
+    # [inner] with inner memoized; then inner, fetched from the memo, gets an item: a list makes it deeper, so the
+    # depth recorded for [inner] is stale; None does not (an appendix adding entries like its others: still exact).
+    deeper = hostile.PROTO2 + b"]\x94]\x94a" + b"h\x01]a0."
+    assert scan(deeper) == (len(deeper), True)
+    level = hostile.PROTO2 + b"]\x94]\x94a" + b"h\x01Na0."
+    assert scan(level) == (len(level), False)
 
 
 def test_nesting_up_to_max_depth_is_accepted_and_deeper_refused() -> None:
