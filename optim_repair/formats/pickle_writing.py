@@ -10,6 +10,7 @@ import collections
 import io
 import pickle
 import types
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from optim_repair.errors import RepairRefused
@@ -61,6 +62,17 @@ def dump_graph(root: Any) -> bytes:
     """Pickle a graph made by ``load_graph`` (possibly edited) back into bytes torch can load."""
     buffer = io.BytesIO()
     _GraphPickler(buffer, protocol=TORCH_PROTOCOL).dump(root)
+    return buffer.getvalue()
+
+
+def dump_parts(values: Iterable[Any]) -> bytes:
+    """Pickle ``values`` one after another as bare opcodes (no ``PROTO``, no ``STOP``) that store nothing in the
+    memo: a part spliced into another pickle, whose memo entries it must leave as they are."""
+    buffer = io.BytesIO()
+    pickler: Any = _GraphPickler(buffer, protocol=TORCH_PROTOCOL)
+    pickler.fast = True  # pickle's own switch: memoize nothing (so no value may refer to itself)
+    for value in values:
+        pickler.save(value)
     return buffer.getvalue()
 
 

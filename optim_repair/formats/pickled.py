@@ -279,6 +279,10 @@ class PickleGraph:
 
     root: Any
     storages: dict[str, StorageRef]
+    memo: Callable[[], dict[int, Any]] = dict
+    """The unpickler's memo as the pickle left it, copied on demand: which memo entry each object is."""
+    end: int = 0
+    """Where in what was read its ``STOP`` ends (a pickle may be followed by more)."""
 
 
 def _children(node: Any) -> Iterable[Any]:
@@ -322,7 +326,7 @@ def load_graph(data: bytes | BinaryIO, source: str, *, ours: bool = False, legac
     root = unpickler.load_safely("torch pickle", ours=ours)
     if unpickler.depth_unchecked:
         check_depth(root, source)
-    return PickleGraph(root, unpickler.storages)
+    return PickleGraph(root, unpickler.storages, unpickler.memo.copy, unpickler.stream_position())
 
 
 def _layout(args: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:

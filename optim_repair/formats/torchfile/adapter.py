@@ -19,13 +19,11 @@ from pathlib import Path
 from typing import BinaryIO
 
 from optim_repair.errors import UsageError
-from optim_repair.formats.pickle_writing import dump_graph
-from optim_repair.formats.pickled import load_graph
 from optim_repair.formats.planned import Parsed, PlannedFile, Tally, added_bytes
 from optim_repair.formats.torchfile import TorchFile, open_torch_file, plan_torch_file, write_torch_file
 from optim_repair.formats.torchfile.splice import Splice, splice
 from optim_repair.formats.torchfile.verifier import verify_torch_file
-from optim_repair.formats.torchfile.writer import edited_root
+from optim_repair.formats.torchfile.writer import new_pickle
 from optim_repair.formats.torchfile.zipformat import ZipTorchFile
 from optim_repair.progress import Meter
 from optim_repair.records.inventory import FileInventory
@@ -93,9 +91,8 @@ class PlannedTorchFile:
         orphaned)."""
         torch_file, source = self.original, self.source
         assert isinstance(torch_file, ZipTorchFile)  # a store's legacy-format files are not read
-        root, created = edited_root(torch_file, self.additions, self.changes)
-        data = dump_graph(root)
-        if set(torch_file.graph.storages) - set(load_graph(data, source, ours=True).storages):
+        data, created, dropped = new_pickle(torch_file, source, self.additions, self.changes)
+        if dropped:
             raise UsageError(f"{source}: dropping state from a torch file in a store is done into a local copy")
         with original() as stream, zipfile.ZipFile(stream) as archive:
             directory_at = archive.start_dir

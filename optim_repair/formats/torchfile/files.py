@@ -9,7 +9,7 @@ from typing import BinaryIO
 
 from optim_repair.errors import InputError, os_error_reason
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile, open_legacy
-from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, ZipTorchFile, open_zip
+from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, GraphOf, ZipTorchFile, open_zip
 from optim_repair.storage.disk import open_regular
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -23,15 +23,18 @@ Opener = Callable[[], BinaryIO]
 """Opens a torch file for reading: a local file (``open_regular``), or an object of a store read by ranges."""
 
 
-def open_torch_file(path: Path, source: str, *, ours: bool = False, opener: Opener | None = None) -> TorchFile:
+def open_torch_file(
+    path: Path, source: str, *, ours: bool = False, opener: Opener | None = None, graph_of: GraphOf | None = None
+) -> TorchFile:
     """Parse ``path`` (or what ``opener`` opens) without reading tensor bytes. Raises InputError / UnsafeInputError.
 
-    ``ours``: a file this run wrote, read back for verification (its pickle needs no bounding).
+    ``ours``: a file this run wrote, read back for verification (its pickle needs no bounding); ``graph_of``: how a
+    zip-format file's pickle becomes its graph, where not by ``load_graph``.
     """
     try:
         with (opener or partial(open_regular, path, source))() as stream:
             if stream.read(len(ZIP_MAGIC)) == ZIP_MAGIC:
-                return open_zip(stream, path, source, ours=ours)
+                return open_zip(stream, path, source, ours=ours, graph_of=graph_of)
             stream.seek(0)
             return open_legacy(stream, path, source, ours=ours)
     except OSError as exc:

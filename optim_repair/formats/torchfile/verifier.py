@@ -2,8 +2,9 @@
 
 The copy is parsed back from disk and compared with the original as reading parsed it (never anything the
 writer made): the object graph (floats bit for bit, key order, tuple-vs-list, storage identity), every
-storage's bytes, and the byteorder/version records or the legacy header. What the copy may differ by is
-derived here from the plan alone, through the key grammar (``records.keys``), not from the writer's edits.
+storage's bytes, and the byteorder/version records or the legacy header. What the copy may differ by is derived
+here from the plan alone, through the key grammar (``records.keys``), not from the writer's edits. A copy whose
+pickle is the original's with entries appended is proven by its kept bytes and its appendix (``appendix_proof``).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, VerificationError, shown
 from optim_repair.formats.addresses import describe_address, resolve
-from optim_repair.formats.pickled import Reduced, StorageRef, global_name, tensor_meta
+from optim_repair.formats.pickled import PickleGraph, Reduced, StorageRef, global_name, load_graph, tensor_meta
 from optim_repair.formats.safe_globals import PickledObject
+from optim_repair.formats.torchfile.appendix_proof import Appended, appended_entries
 from optim_repair.formats.torchfile.files import Opener, TorchFile, open_torch_file
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile
 from optim_repair.formats.torchfile.planning import entry_values
-from optim_repair.formats.torchfile.zipformat import read_record
+from optim_repair.formats.torchfile.zipformat import ZipTorchFile, read_record
 from optim_repair.formats.unpickling import ZIP_ERRORS
 from optim_repair.records import keys
 from optim_repair.records.repair_plan import Addition, FreshTensor, ParamChange
@@ -171,17 +173,28 @@ def _renamed(mapping: dict[Any, Any], name: Any) -> Any:
     return mapping.get(name, name)
 
 
-def _check_additions(copy: TorchFile, copy_stream: BinaryIO, additions: Sequence[Addition], source: str) -> None:
+def _graph_entry(root: Any, addition: Addition) -> list[tuple[Any, Any]]:
+    """The keys and values of ``addition``'s entry in the copy's graph."""
+    optimizer = resolve(root, addition.address)
+    if keys.is_nested(optimizer):
+        state = optimizer[keys.STATE].get(addition.param)
+        return list(state.items()) if isinstance(state, dict) else []
+    return [(key, optimizer[keys.flat_key(keys.STATE, addition.param, key)]) for key in addition.keys]
+
+
+def _check_additions(
+    copy: TorchFile,
+    copy_stream: BinaryIO,
+    additions: Sequence[Addition],
+    source: str,
+    entry_of: Callable[[Addition], list[tuple[Any, Any]]],
+) -> None:
     for addition in additions:
-        optimizer = resolve(copy.graph.root, addition.address)
         where = f"added entry {shown(addition.param)} at {addition.location or 'the top level'}"
-        if keys.is_nested(optimizer):
-            state = optimizer[keys.STATE].get(addition.param)
-            if not isinstance(state, dict) or list(state) != list(addition.keys):
-                raise VerificationError(f"{where} is not what was planned", path=source)
-            values = list(state.values())
-        else:
-            values = [optimizer[keys.flat_key(keys.STATE, addition.param, key)] for key in addition.keys]
+        entry = entry_of(addition)
+        if [key for key, _ in entry] != list(addition.keys):
+            raise VerificationError(f"{where} is not what was planned", path=source)
+        values = [value for _, value in entry]
         for (key, planned), value in zip(addition.state, values, strict=True):
             if isinstance(planned, FreshTensor):
                 meta = tensor_meta(value)
@@ -256,8 +269,21 @@ def verify_torch_file(
     """
     first, second = openers or (partial(open_regular, original, source), partial(open_regular, copy, source))
     before = parsed or open_torch_file(original, source, opener=first)
+    appended: list[Appended] = []
+
+    def graph_of(data: bytes) -> PickleGraph:
+        found = None
+        if isinstance(before, ZipTorchFile) and not changes:
+            found = appended_entries(before, data, additions, source)
+        if found is None:
+            return load_graph(data, source, ours=True)
+        appended.append(found)
+        return found.graph
+
     try:
-        after = open_torch_file(copy, source, ours=True, opener=second)
+        after = open_torch_file(copy, source, ours=True, opener=second, graph_of=graph_of)
+    except VerificationError:
+        raise
     except InputError as exc:
         raise VerificationError(f"the copy cannot be read back ({exc})") from exc
     with first() as a, second() as b:
@@ -265,8 +291,12 @@ def verify_torch_file(
             _same_framing(before, after, a, b, source)
         except (*ZIP_ERRORS, InputError) as exc:
             raise VerificationError(f"the copy cannot be read back ({exc})", path=source) from exc
-    comparison = _GraphComparison(source, additions, changes)
-    comparison.same(before.graph.root, after.graph.root, ())
+    if appended:  # the original's pickle kept byte for byte: its graph is the same graph
+        tensors, entry_of = appended[0].tensors, appended[0].entry
+    else:
+        comparison = _GraphComparison(source, additions, changes)
+        comparison.same(before.graph.root, after.graph.root, ())
+        tensors, entry_of = comparison.tensors, partial(_graph_entry, after.graph.root)
     total = 0
     replaced = _replaced_storages(before, additions, changes)
     with first() as a, second() as b:
@@ -285,5 +315,5 @@ def verify_torch_file(
                 raise VerificationError(f"the bytes of storage {key} changed", path=source)
             on_bytes(length)
             total += length
-        _check_additions(after, b, additions, source)
-    return Verification(comparison.tensors, total)
+        _check_additions(after, b, additions, source, entry_of)
+    return Verification(tensors, total)

@@ -1,7 +1,8 @@
-"""Writing a torch file with a plan applied: a new graph pickled, every storage it still names copied.
+"""Writing a torch file with a plan applied: its pickle extended or pickled anew, every storage it still names copied.
 
-The graph reading parsed is never changed: the writer builds the edited optimizers anew (``changes``)
-and pickles the new root, so that the verifier can compare the copy with the original as it was read.
+A plan that only adds entries to a zip-format file's dicts appends them to the original pickle (``appendix``).
+Otherwise the writer builds the edited optimizers anew (``changes``) and pickles the new root; the graph reading
+parsed is never changed, so that the verifier can compare the copy with the original as it was read.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from optim_repair.formats.addresses import resolve
 from optim_repair.formats.pickle_writing import dump_graph
 from optim_repair.formats.pickled import load_graph
 from optim_repair.formats.torchfile.added import NewStorages
+from optim_repair.formats.torchfile.appendix import appended_pickle
 from optim_repair.formats.torchfile.changes import changed_optimizer, put, with_entry
 from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile
 from optim_repair.formats.torchfile.planning import plan_torch_file
 from optim_repair.formats.torchfile.rewrite import NewStorage, write_legacy, write_zip
+from optim_repair.formats.torchfile.zipformat import ZipTorchFile
 from optim_repair.formats.unpickling import ZIP_ERRORS
 from optim_repair.records.repair_plan import Addition, ParamChange
 
@@ -41,6 +44,27 @@ def edited_root(
     return root, storages.created
 
 
+def new_pickle(
+    torch_file: TorchFile, source: str, additions: Sequence[Addition], changes: Sequence[ParamChange]
+) -> tuple[bytes, list[NewStorage], frozenset[str]]:
+    """The copy's pickle, the storages it adds, and those it names no more: the original's bytes with the entries
+    appended where the plan only adds them (``appendix``), else the edited graph pickled anew."""
+    appended = appended_pickle(torch_file, additions) if isinstance(torch_file, ZipTorchFile) and not changes else None
+    if appended is not None:
+        return (*appended, frozenset())
+    root, created = edited_root(torch_file, additions, changes)
+    data = dump_graph(root)
+    replacing = any(addition.replaces for addition in additions) or any(c.new is None for c in changes)
+    legacy = isinstance(torch_file, LegacyTorchFile)
+    # the storages only a replaced or dropped entry held are not copied: the new pickle names them no more
+    named = (
+        set(load_graph(data, source, ours=True, legacy=legacy).storages)
+        if replacing
+        else set(torch_file.graph.storages)
+    )
+    return data, created, frozenset(torch_file.graph.storages) - named
+
+
 def write_torch_file(
     src: Path,
     source: str,
@@ -59,17 +83,7 @@ def write_torch_file(
     """
     torch_file = parsed or open_torch_file(src, source)
     plan_torch_file(torch_file, source, additions, changes)
-    root, created = edited_root(torch_file, additions, changes)
-    data = dump_graph(root)
-    replacing = any(addition.replaces for addition in additions) or any(c.new is None for c in changes)
-    legacy = isinstance(torch_file, LegacyTorchFile)
-    # the storages only a replaced or dropped entry held are not copied: the new pickle names them no more
-    named = (
-        set(load_graph(data, source, ours=True, legacy=legacy).storages)
-        if replacing
-        else set(torch_file.graph.storages)
-    )
-    dropped = frozenset(torch_file.graph.storages) - named
+    data, created, dropped = new_pickle(torch_file, source, additions, changes)
     # Opened without O_TRUNC: truncating a file and writing it anew makes ext4 flush it all at close.
     # An OSError (a full disk, ...) is the writer's to report: it names --out, not the temporary file.
     target = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)

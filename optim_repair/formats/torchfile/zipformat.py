@@ -7,7 +7,7 @@ import itertools
 import struct
 import zipfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, ClassVar, Literal
@@ -17,6 +17,8 @@ from optim_repair.formats.pickle_limits import check_pickle
 from optim_repair.formats.pickled import PickleGraph, load_graph
 from optim_repair.formats.unpickling import ZIP_ERRORS
 
+GraphOf = Callable[[bytes], PickleGraph]
+"""How a reader makes a pickle's bytes its graph (by default, ``load_graph``)."""
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 
 
@@ -32,6 +34,8 @@ class ZipTorchFile:
     records: tuple[zipfile.ZipInfo, ...]
     prefix: str
     """The archive's top directory, with its slash (``archive/``)."""
+    data: bytes = b""
+    """Its pickle's bytes, as they were read and parsed."""
 
     def storage_range(self, key: str) -> tuple[int, int]:
         """Byte offset and length of a storage's bytes in the file."""
@@ -282,13 +286,16 @@ def check_archive(stream: BinaryIO, source: str) -> None:
         check_pickle(io.BytesIO(_read_pickle(stream, pickle_record, source)), source)
 
 
-def open_zip(stream: BinaryIO, path: Path, source: str, *, ours: bool = False) -> ZipTorchFile:
+def open_zip(
+    stream: BinaryIO, path: Path, source: str, *, ours: bool = False, graph_of: GraphOf | None = None
+) -> ZipTorchFile:
     """Parse a zip-format torch file from its open ``stream`` (a file, or a DCP bytes entry in memory): its
-    directory, its framing records and its pickle; no storage bytes."""
+    directory, its framing records and its pickle (by ``graph_of``, where given); no storage bytes."""
     with _open_archive(stream, source) as archive:
         records = archive.infolist()
         pickle_record, prefix, starts = _framing(archive, stream, source)
-        graph = load_graph(_read_pickle(stream, pickle_record, source), source, ours=ours)
+        data = _read_pickle(stream, pickle_record, source)
+        graph = graph_of(data) if graph_of else load_graph(data, source, ours=ours)
         by_name = {info.filename: info for info in records}
         offsets = {}
         size = stream.seek(0, io.SEEK_END)
@@ -304,4 +311,4 @@ def open_zip(stream: BinaryIO, path: Path, source: str, *, ours: bool = False) -
             offsets[key] = starts[info.filename]
             if offsets[key] + ref.nbytes > size:
                 raise InputError(f"storage record {shown(info.filename)} lies past the end of the file", path=source)
-    return ZipTorchFile(path, graph, offsets, tuple(records), prefix)
+    return ZipTorchFile(path, graph, offsets, tuple(records), prefix, data)
