@@ -12,7 +12,6 @@ proof needs it): its graph, framing and new storages, every original storage fou
 from __future__ import annotations
 
 import io
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -94,10 +93,8 @@ class PlannedTorchFile:
         data, created, dropped = new_pickle(torch_file, source, self.additions, self.changes)
         if dropped:
             raise UsageError(f"{source}: dropping state from a torch file in a store is done into a local copy")
-        with original() as stream, zipfile.ZipFile(stream) as archive:
-            directory_at = archive.start_dir
         with scratch.open("w+b") as written:
-            made = splice(torch_file, directory_at, data, created, written.fileno(), source)
+            made = splice(torch_file, data, created, written.fileno(), source)
         spliced = Spliced(made, scratch, original, Verification(0, 0))
         proven = verify_torch_file(
             Path(source), Path(source), source, self.additions, changes=self.changes, parsed=torch_file,

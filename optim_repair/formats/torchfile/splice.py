@@ -2,21 +2,22 @@
 
 ``torch.save`` writes ``data.pkl`` first. A repair that changes the pickle and keeps every storage can write
 the new pickle record, keep the original's bytes from its second record to its central directory as they
-are (so that a store copies them inside itself), and end with the new storages' records and a new central
-directory. The pickle record is padded so that every kept record moves by a multiple of 64 bytes and its
-storages stay aligned as torch aligns them.
+are (one range the kernel copies on a disk, or a store copies inside itself), and end with the new storages'
+records and a new central directory. The pickle record is padded so that every kept record moves by a multiple
+of 64 bytes and its storages stay aligned as torch aligns them.
 """
 
 from __future__ import annotations
 
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from optim_repair.errors import RepairRefused
 from optim_repair.formats.torchfile.rewrite import NewStorage
 from optim_repair.formats.torchfile.zipformat import ZipTorchFile
 from optim_repair.formats.torchfile.zipwriter import ALIGNMENT, ZipWriter
+from optim_repair.storage.disk import kernel_copy, open_regular
 
 _LOCAL_FIXED = 30 + 4
 """A local header's fixed part, and the padding field's own header."""
@@ -39,29 +40,60 @@ class Splice:
         return self.head - self.start
 
 
-def splice(
-    torch_file: ZipTorchFile, directory_at: int, data: bytes, created: Sequence[NewStorage], scratch: int, source: str
-) -> Splice:
-    """Write into the descriptor ``scratch`` the head and tail of ``torch_file`` (whose central directory starts at
-    ``directory_at``) with ``data`` as its pickle and the ``created`` storages added. Raises ``RepairRefused``
-    for an archive torch did not lay out so: the pickle first, every record stored."""
+def kept_records(torch_file: ZipTorchFile) -> list[zipfile.ZipInfo] | None:
+    """The records a splice keeps, in the file's order: every one but the pickle, where torch laid the archive out
+    (the pickle first, every record stored); None where it did not."""
     records = sorted(torch_file.records, key=lambda info: info.header_offset)
     first = records[0]
     stored = all(info.compress_type == zipfile.ZIP_STORED for info in records)
     if first.filename != f"{torch_file.prefix}data.pkl" or first.header_offset != 0 or not stored or len(records) < 2:
+        return None
+    return records[1:]
+
+
+def splice(torch_file: ZipTorchFile, data: bytes, created: Sequence[NewStorage], scratch: int, source: str) -> Splice:
+    """Write into the descriptor ``scratch`` the head and tail of ``torch_file`` with ``data`` as its pickle and the
+    ``created`` storages added. Raises ``RepairRefused`` for an archive torch did not lay out so (``kept_records``)."""
+    kept = kept_records(torch_file)
+    if kept is None:
         raise RepairRefused(
             "its records are not laid out as torch.save lays them out (the pickle first, all stored)", path=source
         )
-    start = records[1].header_offset
+    first, directory_at = next(info for info in torch_file.records if info.header_offset == 0), torch_file.directory_at
+    start = kept[0].header_offset
     writer = ZipWriter(scratch)
     fixed = _LOCAL_FIXED + len(first.filename.encode("utf-8"))
     writer.add_bytes(
         first.filename, data, first.date_time, first.external_attr, padding=(start - fixed - len(data)) % ALIGNMENT
     )
     head = writer.position
-    writer.skip(directory_at - start, records[1:], head - start)
+    writer.skip(directory_at - start, kept, head - start)
     for ref, size, chunks in created:
         writer.add_chunks(f"{torch_file.prefix}data/{ref.key}", size, chunks, first.date_time, first.external_attr)
     end = writer.finish()
     tail_at = head + directory_at - start
     return Splice(head, start, directory_at, tail_at, end - tail_at)
+
+
+_STEP = 64 << 20
+"""How much of the kept range the kernel copies between two reports of progress."""
+
+
+def write_spliced(
+    torch_file: ZipTorchFile,
+    data: bytes,
+    created: Sequence[NewStorage],
+    target: int,
+    on_bytes: Callable[[int], None] = lambda nbytes: None,
+) -> None:
+    """Write ``torch_file`` spliced to the descriptor ``target``: the new head and tail, and between them the
+    original's kept records as one range, moved by the kernel (``kept_records`` must have found them)."""
+    name = str(torch_file.path)
+    made = splice(torch_file, data, created, target, name)
+    with open_regular(torch_file.path, name) as raw:
+        for done in range(0, made.end - made.start, _STEP):
+            size = min(_STEP, made.end - made.start - done)
+            kernel_copy(raw.fileno(), target, made.start + done, size, made.head + done, name=name)
+            on_bytes(size)
+    for storage in created:
+        on_bytes(storage.nbytes)

@@ -4,7 +4,8 @@ The copy is parsed back from disk and compared with the original as reading pars
 writer made): the object graph (floats bit for bit, key order, tuple-vs-list, storage identity), every
 storage's bytes, and the byteorder/version records or the legacy header. What the copy may differ by is derived
 here from the plan alone, through the key grammar (``records.keys``), not from the writer's edits. A copy whose
-pickle is the original's with entries appended is proven by its kept bytes and its appendix (``appendix_proof``).
+pickle is the original's with entries appended is proven by its kept bytes and its appendix (``appendix_proof``);
+one that keeps the original's records after the pickle as one range (``splice``) by comparing that range whole.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from optim_repair.formats.torchfile.appendix_proof import Appended, appended_ent
 from optim_repair.formats.torchfile.files import Opener, TorchFile, open_torch_file
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile
 from optim_repair.formats.torchfile.planning import entry_values
+from optim_repair.formats.torchfile.splice import kept_records
 from optim_repair.formats.torchfile.zipformat import ZipTorchFile, read_record
 from optim_repair.formats.unpickling import ZIP_ERRORS
 from optim_repair.records import keys
@@ -247,6 +249,39 @@ def _same_framing(before: TorchFile, after: TorchFile, a: BinaryIO, b: BinaryIO,
             raise changed(f"record {name}")
 
 
+_STEP = 64 << 20
+"""How much of a kept range is compared between two reports of progress."""
+
+
+def _kept_in_place(
+    before: ZipTorchFile, after: ZipTorchFile, a: BinaryIO, b: BinaryIO, on_bytes: Callable[[int], None]
+) -> tuple[int, int, int] | None:
+    """``(start, end, moved)`` where the copy holds every byte of the original from its second record to its
+    central directory, read and compared here, ``moved`` bytes on, and its directory places every one of those
+    records there; None where it does not (a copy written record by record, or one whose bytes differ: each
+    storage is then compared on its own, and the one that differs named)."""
+    kept = kept_records(before)
+    twins = {info.filename: info for info in after.records}
+    if kept is None or kept[0].filename not in twins:
+        return None
+    start, end = kept[0].header_offset, before.directory_at
+    moved = twins[kept[0].filename].header_offset - start
+    for info in kept:
+        twin = twins.get(info.filename)
+        if twin is None or (twin.header_offset, twin.CRC, twin.file_size) != (
+            info.header_offset + moved,
+            info.CRC,
+            info.file_size,
+        ):
+            return None
+    for done in range(0, end - start, _STEP):
+        size = min(_STEP, end - start - done)
+        if not same_range(a, start + done, b, start + moved + done, size):
+            return None
+        on_bytes(size)
+    return start, end, moved
+
+
 def verify_torch_file(
     original: Path,
     copy: Path,
@@ -300,6 +335,10 @@ def verify_torch_file(
     total = 0
     replaced = _replaced_storages(before, additions, changes)
     with first() as a, second() as b:
+        kept, read = holder.kept, False
+        if kept is None and isinstance(before, ZipTorchFile) and isinstance(after, ZipTorchFile):
+            kept = _kept_in_place(before, after, a, b, on_bytes)
+            read = kept is not None
         for key, ref in before.graph.storages.items():
             twin = after.graph.storages.get(key)
             if twin is None and key in replaced:
@@ -307,13 +346,15 @@ def verify_torch_file(
             if twin is None or twin.nbytes != ref.nbytes:
                 raise VerificationError(f"storage {key} is missing from the copy", path=source)
             offset, length = before.storage_range(key)
-            kept = holder.kept
             if kept is not None and kept[0] <= offset and offset + length <= kept[1]:
                 if after.storage_range(key)[0] != offset + kept[2]:
                     raise VerificationError(f"storage {key} does not lie where it was kept", path=source)
+                if not read:
+                    on_bytes(length)
             elif not same_range(a, offset, b, after.storage_range(key)[0], length):
                 raise VerificationError(f"the bytes of storage {key} changed", path=source)
-            on_bytes(length)
+            else:
+                on_bytes(length)
             total += length
         _check_additions(after, b, additions, source, entry_of)
     return Verification(tensors, total)

@@ -23,6 +23,7 @@ from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile
 from optim_repair.formats.torchfile.planning import plan_torch_file
 from optim_repair.formats.torchfile.rewrite import NewStorage, write_legacy, write_zip
+from optim_repair.formats.torchfile.splice import kept_records, write_spliced
 from optim_repair.formats.torchfile.zipformat import ZipTorchFile
 from optim_repair.formats.unpickling import ZIP_ERRORS
 from optim_repair.records.repair_plan import Addition, ParamChange
@@ -92,6 +93,8 @@ def write_torch_file(
             os.ftruncate(target, 0)
         if isinstance(torch_file, LegacyTorchFile):
             write_legacy(torch_file, data, created, target, on_bytes)
+        elif not dropped and kept_records(torch_file) is not None:
+            write_spliced(torch_file, data, created, target, on_bytes)
         else:
             write_zip(torch_file, data, created, target, on_bytes, dropped=dropped)
     except ZIP_ERRORS as exc:

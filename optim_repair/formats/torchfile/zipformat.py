@@ -36,6 +36,8 @@ class ZipTorchFile:
     """The archive's top directory, with its slash (``archive/``)."""
     data: bytes = b""
     """Its pickle's bytes, as they were read and parsed."""
+    directory_at: int = 0
+    """Where its central directory starts."""
 
     def storage_range(self, key: str) -> tuple[int, int]:
         """Byte offset and length of a storage's bytes in the file."""
@@ -311,4 +313,4 @@ def open_zip(
             offsets[key] = starts[info.filename]
             if offsets[key] + ref.nbytes > size:
                 raise InputError(f"storage record {shown(info.filename)} lies past the end of the file", path=source)
-    return ZipTorchFile(path, graph, offsets, tuple(records), prefix, data)
+    return ZipTorchFile(path, graph, offsets, tuple(records), prefix, data, archive.start_dir)

@@ -27,11 +27,9 @@ def _spliced(path: Path, out: Path, fill: str) -> tuple[int, tuple[object, ...]]
     assert isinstance(torch_file, ZipTorchFile)
     additions = api.plan(path, fill=fill).additions  # type: ignore[arg-type]
     root, created = edited_root(torch_file, additions, ())
-    with zipfile.ZipFile(path) as archive:
-        directory_at = archive.start_dir
     scratch = out.with_suffix(".scratch")
     with scratch.open("w+b") as written:
-        made = splice(torch_file, directory_at, dump_graph(root), created, written.fileno(), "optimizer.pt")
+        made = splice(torch_file, dump_graph(root), created, written.fileno(), "optimizer.pt")
         written.seek(0)
         head = written.read(made.head)
         written.seek(made.tail_at)
@@ -81,7 +79,17 @@ def test_an_archive_not_laid_out_as_torch_lays_it_out_is_refused(tmp_path: Path)
             out.writestr(info, archive.read(info))
     torch_file = open_torch_file(reordered, "reordered.pt")
     assert isinstance(torch_file, ZipTorchFile)
-    with zipfile.ZipFile(reordered) as archive:
-        directory_at = archive.start_dir
     with (tmp_path / "scratch").open("w+b") as written, pytest.raises(RepairRefused, match="the pickle first"):
-        splice(torch_file, directory_at, b"", [], written.fileno(), "reordered.pt")
+        splice(torch_file, b"", [], written.fileno(), "reordered.pt")
+
+
+def test_a_fix_on_disk_keeps_the_original_records_as_one_range_moved_by_a_multiple_of_64(tmp_path: Path) -> None:
+    path = _trained(tmp_path / "in" / "optimizer.pt")
+    out = api.fix(path, tmp_path / "fixed.pt").out
+    with zipfile.ZipFile(path) as before, zipfile.ZipFile(out) as after:
+        kept = sorted(before.infolist(), key=lambda info: info.header_offset)[1:]
+        twins = {info.filename: info for info in after.infolist()}
+        start, end = kept[0].header_offset, before.start_dir
+    moved = twins[kept[0].filename].header_offset - start
+    assert moved % 64 == 0 and all(twins[info.filename].header_offset == info.header_offset + moved for info in kept)
+    assert path.read_bytes()[start:end] == out.read_bytes()[start + moved : end + moved]
