@@ -14,7 +14,6 @@ Writing costs what the additions cost, and the verifier (``appendix_proof``) pro
 
 from __future__ import annotations
 
-import collections
 import pickle
 import struct
 from collections.abc import Iterable, Sequence
@@ -24,26 +23,11 @@ from optim_repair.formats.addresses import resolve
 from optim_repair.formats.pickle_writing import dump_parts
 from optim_repair.formats.pickled import PickleGraph
 from optim_repair.formats.torchfile.added import NewStorages
+from optim_repair.formats.torchfile.appendix_paths import SETTABLE, by_address, target_path, whole_pickle
 from optim_repair.formats.torchfile.rewrite import NewStorage
 from optim_repair.formats.torchfile.zipformat import ZipTorchFile
 from optim_repair.records import keys
 from optim_repair.records.repair_plan import Addition
-
-SETTABLE = (dict, collections.OrderedDict)
-"""The containers the appendix sets items in: exactly these types (torch's weights-only loader refuses others)."""
-
-
-def target_path(optimizer: Any, address: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The keys from the root to the dict an optimizer's entries go in: its ``state``, or a flattened optimizer."""
-    return (*address, keys.STATE) if keys.is_nested(optimizer) else address
-
-
-def by_address(additions: Sequence[Addition]) -> dict[tuple[Any, ...], list[Addition]]:
-    """The additions grouped by the optimizer they add to, in the order of the plan."""
-    grouped: dict[tuple[Any, ...], list[Addition]] = {}
-    for addition in additions:
-        grouped.setdefault(addition.address, []).append(addition)
-    return grouped
 
 
 def memo_entries(graph: PickleGraph, wanted: Iterable[Any]) -> dict[int, int]:
@@ -65,11 +49,6 @@ def entry_items(optimizer: Any, addition: Addition, values: Sequence[Any]) -> li
     for key, value in zip(addition.keys, values, strict=True):
         items += [keys.flat_key(keys.STATE, addition.param, key), value]
     return items
-
-
-def whole_pickle(torch_file: ZipTorchFile) -> bool:
-    """Whether the file's pickle ends with its ``STOP``: an appendix after anything else would go unread."""
-    return torch_file.graph.end == len(torch_file.data) and torch_file.data.endswith(pickle.STOP)
 
 
 def appended_pickle(torch_file: ZipTorchFile, additions: Sequence[Addition]) -> tuple[bytes, list[NewStorage]] | None:

@@ -21,7 +21,7 @@ from typing import Any
 from optim_repair.errors import VerificationError, shown
 from optim_repair.formats.addresses import describe_address, resolve
 from optim_repair.formats.pickled import PickleGraph, load_graph, tensor_meta
-from optim_repair.formats.torchfile.appendix import SETTABLE, by_address, target_path, whole_pickle
+from optim_repair.formats.torchfile.appendix_paths import SETTABLE, by_address, target_path, whole_pickle
 from optim_repair.formats.torchfile.zipformat import ZipTorchFile
 from optim_repair.records import keys
 from optim_repair.records.repair_plan import Addition

@@ -9,13 +9,12 @@ of 64 bytes and its storages stay aligned as torch aligns them.
 
 from __future__ import annotations
 
-import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from optim_repair.errors import RepairRefused
 from optim_repair.formats.torchfile.rewrite import NewStorage
-from optim_repair.formats.torchfile.zipformat import ZipTorchFile
+from optim_repair.formats.torchfile.zipformat import ZipTorchFile, kept_records
 from optim_repair.formats.torchfile.zipwriter import ALIGNMENT, ZipWriter
 from optim_repair.storage.disk import kernel_copy, open_regular
 
@@ -38,17 +37,6 @@ class Splice:
     def moved(self) -> int:
         """How far every kept record moved: a multiple of ``ALIGNMENT``."""
         return self.head - self.start
-
-
-def kept_records(torch_file: ZipTorchFile) -> list[zipfile.ZipInfo] | None:
-    """The records a splice keeps, in the file's order: every one but the pickle, where torch laid the archive out
-    (the pickle first, every record stored); None where it did not."""
-    records = sorted(torch_file.records, key=lambda info: info.header_offset)
-    first = records[0]
-    stored = all(info.compress_type == zipfile.ZIP_STORED for info in records)
-    if first.filename != f"{torch_file.prefix}data.pkl" or first.header_offset != 0 or not stored or len(records) < 2:
-        return None
-    return records[1:]
 
 
 def splice(torch_file: ZipTorchFile, data: bytes, created: Sequence[NewStorage], scratch: int, source: str) -> Splice:

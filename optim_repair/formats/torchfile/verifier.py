@@ -24,8 +24,7 @@ from optim_repair.formats.torchfile.appendix_proof import Appended, appended_ent
 from optim_repair.formats.torchfile.files import Opener, TorchFile, open_torch_file
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile
 from optim_repair.formats.torchfile.planning import entry_values
-from optim_repair.formats.torchfile.splice import kept_records
-from optim_repair.formats.torchfile.zipformat import ZipTorchFile, read_record
+from optim_repair.formats.torchfile.zipformat import ZipTorchFile, kept_records, read_record
 from optim_repair.formats.unpickling import ZIP_ERRORS
 from optim_repair.records import keys
 from optim_repair.records.repair_plan import Addition, FreshTensor, ParamChange

@@ -23,8 +23,8 @@ from optim_repair.formats.torchfile.files import TorchFile, open_torch_file
 from optim_repair.formats.torchfile.legacy import LegacyTorchFile
 from optim_repair.formats.torchfile.planning import plan_torch_file
 from optim_repair.formats.torchfile.rewrite import NewStorage, write_legacy, write_zip
-from optim_repair.formats.torchfile.splice import kept_records, write_spliced
-from optim_repair.formats.torchfile.zipformat import ZipTorchFile
+from optim_repair.formats.torchfile.splice import write_spliced
+from optim_repair.formats.torchfile.zipformat import ZipTorchFile, kept_records
 from optim_repair.formats.unpickling import ZIP_ERRORS
 from optim_repair.records.repair_plan import Addition, ParamChange
 

@@ -61,6 +61,17 @@ MAX_FRAMING_BYTES = 1 << 20
 _CHUNK = 1 << 20
 
 
+def kept_records(torch_file: ZipTorchFile) -> list[zipfile.ZipInfo] | None:
+    """The records a splice keeps, in the file's order: every one but the pickle, where torch laid the archive out
+    (the pickle first, every record stored); None where it did not."""
+    records = sorted(torch_file.records, key=lambda info: info.header_offset)
+    first = records[0]
+    stored = all(info.compress_type == zipfile.ZIP_STORED for info in records)
+    if first.filename != f"{torch_file.prefix}data.pkl" or first.header_offset != 0 or not stored or len(records) < 2:
+        return None
+    return records[1:]
+
+
 def data_offset(stream: BinaryIO, info: zipfile.ZipInfo, source: str) -> int:
     if info.header_offset < 0:  # the central directory says the archive begins before the file does
         raise InputError(f"damaged zip record {shown(info.filename)} (it begins before the file)", path=source)
