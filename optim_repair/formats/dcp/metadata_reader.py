@@ -312,6 +312,13 @@ def _parse_metadata(root: Any, source: str, view: bool) -> tuple[DcpMetadata, in
     return DcpMetadata(items, paths, storage, summarized=shards.ends), next(iter(property_fields), 5)
 
 
+def parse_tables(tables: dict[str, Any], source: str, view: bool) -> DcpMetadata:
+    """What a ``Metadata`` whose fields are ``tables`` holds (the tables an appendix sets, read on their own)."""
+    root = _record_class("Metadata")()
+    root.state = tables
+    return _parse_metadata(root, source, view)[0]
+
+
 def _compact(items: Mapping[str, DcpItem], storage: Mapping[StorageIndex, DcpStorage]) -> list[str]:
     """The tensors with a chunk stored, without a transform, in fewer bytes than its elements take: what a tensor
     subclass's own encoding saves (torchao's 8-bit state). Their sizes are not bounded by the shards' own, so

@@ -1,4 +1,8 @@
-"""Verifying a repaired DCP copy through its own new metadata: original entries, other files, new entries."""
+"""Verifying a repaired DCP copy through its own new metadata: original entries, other files, new entries.
+
+The copy's ``.metadata`` is read whole, or, where it is the original's with new entries appended, as the original's
+bytes kept and its appendix read alone (``appendix_proof``).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from pathlib import Path
 
 from optim_repair.errors import InputError, VerificationError, shown
 from optim_repair.formats.copied import same_file
+from optim_repair.formats.dcp.appendix_proof import appended_metadata
 from optim_repair.formats.dcp.metadata import (
     METADATA_FILE,
     DcpBytes,
@@ -182,7 +187,7 @@ def _verify_entries(
     src: Path, dest: Path, planned: PlannedEntries, holder: HolderProof, name: str = METADATA_FILE
 ) -> Verification:
     original, entries, rekeyed = planned.original, planned.entries, planned.rekeyed
-    copy = read_metadata(dest, str(dest), ours=True, name=name)
+    copy = appended_metadata(dest, planned, name) or read_metadata(dest, str(dest), ours=True, name=name)
     renamed = {key: rekeyed.new_key(key) for key in original.items}
     expected = {new for new in renamed.values() if new is not None} | {entry.key for entry in entries}
     expected |= set(rekeyed.aliases)
