@@ -20,7 +20,7 @@ from typing import Any
 
 from optim_repair.errors import VerificationError, shown
 from optim_repair.formats.addresses import describe_address, resolve
-from optim_repair.formats.pickled import PickleGraph, load_graph, tensor_meta
+from optim_repair.formats.pickled import PickleGraph, is_tensor, load_graph
 from optim_repair.formats.torchfile.appendix_paths import SETTABLE, by_address, target_path, whole_pickle
 from optim_repair.formats.torchfile.zipformat import ZipTorchFile
 from optim_repair.records import keys
@@ -106,5 +106,5 @@ def appended_entries(before: ZipTorchFile, data: bytes, additions: Sequence[Addi
     for address in by_address(additions):
         path = target_path(resolve(root, address), address)
         entries[address] = (stand_ins[path], path != address)
-    tensors = sum(1 for value in memo.values() if tensor_meta(value) is not None)
+    tensors = sum(1 for value in memo.values() if is_tensor(value))
     return Appended(PickleGraph(graph.root, {**before.graph.storages, **graph.storages}), entries, tensors)
