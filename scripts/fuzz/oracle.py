@@ -79,9 +79,24 @@ def _reads_strides() -> Iterator[None]:
         TensorProperties.__setstate__ = own  # type: ignore[method-assign]
 
 
+def _untransformed(stream: Any, info: Any) -> bytes:
+    """An entry's bytes as torch's reader hands them on: through its stream transforms (``stream.zstd``), in the
+    order torch applies them."""
+    descriptors = getattr(info, "transform_descriptors", None) or ()
+    if descriptors:
+        from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+
+        for extension in ExtensionRegistry().from_descriptor_list(descriptors):
+            if isinstance(extension, StreamTransformExtension):
+                stream = extension.transform_from(stream)
+    data: bytes = stream.read(-1)
+    return data
+
+
 def _only_tensor_records_refused(path: Path) -> bool:
-    """Whether torch reads a DCP checkpoint's ``.metadata`` and every bytes entry: then what it refused is in a
-    tensor record of a shard, whose bytes optim-repair by design never reads (inspect reads metadata only)."""
+    """Whether torch reads a DCP checkpoint's ``.metadata`` and every bytes entry (through its transforms, as
+    ``dcp.load`` does): then what it refused is in a tensor record of a shard, whose bytes optim-repair by design
+    never reads (inspect reads metadata only)."""
     import io
 
     import torch
@@ -97,7 +112,8 @@ def _only_tensor_records_refused(path: Path) -> bool:
                 if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
                     with open(path / info.relative_path, "rb") as stream:
                         stream.seek(info.offset)
-                        torch.load(io.BytesIO(stream.read(info.length)), weights_only=True)
+                        raw = _untransformed(io.BytesIO(stream.read(info.length)), info)
+                        torch.load(io.BytesIO(raw), weights_only=True)
     except Exception:
         return False
     return True
