@@ -28,7 +28,7 @@ from optim_repair.checkpoint.discovery import discover
 from optim_repair.checkpoint.reading import DiskListing, read_parsed
 from optim_repair.formats.torchfile import open_torch_file
 from optim_repair.records.inventory import CheckpointInventory, ParamGroup
-from optim_repair.records.repair_plan import Fill
+from optim_repair.records.repair_plan import Addition, Fill
 from tests.factories.built import Built
 from tests.factories.models import ParamKey
 
@@ -270,3 +270,12 @@ def unprivileged(probe: Path) -> list[str]:
     )
     assert check.returncode != 0 and "PermissionError" in check.stderr, f"{probe} is still writable"
     return prefix
+
+
+def empty_additions(built: Built) -> list[Addition]:
+    """A ``{}`` entry for every parameter ``built`` leaves without state."""
+    return [
+        Addition(site.file, site.location, site.address, param, ())
+        for site, missing in built.missing.items()
+        for param in missing
+    ]

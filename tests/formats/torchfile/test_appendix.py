@@ -23,7 +23,7 @@ from optim_repair.formats.torchfile.verifier import verify_torch_file
 from optim_repair.records.repair_plan import Addition
 from tests.factories import defects, trainers
 from tests.factories.built import Built
-from tests.factories.support import binfloat, load, resolve, rewrite_pickle
+from tests.factories.support import binfloat, empty_additions, load, resolve, rewrite_pickle
 
 OPT = trainers.OPT_SITE
 
@@ -34,26 +34,10 @@ def _pickle(path: Path) -> bytes:
         return archive.read(name)
 
 
-def _additions(built: Built) -> list[Addition]:
-    return [
-        Addition(site.file, site.location, site.address, param, ())
-        for site, missing in built.missing.items()
-        for param in missing
-    ]
-
-
-@pytest.fixture
-def appended(tricky_checkpoint: Built, tmp_path: Path) -> tuple[Built, Path, list[Addition]]:
-    out = tmp_path / "copy.pt"
-    planned = _additions(tricky_checkpoint)
-    write_torch_file(tricky_checkpoint.path, "tricky", planned, out)
-    return tricky_checkpoint, out, planned
-
-
 def test_the_original_pickle_is_kept_byte_for_byte_and_torch_reads_the_entries_after_the_old_ones(
-    appended: tuple[Built, Path, list[Addition]],
+    tricky_copy: tuple[Built, Path, list[Addition]],
 ) -> None:
-    built, out, planned = appended
+    built, out, planned = tricky_copy
     original, copy = _pickle(built.path), _pickle(out)
     assert copy.startswith(original[:-1]) and copy.endswith(pickle.STOP) and len(copy) > len(original)
     before = resolve(load(built.path), OPT)["state"]
@@ -65,9 +49,9 @@ def test_the_original_pickle_is_kept_byte_for_byte_and_torch_reads_the_entries_a
 
 
 def test_its_proof_counts_the_tensors_a_graph_comparison_counts(
-    appended: tuple[Built, Path, list[Addition]], tmp_path: Path
+    tricky_copy: tuple[Built, Path, list[Addition]], tmp_path: Path
 ) -> None:
-    built, out, planned = appended
+    built, out, planned = tricky_copy
     repickled = tmp_path / "repickled.pt"
     shutil.copyfile(out, repickled)
     rewrite_pickle(repickled, lambda data: dump_graph(load_graph(data, "copy").root))
@@ -91,16 +75,16 @@ _KEY = pickle.BINUNICODE + len(b"extra").to_bytes(4, "little") + b"extra"
     ids=["a-key-set-in-the-root", "a-value-left-on-the-stack", "another-memo-entry-edited"],
 )
 def test_an_appendix_that_does_anything_unplanned_is_refused(
-    appended: tuple[Built, Path, list[Addition]], tmp_path: Path, tail: bytes, match: str
+    tricky_copy: tuple[Built, Path, list[Addition]], tmp_path: Path, tail: bytes, match: str
 ) -> None:
-    built, out, planned = appended
+    built, out, planned = tricky_copy
     rewrite_pickle(out, lambda data: data[:-1] + tail + pickle.STOP)
     with pytest.raises(VerificationError, match=match):
         verify_torch_file(built.path, out, "tricky", planned)
 
 
-def test_a_kept_byte_changed_is_found_by_the_graph_comparison(appended: tuple[Built, Path, list[Addition]]) -> None:
-    built, out, planned = appended
+def test_a_kept_byte_changed_is_found_by_the_graph_comparison(tricky_copy: tuple[Built, Path, list[Addition]]) -> None:
+    built, out, planned = tricky_copy
     value = float(resolve(load(built.path), OPT)["param_groups"][0]["lr"])
     rewrite_pickle(out, lambda data: data.replace(binfloat(value), binfloat(value * 2), 1))
     with pytest.raises(VerificationError, match="became"):
@@ -112,7 +96,7 @@ def test_a_pickle_followed_by_more_bytes_is_written_anew(root: Path, tmp_path: P
     built = defects.tricky_tensors(root)
     rewrite_pickle(built.path, lambda data: data + b"trailing")
     out = tmp_path / "copy.pt"
-    planned = _additions(built)
+    planned = empty_additions(built)
     write_torch_file(built.path, "tricky", planned, out)
     assert not _pickle(out).startswith(_pickle(built.path)[:-1])
     assert verify_torch_file(built.path, out, "tricky", planned).tensors > 0
@@ -127,7 +111,7 @@ def test_each_layout_is_appended_where_its_way_is_dicts_and_written_anew_where_n
     built = getattr(trainers, factory)(root)
     for site, missing in built.missing.items():
         path = built.path / site.file if site.file else built.path
-        planned = [a for a in _additions(built) if a.file == site.file]
+        planned = [a for a in empty_additions(built) if a.file == site.file]
         out = tmp_path / f"copy-{factory}.pt"
         write_torch_file(path, "t", planned, out)
         verify_torch_file(path, out, "t", planned)

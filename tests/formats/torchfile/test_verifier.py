@@ -23,6 +23,7 @@ from tests.factories import trainers
 from tests.factories.built import Built
 from tests.factories.support import (
     binfloat,
+    empty_additions,
     flip_byte,
     load,
     next_float,
@@ -32,23 +33,6 @@ from tests.factories.support import (
 )
 
 OPT = trainers.OPT_SITE
-
-
-def additions(built: Built) -> list[Addition]:
-    return [
-        Addition(site.file, site.location, site.address, param, ())
-        for site, missing in built.missing.items()
-        for param in missing
-    ]
-
-
-@pytest.fixture
-def tricky_copy(tricky_checkpoint: Built, tmp_path: Path) -> tuple[Built, Path, list[Addition]]:
-    """A correct repaired copy of the tricky checkpoint, written by the tool's own writer."""
-    out = tmp_path / "copy.pt"
-    planned = additions(tricky_checkpoint)
-    write_torch_file(tricky_checkpoint.path, "tricky", planned, out)
-    return tricky_checkpoint, out, planned
 
 
 def edit_graph(path: Path, edit: Callable[[Any], None]) -> None:
@@ -173,7 +157,7 @@ def test_unplanned_and_unmade_additions_are_caught(tricky_copy: tuple[Built, Pat
 def test_legacy_copies_are_verified_too(legacy_checkpoint: Built, tmp_path: Path) -> None:
     built = legacy_checkpoint
     out = tmp_path / "copy.pt"
-    planned = additions(built)
+    planned = empty_additions(built)
     write_torch_file(built.path, "legacy", planned, out)
     assert verify_torch_file(built.path, out, "legacy", planned).tensors > 0
     damaged = tmp_path / "damaged.pt"
