@@ -20,7 +20,7 @@ from typing import BinaryIO
 from optim_repair.errors import UsageError
 from optim_repair.formats.planned import Parsed, PlannedFile, Tally, added_bytes
 from optim_repair.formats.torchfile import TorchFile, open_torch_file, plan_torch_file, write_torch_file
-from optim_repair.formats.torchfile.splice import Splice, splice
+from optim_repair.formats.torchfile.splice import Splice, append, splice
 from optim_repair.formats.torchfile.verifier import verify_torch_file
 from optim_repair.formats.torchfile.writer import new_pickle
 from optim_repair.formats.torchfile.zipformat import ZipTorchFile
@@ -84,17 +84,22 @@ class PlannedTorchFile:
         )  # fmt: skip
         tally.top_up(src.stat().st_size)
 
-    def splice(self, original: Callable[[], BinaryIO], scratch: Path) -> Spliced:
+    def splice(self, original: Callable[[], BinaryIO], scratch: Path, *, appended: bool = False) -> Spliced:
         """The repaired copy spliced around the original (opened by ``original``) and proven, its new head and tail
-        written to the new local file ``scratch``; a repair that drops state is refused (its records would be
-        orphaned)."""
+        written to the new local file ``scratch``; with ``appended``, the whole original followed by a tail
+        (``splice.append``). A repair that drops state is refused (its records would be orphaned)."""
         torch_file, source = self.original, self.source
         assert isinstance(torch_file, ZipTorchFile)  # a store's legacy-format files are not read
         data, created, dropped = new_pickle(torch_file, source, self.additions, self.changes)
         if dropped:
             raise UsageError(f"{source}: dropping state from a torch file in a store is done into a local copy")
         with scratch.open("w+b") as written:
-            made = splice(torch_file, data, created, written.fileno(), source)
+            if appended:
+                with original() as stream:
+                    size = stream.seek(0, io.SEEK_END)
+                made = append(torch_file, size, data, created, written.fileno(), source)
+            else:
+                made = splice(torch_file, data, created, written.fileno(), source)
         spliced = Spliced(made, scratch, original, Verification(0, 0))
         proven = verify_torch_file(
             Path(source), Path(source), source, self.additions, changes=self.changes, parsed=torch_file,

@@ -5,6 +5,11 @@ the new pickle record, keep the original's bytes from its second record to its c
 are (one range the kernel copies on a disk, or a store copies inside itself), and end with the new storages'
 records and a new central directory. The pickle record is padded so that every kept record moves by a multiple
 of 64 bytes and its storages stay aligned as torch aligns them.
+
+A store that composes only whole objects (GCS) is served by ``append``: the whole original, then the new pickle
+record, the new storages and a new central directory that names the new pickle and every kept record where it
+lies. The original's own pickle record and central directory stay, unread, as dead space: zip readers (miniz,
+torch's, and ``zipfile``) find an archive's records through the central directory at its end.
 """
 
 from __future__ import annotations
@@ -61,6 +66,27 @@ def splice(torch_file: ZipTorchFile, data: bytes, created: Sequence[NewStorage],
     end = writer.finish()
     tail_at = head + directory_at - start
     return Splice(head, start, directory_at, tail_at, end - tail_at)
+
+
+def append(
+    torch_file: ZipTorchFile, size: int, data: bytes, created: Sequence[NewStorage], scratch: int, source: str
+) -> Splice:
+    """Write into the descriptor ``scratch``, past its first ``size`` bytes (the original's, left unwritten), the
+    tail that follows the whole original (of ``size`` bytes) when ``data`` replaces its pickle and the ``created``
+    storages are added. Raises ``RepairRefused`` as ``splice`` does."""
+    kept = kept_records(torch_file)
+    if kept is None:
+        raise RepairRefused(
+            "its records are not laid out as torch.save lays them out (the pickle first, all stored)", path=source
+        )
+    first = next(info for info in torch_file.records if info.header_offset == 0)
+    writer = ZipWriter(scratch)
+    writer.skip(size, kept, 0)
+    writer.add_bytes(first.filename, data, first.date_time, first.external_attr)
+    for ref, nbytes, chunks in created:
+        writer.add_chunks(f"{torch_file.prefix}data/{ref.key}", nbytes, chunks, first.date_time, first.external_attr)
+    end = writer.finish()
+    return Splice(0, 0, size, size, end - size)
 
 
 _STEP = 64 << 20

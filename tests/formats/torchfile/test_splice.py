@@ -14,10 +14,11 @@ from optim_repair import api
 from optim_repair.errors import RepairRefused
 from optim_repair.formats.pickle_writing import dump_graph
 from optim_repair.formats.torchfile import open_torch_file
-from optim_repair.formats.torchfile.splice import splice
+from optim_repair.formats.torchfile.splice import append, splice
 from optim_repair.formats.torchfile.verifier import verify_torch_file
 from optim_repair.formats.torchfile.writer import edited_root
 from optim_repair.formats.torchfile.zipformat import ZipTorchFile
+from optim_repair.records.verification import HolderProof
 from tests.factories import trainers
 
 
@@ -93,3 +94,40 @@ def test_a_fix_on_disk_keeps_the_original_records_as_one_range_moved_by_a_multip
     moved = twins[kept[0].filename].header_offset - start
     assert moved % 64 == 0 and all(twins[info.filename].header_offset == info.header_offset + moved for info in kept)
     assert path.read_bytes()[start:end] == out.read_bytes()[start + moved : end + moved]
+
+
+@pytest.mark.parametrize("fill", ["empty", "fresh"])
+def test_an_appended_file_holds_the_whole_original_and_loads_as_the_rewritten_one_does(
+    tmp_path: Path, fill: str
+) -> None:
+    """GCS composes whole objects only: the copy is the original byte for byte, then a new pickle, the new storages
+    and a new directory; the original's own pickle and directory are dead space no reader reaches."""
+    path = _trained(tmp_path / "in" / "optimizer.pt")
+    planned = api.plan(path, fill=fill)
+    torch_file = open_torch_file(path, "optimizer.pt")
+    assert isinstance(torch_file, ZipTorchFile)
+    root, created = edited_root(torch_file, planned.additions, ())
+    original = path.read_bytes()
+    with (tmp_path / "scratch").open("w+b") as written:
+        made = append(torch_file, len(original), dump_graph(root), created, written.fileno(), "optimizer.pt")
+        written.seek(made.tail_at)
+        tail = written.read(made.tail)
+    assert (made.head, made.start, made.end, made.moved) == (0, 0, len(original), 0)
+    appended = tmp_path / "appended.pt"
+    appended.write_bytes(original + tail)
+    verify_torch_file(path, appended, "optimizer.pt", planned.additions, holder=HolderProof(kept=(0, len(original), 0)))  # type: ignore[arg-type]
+    verify_torch_file(path, appended, "optimizer.pt", planned.additions)  # type: ignore[arg-type]
+    expected = torch.load(api.fix(path, tmp_path / "rewritten.pt", fill=fill).out, weights_only=True)["optimizer"]
+    for mmap in (False, True):
+        loaded = torch.load(appended, weights_only=True, mmap=mmap)["optimizer"]
+        assert loaded["param_groups"] == expected["param_groups"]
+        assert loaded["state"].keys() == expected["state"].keys()
+        for param, state in expected["state"].items():
+            assert all(torch.equal(state[key], loaded["state"][param][key]) for key in state)
+    with zipfile.ZipFile(appended) as archive:
+        assert archive.testzip() is None
+        pickle = archive.getinfo("optimizer/data.pkl")
+        assert pickle.header_offset >= len(original)  # the new pickle, after the whole original
+    copy = open_torch_file(appended, "appended.pt")
+    assert all(copy.storage_range(key)[0] % 64 == 0 for key in copy.graph.storages)
+    assert api.inspect(appended).verdict == "healthy"
