@@ -28,7 +28,7 @@ from optim_repair.formats.registry import role_of
 from optim_repair.progress import Meter, Reporter
 from optim_repair.records.request import CopyRequest
 from optim_repair.records.traffic import Traffic
-from optim_repair.records.verification import Verification
+from optim_repair.records.verification import UPLOADED, Verification
 from optim_repair.storage.disk_staging import remove_stale, taken_back_on_failure, temporary_sibling
 from optim_repair.storage.schemes import StoreOptions, is_remote, parse_url
 
@@ -123,8 +123,10 @@ def _uploaded(
         link = os.stat(tmp).st_dev == os.stat(found.target).st_dev
         with taken_back_on_failure():  # the staged copy is this run's own, never a copy the user was given
             verification = write_copy(found, finished, staged, CopyRequest(link=link, sync=False), reporter)
-        traffic = store_writing.upload_copy(staged, key, force=copy.force, options=options, reporter=reporter)
-    return key, replace(verification, proof="upload"), traffic
+        traffic, checked_by = store_writing.upload_copy(
+            staged, key, force=copy.force, options=options, reporter=reporter
+        )
+    return key, replace(verification, proof=f"{UPLOADED}{checked_by}"), traffic
 
 
 def estimate(

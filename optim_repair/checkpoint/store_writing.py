@@ -6,11 +6,12 @@ accepts the prefix. Everything that can be refused (a splice, a staged shard's p
 objects without ``force``) is refused before the output is touched. The run claims the output first
 (``storage.claim``: at most one run writes there, and a run deletes only what it wrote): on any failure or
 ending signal it deletes what it wrote, and what a run stopped harder (SIGKILL, a lost machine) left is removed
-by the next run once its lease has lapsed. Copies are proven by the store's CRC32 of the whole object (or its
-MD5 ETag) against the original's; what this run uploads is checked against the CRC32 the store computed on
-receipt. A torch file is spliced (``PlannedTorchFile.splice``, proven before a byte is written) and composed
-inside the store (``WritableStore.compose``): its CRC-32, derived from the original's, proves the kept bytes
-unchanged, or ``read_back`` reads them back.
+by the next run once its lease has lapsed. Copies are proven by the checksum the store keeps of the whole object
+(``WritableStore.proof``: S3's CRC-32, GCS's CRC-32C; or S3's MD5 ETag) against the original's; what this run
+uploads is checked against the checksum the store computed on receipt. A torch file is spliced
+(``PlannedTorchFile.splice``, proven before a byte is written; appended to the whole original where the store
+composes only whole objects) and composed inside the store (``WritableStore.compose``): its checksum, derived from
+the original's, proves the kept bytes unchanged, or ``read_back`` reads them back.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from optim_repair.records.verification import HolderProof, Verification
 from optim_repair.storage.answers import CHANGED
 from optim_repair.storage.claim import MARKER, Claim, claimed, marker_key
 from optim_repair.storage.interface import WritableStore
-from optim_repair.storage.objects import Copied, StoredObject, crc32_of
+from optim_repair.storage.objects import Copied, StoredObject
 from optim_repair.storage.schemes import StoreOptions, StoreUrl, is_remote, open_store, parse_url
 
 _CHUNK = 8 << 20
@@ -119,16 +120,16 @@ def _write_file(source: StoredCheckpoint, finished: FinishedPlan, output: _Outpu
     key = url.object(PurePosixPath(source.url.key).name) if url.key.endswith("/") or not url.key else url.key
     planned = finished.files[""]
     assert isinstance(planned, PlannedTorchFile)  # the adapter of a torch file
-    prepared = planned.splice(source.opener(""), staging / "spliced")
+    prepared = planned.splice(source.opener(""), staging / "spliced", appended=not target.composes_ranges)
     _refuse_object(target, key, force)
-    with claimed(target, marker_key(key), [key], reporter.notice) as claim:
+    with claimed(target, marker_key(key), [key, *target.scratch_keys(key)], reporter.notice) as claim:
         _abort_left_uploads(target, key, reporter.notice, exact=True)
         if _refuse_object(target, key, force):
             target.delete([key])
         claim.commit(
             lambda: claim.writing(key, lambda: _write_spliced(source, "", prepared, target, key, read_back=read_back))
         )
-    return replace(prepared.proven, proof="read back" if read_back else "S3 CRC32")
+    return replace(prepared.proven, proof="read back" if read_back else target.proof)
 
 
 def _refuse_object(store: WritableStore, key: str, force: bool) -> bool:
@@ -146,7 +147,7 @@ def _write_prefix(source: StoredCheckpoint, finished: FinishedPlan, output: _Out
     target, url, staging, force, read_back, reporter = output
     verification, staged = _stage(source, finished, staging / "copy")
     spliced = {
-        name: planned.splice(source.opener(name), staging / f"spliced-{index}")
+        name: planned.splice(source.opener(name), staging / f"spliced-{index}", appended=not target.composes_ranges)
         for index, (name, planned) in enumerate(finished.files.items())
         if isinstance(planned, PlannedTorchFile) and planned.changes_anything
     }
@@ -154,6 +155,7 @@ def _write_prefix(source: StoredCheckpoint, finished: FinishedPlan, output: _Out
     copies = [(name, stored) for name, stored in source.listing.items() if name not in staged and name not in spliced]
     _refused_early(target, url, force)
     planned_keys = [url.object(name) for name in (*(name for name, _ in copies), *spliced, *staged)]
+    planned_keys += [scratch for name in spliced for scratch in target.scratch_keys(url.object(name))]
     with claimed(target, marker_key(url.prefix), planned_keys, reporter.notice) as claim:
         existing = _refuse_existing(target, url, force, ignore=MARKER)
         _abort_left_uploads(target, url.prefix, reporter.notice)
@@ -193,7 +195,7 @@ def _copy_all(
     for name, prepared in spliced.items():
         key = url.object(name)
         claim.writing(key, partial(_write_spliced, source, name, prepared, target, key, read_back=read_back))
-        proofs.add("read back" if read_back else "S3 CRC32")
+        proofs.add("read back" if read_back else target.proof)
         meter.writing(source.listing[name].size)
     _upload(target, url, claim, staged, meter)
     return proofs
@@ -207,7 +209,7 @@ def _upload(store: WritableStore, url: StoreUrl, claim: Claim, files: Mapping[st
     def put(name: str) -> int:
         path, key = files[name], url.object(name)
         answer = claim.writing(key, lambda: store.put_file(key, path, path.stat().st_size))
-        if answer.crc32 is not None and answer.crc32 != crc32_of(path):
+        if answer.checksum is not None and answer.checksum != store.file_checksum(path):
             raise VerificationError("the store holds other bytes than were sent", path=url.named(name))
         return path.stat().st_size
 
@@ -220,9 +222,10 @@ def _upload(store: WritableStore, url: StoreUrl, claim: Claim, files: Mapping[st
             meter.writing(claim.commit(partial(put, name)))
 
 
-def upload_copy(copy: Path, out: str, *, force: bool, options: StoreOptions, reporter: Reporter) -> Traffic:
+def upload_copy(copy: Path, out: str, *, force: bool, options: StoreOptions, reporter: Reporter) -> tuple[Traffic, str]:
     """Upload ``copy`` (a verified repaired copy: a file, or a directory) to ``out`` in a store: a file to that
-    key, never over one that exists; a directory into an empty prefix, as ``write_in_store`` commits one."""
+    key, never over one that exists; a directory into an empty prefix, as ``write_in_store`` commits one. Returns
+    the traffic and the checksum each upload was checked by (``WritableStore.proof``)."""
     url = parse_url(out)
     store = open_store(url, options)
     if copy.is_file():
@@ -234,9 +237,9 @@ def upload_copy(copy: Path, out: str, *, force: bool, options: StoreOptions, rep
             answer = claim.commit(
                 lambda: claim.writing(url.key, lambda: store.put_file(url.key, copy, copy.stat().st_size))
             )
-            if answer.crc32 is not None and answer.crc32 != crc32_of(copy):
+            if answer.checksum is not None and answer.checksum != store.file_checksum(copy):
                 raise VerificationError("the store holds other bytes than were sent", path=out)
-        return store.traffic()
+        return store.traffic(), store.proof
     files = {path.relative_to(copy).as_posix(): path for path in sorted(copy.rglob("*")) if path.is_file()}
     _refused_early(store, url, force)
     with claimed(store, marker_key(url.prefix), [url.object(name) for name in files], reporter.notice) as claim:
@@ -245,7 +248,7 @@ def upload_copy(copy: Path, out: str, *, force: bool, options: StoreOptions, rep
         if existing:
             store.delete([url.object(name) for name in existing])
         _upload(store, url, claim, files, Meter(reporter.progress, sum(path.stat().st_size for path in files.values())))
-    return store.traffic()
+    return store.traffic(), store.proof
 
 
 def _stage(source: StoredCheckpoint, finished: FinishedPlan, staging: Path) -> tuple[Verification, dict[str, Path]]:
@@ -273,8 +276,9 @@ def _prove(
     source: StoredCheckpoint, target: WritableStore, url: StoreUrl, name: str, stored: StoredObject, copied: Copied,
     read_back: bool,
 ) -> str:  # fmt: skip
-    """How the copy of ``name`` is proven the original's: read back, or the store's CRC32 of the whole object (or
-    its MD5 ETag, for an object stored in one part) against the original's. Raises ``VerificationError``."""
+    """How the copy of ``name`` is proven the original's: read back, or the checksum the store keeps of the whole
+    object against the original's (or where it keeps none, what its version tags prove, ``proven_by_tags``). Raises
+    ``VerificationError``."""
     where = url.named(name)
     if read_back:
         if not target.identical(source.url.object(name), stored, url.object(name), source.store):
@@ -283,12 +287,13 @@ def _prove(
     original = source.store.checksum(source.url.object(name))
     if original.etag != stored.etag:
         raise InputError(CHANGED, path=source.url.named(name))
-    if original.crc32 is not None and copied.crc32 is not None:
-        if original.crc32 != copied.crc32:
-            raise VerificationError(f"its CRC32 differs from that of {source.url.named(name)}", path=where)
-        return "S3 CRC32"
-    if "-" not in stored.etag and copied.etag == stored.etag:
-        return "S3 ETag (MD5)"
+    if original.checksum is not None and copied.checksum is not None:
+        if original.checksum != copied.checksum:
+            raise VerificationError(f"its {target.proof} differs from that of {source.url.named(name)}", path=where)
+        return target.proof
+    by_tags = target.proven_by_tags(stored, copied)
+    if by_tags is not None:
+        return by_tags
     raise VerificationError(
         "the store gives no checksum to prove the copy by",
         path=where,
@@ -301,20 +306,22 @@ def _write_spliced(
 ) -> Copied:
     """Compose the spliced copy of the torch file ``name`` of ``source`` as the new object ``new_key`` of ``store``:
     its new head and tail around the original's kept range, copied inside the store (``WritableStore.compose``). Its
-    CRC-32, derived from the original's, proves the kept bytes unchanged; ``read_back`` reads them back instead."""
+    checksum, derived from the original's, proves the kept bytes unchanged; ``read_back`` reads them back instead."""
     made = spliced.made
     key, stored = source.url.object(name) if name else source.url.key, source.listing[name]
     head, tail = spliced.head_and_tail()
     composed = store.compose(new_key, head, (source.store, key, stored), (made.start, made.end), tail,
-                       source.store.checksum(key).crc32)  # fmt: skip
+                       source.store.checksum(key).checksum)  # fmt: skip
     where = store.where(new_key)
     if read_back:
         _read_back(store, new_key, spliced.joined, where)
-    elif composed.expected is None or composed.written.crc32 is None:
+    elif composed.expected is None or composed.written.checksum is None:
         remedy = Remedy("verify", "download", note=", to read it back")
-        raise VerificationError("the store gives no CRC32 to prove the spliced copy by", path=where, remedy=remedy)
-    elif composed.written.crc32 != composed.expected:
-        raise VerificationError("its CRC32 is not the one its parts give", path=where)
+        raise VerificationError(
+            f"the store gives no {store.proof} to prove the spliced copy by", path=where, remedy=remedy
+        )
+    elif composed.written.checksum != composed.expected:
+        raise VerificationError(f"its {store.proof} is not the one its parts give", path=where)
     return composed.written
 
 

@@ -14,7 +14,9 @@ class Verification:
     linked: tuple[str, ...] = ()
     """Files hard-linked to the original's (``link``): the same bytes by construction, not compared."""
     proof: str | None = None
-    """How copies made inside an object store were proven (``S3 CRC32``), or None where every byte was read."""
+    """How copies made inside an object store were proven (``S3 CRC32``, ``GCS CRC32C``; ``read back``; for a
+    local copy uploaded, ``UPLOADED`` and the checksum each upload was checked by), or None where every byte was
+    read."""
 
     def __add__(self, other: Verification) -> Verification:
         linked = self.linked + other.linked
@@ -22,6 +24,8 @@ class Verification:
 
 
 NOTHING = Verification(0, 0)
+UPLOADED = "uploaded, checked by "
+"""How a proof begins for a copy proven on this machine, then uploaded to a store."""
 
 
 @dataclass(frozen=True)

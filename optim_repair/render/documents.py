@@ -17,7 +17,7 @@ from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis
 from optim_repair.decisions.notices import Notice
 from optim_repair.records.inventory import ParamKey, Scalar
 from optim_repair.records.traffic import Traffic
-from optim_repair.records.verification import Verification
+from optim_repair.records.verification import UPLOADED, Verification
 from optim_repair.render.differences import DiffDoc, FileDoc, diff_document, file_docs
 from optim_repair.render.schema import SCHEMA_VERSION, VersionsDoc, versions_doc
 
@@ -312,8 +312,9 @@ def proof(verification: Verification) -> str:
         return "read back through the file system"
     if verification.proof == "read back":
         return "read back from the store"
-    if verification.proof == "upload":
-        return "read back through the file system, then uploaded, each object checked by S3 CRC32 on receipt"
+    if verification.proof.startswith(UPLOADED):
+        checked_by = verification.proof[len(UPLOADED) :]
+        return f"read back through the file system, then uploaded, each object checked by {checked_by} on receipt"
     return f"verified by {verification.proof}, not read back"
 
 

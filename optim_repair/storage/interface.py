@@ -30,6 +30,11 @@ class Store(Protocol):
     bucket: str
     run: str
     """This run's id, which every object it writes carries."""
+    proof: str
+    """The checksum the store keeps of each whole object, as a report names it (``S3 CRC32``, ``GCS CRC32C``)."""
+
+    def file_checksum(self, path: Path) -> str:
+        """The checksum (``proof``) the store keeps of an object holding the bytes of the file ``path``."""
 
     def traffic(self) -> Traffic:
         """The requests sent and bytes moved so far, by this store and its siblings."""
@@ -78,6 +83,18 @@ class Store(Protocol):
 class WritableStore(Store, Protocol):
     """A store written into, never over an object that exists; every object written carries this run's id."""
 
+    composes_ranges: bool
+    """Whether ``compose`` takes a range of the original after new bytes (S3's multipart copy); where not (GCS's
+    compose takes whole objects), a splice must keep the whole original and append to it."""
+
+    def scratch_keys(self, key: str) -> list[str]:
+        """Keys besides ``key`` that a ``compose`` of ``key`` may write and deletes once done: a run's claim lists
+        them, so that what a stopped run left there is removed by the next."""
+
+    def proven_by_tags(self, original: StoredObject, copied: Copied) -> str | None:
+        """How a copy is proven the original's by version tags alone, where the store keeps no checksum of either
+        (``S3 ETag (MD5)`` for an object stored in one part); None where they prove nothing."""
+
     def sibling(self, bucket: str) -> WritableStore:
         """The store of ``bucket`` through the same client, counted with this one, as the same run."""
 
@@ -100,10 +117,11 @@ class WritableStore(Store, Protocol):
         original: tuple[Store, str, StoredObject],
         kept: tuple[int, int],
         tail: bytes,
-        original_crc32: str | None,
+        original_checksum: str | None,
     ) -> Composed:
         """The new object ``key``: ``head``, bytes ``kept`` of the ``original`` (its store, key and version) copied
-        inside the store, then ``tail``; with the checksum it must have."""
+        inside the store, then ``tail``; with the checksum it must have. Where the store does not
+        ``composes_ranges``, ``head`` must be empty and ``kept`` the whole original."""
 
     def abort_uploads(self, prefix: str, *, exact: bool = False) -> int:
         """Abort the unfinished uploads a stopped run left under ``prefix`` (``exact``: at that key); how many."""

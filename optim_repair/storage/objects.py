@@ -1,7 +1,7 @@
 """What a store says of an object.
 
-Its size and version tag as listed, what a write gave back, a small object read whole, and CRC-32 values as S3
-writes them.
+Its size and version tag as listed, what a write gave back, a small object read whole, and CRC values as S3 and
+GCS write them.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ class Small:
 
 @dataclass(frozen=True)
 class Copied:
-    """What the store says of an object after writing it: its CRC32 (when it computed one) and ETag."""
+    """What the store says of an object after writing it: the checksum it keeps of the whole object (its
+    ``WritableStore.proof``: S3's CRC-32, GCS's CRC-32C; None when it computed none) and its version tag."""
 
-    crc32: str | None
+    checksum: str | None
     etag: str
 
 
@@ -51,14 +52,14 @@ def crc32_of(path: Path) -> str:
 
 
 def encoded_crc32(value: int) -> str:
-    """A CRC32 as S3 writes it (base64 of the big-endian value)."""
+    """A CRC as S3 writes a CRC-32 and GCS a CRC-32C (base64 of the big-endian value)."""
     return base64.b64encode(value.to_bytes(4, "big")).decode()
 
 
 @dataclass(frozen=True)
 class Composed:
-    """What the store says of an object composed of new bytes and a copied range (its CRC-32, None without one,
-    and its ETag), and the CRC-32 it must have (None where the original has none to derive it from)."""
+    """What the store says of an object composed of new bytes and a copied range (its checksum, None without one,
+    and its version tag), and the checksum it must have (None where the original has none to derive it from)."""
 
     written: Copied
     expected: str | None

@@ -173,7 +173,7 @@ def test_a_local_checkpoint_is_repaired_into_a_store(
 ) -> None:
     bucket, built = stored
     result = api.fix(built.path, f"s3://{bucket}/uploaded/")
-    assert result.verification.proof == "upload"
+    assert result.verification.proof == "uploaded, checked by S3 CRC32"
     assert fix_document(result)["verification"]["proof"].endswith("each object checked by S3 CRC32 on receipt")
     assert result.traffic is not None and result.traffic.read == 0 and result.traffic.copied == 0
     names = {path.name for path in built.path.iterdir()}

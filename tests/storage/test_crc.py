@@ -31,3 +31,14 @@ def test_middle_undoes_combine_at_the_lengths_of_large_checkpoints() -> None:
     head, middle, tail = 0x1234ABCD, 0x0BADF00D, 0xCAFEBABE
     whole = crc.combine(crc.combine(head, middle, 1 << 40), tail, 3 << 30)
     assert crc.middle(whole, head, tail, 1 << 40, 3 << 30) == middle
+
+
+def test_crc32c_joins_and_splits_as_gcs_computes_it() -> None:
+    import google_crc32c
+
+    head, middle, tail = b"the head", bytes(range(256)) * 9, b"and the tail"
+    value = google_crc32c.value
+    whole = value(head + middle + tail)
+    assert crc.combine(value(head), value(middle), len(middle), crc.CRC32C) == value(head + middle)
+    assert crc.middle(whole, value(head), value(tail), len(middle), len(tail), crc.CRC32C) == value(middle)
+    assert crc.combine(value(head), value(middle), len(middle)) != value(head + middle)  # CRC-32's polynomial

@@ -20,6 +20,7 @@ import uuid
 import zlib
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from optim_repair.errors import InputError, OptimRepairError, UsageError, shown_name
@@ -27,7 +28,7 @@ from optim_repair.records.traffic import Traffic
 from optim_repair.storage.answers import check_range, cut, failure, receive, within
 from optim_repair.storage.interface import Store
 from optim_repair.storage.names import checked_endpoint, checked_name, redacted
-from optim_repair.storage.objects import Copied, Small, StoredObject, encoded_crc32
+from optim_repair.storage.objects import Copied, Small, StoredObject, crc32_of, encoded_crc32
 
 COALESCE_GAP = 1 << 20
 """Ranges of one object closer than this are read by one GET: a DCP shard's bytes entries lie at its head."""
@@ -69,6 +70,8 @@ _Reader = TypeVar("_Reader", bound="S3Reader")
 class S3Reader:
     """One bucket's objects, through one client whose every request is counted and every answer checked: names
     where they are listed, ranges against what was asked, bodies against a deadline."""
+
+    proof = "S3 CRC32"
 
     def __init__(self, bucket: str, *, profile: str | None = None, endpoint_url: str | None = None) -> None:
         endpoint_url = checked_endpoint(endpoint_url)
@@ -116,6 +119,10 @@ class S3Reader:
     def where(self, key: str) -> str:
         """The object ``key`` as a URL, for messages."""
         return f"s3://{self.bucket}/{key}"
+
+    def file_checksum(self, path: Path) -> str:
+        """The file's CRC32, as S3 keeps it of an object."""
+        return crc32_of(path)
 
     def request(self, operation: str, key: str, *, writing: bool = False, **kwargs: Any) -> Any:
         """The client's ``operation`` on this bucket (about ``key``, for messages); every refusal and transport

@@ -44,6 +44,17 @@ MIN_PART = 5 << 20
 class S3Store(S3Reader):
     """One bucket of an S3 store, read and written: what the checkpoint layer's ``WritableStore`` asks of a store."""
 
+    composes_ranges = True
+
+    def scratch_keys(self, key: str) -> list[str]:
+        """None: a composition is one multipart upload to ``key``."""
+        return []
+
+    def proven_by_tags(self, original: StoredObject, copied: Copied) -> str | None:
+        """An object S3 stored in one part has its MD5 for ETag (a multipart one has ``-`` and a part count in it):
+        a copy with the same ETag holds the same bytes."""
+        return "S3 ETag (MD5)" if "-" not in original.etag and copied.etag == original.etag else None
+
     def _written(self, key: str, write: Callable[[], dict[str, Any]]) -> Copied:
         """What ``write`` (a request that replaces nothing) wrote at ``key``. When it finds an object there, the
         object is read back: this run's own (the answer to a write that succeeded was lost, and its retry found
@@ -150,7 +161,7 @@ class S3Store(S3Reader):
             with contextlib.suppress(Exception):  # the failure that matters is the one raised
                 self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
             raise
-        if written.crc32 is None:
+        if written.checksum is None:
             return self.checksum(key)
         return written
 
@@ -225,7 +236,7 @@ class S3Store(S3Reader):
         original: tuple[Store, str, StoredObject],
         kept: tuple[int, int],
         tail: bytes,
-        original_crc32: str | None,
+        original_checksum: str | None,
     ) -> Composed:
         """Write the new object ``key``: ``head``, then bytes ``kept`` (start, end) of the ``original``
         object (its store, key, and listing), then ``tail``; never over an object that exists."""
@@ -240,7 +251,7 @@ class S3Store(S3Reader):
         opening = head + before[start:]
         copied = (start + first, end)
         expected = None
-        whole = _decoded(original_crc32)
+        whole = _decoded(original_checksum)
         if whole is not None:
             middle = crc.middle(whole, zlib.crc32(before), zlib.crc32(after), copied[1] - copied[0], len(after))
             joined = crc.combine(zlib.crc32(opening), middle, copied[1] - copied[0])
