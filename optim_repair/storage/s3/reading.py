@@ -15,25 +15,18 @@ import email.utils
 import functools
 import http.client
 import importlib
-import threading
 import uuid
 import zlib
-from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from optim_repair.errors import InputError, OptimRepairError, UsageError, shown_name
-from optim_repair.records.traffic import Traffic
 from optim_repair.storage.answers import check_range, cut, failure, receive, within
-from optim_repair.storage.interface import Store
+from optim_repair.storage.batched import WORKERS, BatchedReads, Counter
 from optim_repair.storage.names import checked_endpoint, checked_name, redacted
 from optim_repair.storage.objects import Copied, Small, StoredObject, crc32_of, encoded_crc32
 
-COALESCE_GAP = 1 << 20
-"""Ranges of one object closer than this are read by one GET: a DCP shard's bytes entries lie at its head."""
-WORKERS = 8
-"""Requests in flight at once."""
 LISTED_LIMIT = 10_000_000
 """The most objects one listing may give: a store that never ends its listing is refused past it."""
 CONNECT_SECONDS = 10
@@ -46,28 +39,12 @@ _WHOLE_ANSWERS = frozenset({"list_objects_v2", "list_multipart_uploads", "head_o
 """The requests whose answers the client reads whole, each bounded by ``answers.within``. Object bodies are read
 against the floor as they come (``answers.receive``); a write's answer may rightly take long (a server-side copy of
 gigabytes), and is bounded by botocore's read timeout alone."""
-_CHUNK = 8 << 20
-_Item = TypeVar("_Item")
-_Result = TypeVar("_Result")
-
-
-class _Counter:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.requests = self.read = self.written = self.copied = 0
-
-    def add(self, *, requests: int = 0, read: int = 0, written: int = 0, copied: int = 0) -> None:
-        with self._lock:
-            self.requests += requests
-            self.read += read
-            self.written += written
-            self.copied += copied
 
 
 _Reader = TypeVar("_Reader", bound="S3Reader")
 
 
-class S3Reader:
+class S3Reader(BatchedReads):
     """One bucket's objects, through one client whose every request is counted and every answer checked: names
     where they are listed, ranges against what was asked, bodies against a deadline."""
 
@@ -100,7 +77,7 @@ class S3Reader:
         self.bucket = bucket
         self.run = uuid.uuid4().hex
         """This run's id, in the metadata of every object it writes."""
-        self._count = _Counter()
+        self._count = Counter()
         self._client.meta.events.register("before-send.s3", lambda **_: self._count.add(requests=1))
 
     def sibling(self: _Reader, bucket: str) -> _Reader:
@@ -111,10 +88,6 @@ class S3Reader:
         other.__dict__.update(self.__dict__)
         other.bucket = bucket
         return other
-
-    def traffic(self) -> Traffic:
-        count = self._count
-        return Traffic(count.requests, count.read, count.written, count.copied)
 
     def where(self, key: str) -> str:
         """The object ``key`` as a URL, for messages."""
@@ -136,10 +109,6 @@ class S3Reader:
             raise InputError("no AWS credentials found (environment, ~/.aws profile, or SSO login)") from exc
         except self._transport as exc:
             raise self._lost(exc, key) from exc
-
-    def count(self, *, read: int = 0, written: int = 0, copied: int = 0) -> None:
-        """Count bytes a request moved (its requests are counted as they are sent)."""
-        self._count.add(read=read, written=written, copied=copied)
 
     def _lost(self, exc: BaseException, key: str) -> InputError:
         """A transport failure (a connection refused, reset or cut mid-answer, a timeout) as exit 4 naming ``key``."""
@@ -216,28 +185,6 @@ class S3Reader:
         ):
             raise InputError("its bytes do not match the CRC32 the store keeps of it", path=self.where(key))
 
-    def ranges(
-        self, key: str, stored: StoredObject, wanted: Sequence[tuple[int, int]], *, gap: int = COALESCE_GAP
-    ) -> list[bytes]:
-        """The bytes of each ``(offset, length)`` of ``key``, in the order asked: ranges closer than ``gap`` are
-        read by one GET, the GETs ``WORKERS`` at a time."""
-        order = sorted(range(len(wanted)), key=lambda index: wanted[index][0])
-        groups: list[list[int]] = []
-        for index in order:
-            offset, _ = wanted[index]
-            if groups and offset - _end(wanted, groups[-1]) <= gap:
-                groups[-1].append(index)
-            else:
-                groups.append([index])
-        found: list[bytes] = [b""] * len(wanted)
-        spans = [(wanted[group[0]][0], _end(wanted, group)) for group in groups]
-        fetched = self.each(lambda span: self.get_range(key, stored, *span) if span[1] > span[0] else b"", spans)
-        for group, (start, _), data in zip(groups, spans, fetched, strict=True):
-            for index in group:
-                offset, length = wanted[index]
-                found[index] = data[offset - start : offset - start + length]
-        return found
-
     def get_range(self, key: str, stored: StoredObject, start: int, end: int) -> bytes:
         """Bytes ``start`` to ``end`` of ``key``, as listed, by one GET: only a 206 answer whose Content-Range is
         the one asked for is read, and no more than was asked."""
@@ -250,18 +197,6 @@ class S3Reader:
         if received != end - start:
             raise InputError(cut(received, end - start), path=self.where(key))
         return b"".join(parts)
-
-    def identical(self, key: str, stored: StoredObject, other: str, source: Store) -> bool:
-        """Whether this store's object ``other`` holds the bytes of ``source``'s ``key`` (as listed), both read
-        back in chunks."""
-        copy = self.head(other)
-        if copy.size != stored.size:
-            return False
-        for start in range(0, stored.size, _CHUNK):
-            end = min(start + _CHUNK, stored.size)
-            if source.get_range(key, stored, start, end) != self.get_range(other, copy, start, end):
-                return False
-        return True
 
     def tail(self, key: str, length: int) -> tuple[StoredObject, bytes]:
         """The last ``length`` bytes of ``key`` (all of it, if shorter) by one GET, with the object's size and ETag,
@@ -326,16 +261,3 @@ class S3Reader:
             age = None
         run = answer.get("Metadata", {}).get(RUN_METADATA)
         return Small(b"".join(parts), answer["ETag"], run, age)
-
-    def each(self, work: Callable[[_Item], _Result], items: Sequence[_Item]) -> Generator[_Result, None, None]:
-        """``work`` of each item, ``WORKERS`` at a time, in the order given. Closed early (an error, an ending
-        signal), it starts no more, and returns once the requests in flight have ended."""
-        pool = ThreadPoolExecutor(WORKERS)
-        try:
-            yield from pool.map(work, items)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _end(wanted: Sequence[tuple[int, int]], group: Sequence[int]) -> int:
-    return max(wanted[index][0] + wanted[index][1] for index in group)

@@ -1,0 +1,107 @@
+"""What every store's reader does the same way over its own requests: counting, several requests at once, byte
+ranges coalesced into few reads, and two objects compared by reading both back.
+
+A store's reader (``s3.reading.S3Reader``, ``gcs.reading.GcsReader``) inherits ``BatchedReads`` and gives
+``get_range`` and ``head``; what it sends and how it judges each answer stays its own.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from optim_repair.records.traffic import Traffic
+from optim_repair.storage.interface import Store
+from optim_repair.storage.objects import StoredObject
+
+COALESCE_GAP = 1 << 20
+"""Ranges of one object closer than this are read by one GET: a DCP shard's bytes entries lie at its head."""
+WORKERS = 8
+"""Requests in flight at once."""
+_CHUNK = 8 << 20
+_Item = TypeVar("_Item")
+_Result = TypeVar("_Result")
+
+
+class Counter:
+    """The requests a client sent and the bytes they moved, counted from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests = self.read = self.written = self.copied = 0
+
+    def add(self, *, requests: int = 0, read: int = 0, written: int = 0, copied: int = 0) -> None:
+        with self._lock:
+            self.requests += requests
+            self.read += read
+            self.written += written
+            self.copied += copied
+
+
+class BatchedReads:
+    """The reads a store's reader builds from its own ``get_range`` and ``head``, counted by its ``_count``."""
+
+    _count: Counter
+
+    def get_range(self, key: str, stored: StoredObject, start: int, end: int) -> bytes:
+        raise NotImplementedError
+
+    def head(self, key: str) -> StoredObject:
+        raise NotImplementedError
+
+    def traffic(self) -> Traffic:
+        count = self._count
+        return Traffic(count.requests, count.read, count.written, count.copied)
+
+    def count(self, *, read: int = 0, written: int = 0, copied: int = 0) -> None:
+        """Count bytes a request moved (its requests are counted as they are sent)."""
+        self._count.add(read=read, written=written, copied=copied)
+
+    def ranges(
+        self, key: str, stored: StoredObject, wanted: Sequence[tuple[int, int]], *, gap: int = COALESCE_GAP
+    ) -> list[bytes]:
+        """The bytes of each ``(offset, length)`` of ``key``, in the order asked: ranges closer than ``gap`` are
+        read by one GET, the GETs ``WORKERS`` at a time."""
+        order = sorted(range(len(wanted)), key=lambda index: wanted[index][0])
+        groups: list[list[int]] = []
+        for index in order:
+            offset, _ = wanted[index]
+            if groups and offset - _end(wanted, groups[-1]) <= gap:
+                groups[-1].append(index)
+            else:
+                groups.append([index])
+        found: list[bytes] = [b""] * len(wanted)
+        spans = [(wanted[group[0]][0], _end(wanted, group)) for group in groups]
+        fetched = self.each(lambda span: self.get_range(key, stored, *span) if span[1] > span[0] else b"", spans)
+        for group, (start, _), data in zip(groups, spans, fetched, strict=True):
+            for index in group:
+                offset, length = wanted[index]
+                found[index] = data[offset - start : offset - start + length]
+        return found
+
+    def identical(self, key: str, stored: StoredObject, other: str, source: Store) -> bool:
+        """Whether this store's object ``other`` holds the bytes of ``source``'s ``key`` (as listed), both read
+        back in chunks."""
+        copy = self.head(other)
+        if copy.size != stored.size:
+            return False
+        for start in range(0, stored.size, _CHUNK):
+            end = min(start + _CHUNK, stored.size)
+            if source.get_range(key, stored, start, end) != self.get_range(other, copy, start, end):
+                return False
+        return True
+
+    def each(self, work: Callable[[_Item], _Result], items: Sequence[_Item]) -> Generator[_Result, None, None]:
+        """``work`` of each item, ``WORKERS`` at a time, in the order given. Closed early (an error, an ending
+        signal), it starts no more, and returns once the requests in flight have ended."""
+        pool = ThreadPoolExecutor(WORKERS)
+        try:
+            yield from pool.map(work, items)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _end(wanted: Sequence[tuple[int, int]], group: Sequence[int]) -> int:
+    return max(wanted[index][0] + wanted[index][1] for index in group)
