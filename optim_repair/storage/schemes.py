@@ -30,7 +30,10 @@ class Scheme:
     module: str
 
 
-SCHEMES: dict[str, Scheme] = {"s3": Scheme("s3", "optim_repair.storage.s3")}
+SCHEMES: dict[str, Scheme] = {
+    "s3": Scheme("s3", "optim_repair.storage.s3"),
+    "gs": Scheme("gs", "optim_repair.storage.gcs"),
+}
 """Every store, by the scheme of its URLs; ``""`` (no scheme) is the local disk."""
 
 

@@ -1,0 +1,394 @@
+"""Reading a Google Cloud Storage bucket over its JSON API: one counted session, its listings and reads.
+
+The client is Google's own: ``google.auth`` finds the credentials (application default credentials: the
+environment, ``gcloud auth application-default login``, a metadata server) and its ``AuthorizedSession`` (requests)
+carries them; the JSON API is spoken directly, so that every answer's status, headers and length are seen and
+judged (the ``optim-repair[gcs]`` extra). The endpoint is ``--endpoint-url``, else ``STORAGE_EMULATOR_HOST`` (an
+emulator, reached with anonymous credentials where none are found), else Google's. Transient failures (429, 5xx,
+a reset connection) are retried by the transport. A read names the generation it read (``generation=``, and the
+answer's ``X-Goog-Generation`` must be it), so an object replaced meanwhile is refused, never mixed with its old
+bytes. Bodies are read against a length and a pace (``answers.receive``), whole answers (a listing's page, an
+object's resource) against a size and a deadline.
+"""
+
+from __future__ import annotations
+
+import datetime
+import email.utils
+import http.client
+import importlib
+import os
+import re
+import urllib.parse
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar
+
+from optim_repair.errors import InputError, ObjectExists, OptimRepairError, OutputError, UsageError, shown_name
+from optim_repair.storage.answers import CHANGED, WHOLE_ANSWER_BYTES, cut, receive, within
+from optim_repair.storage.batched import WORKERS, BatchedReads, Counter
+from optim_repair.storage.gcs.values import as_json, crc32c_of, encoded, hashes, is_crc
+from optim_repair.storage.names import checked_endpoint, checked_name, redacted
+from optim_repair.storage.objects import Copied, Small, StoredObject
+
+GOOGLE = "https://storage.googleapis.com"
+SCOPE = "https://www.googleapis.com/auth/devstorage.read_write"
+LISTED_LIMIT = 10_000_000
+"""The most objects one listing may give: a store that never ends its listing is refused past it."""
+CONNECT_SECONDS = 10
+READ_SECONDS = 60
+"""What the transport waits for a connection, and for each read of a socket (a store that answers nothing)."""
+RUN_METADATA = "optim-repair-run"
+"""The custom metadata every object a run writes carries: the run's id."""
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+_DIGITS = re.compile(r"[0-9]{1,20}")
+_SMALL_ATTEMPTS = 5
+_Reader = TypeVar("_Reader", bound="GcsReader")
+
+
+def _endpoint(endpoint_url: str | None) -> tuple[str, bool]:
+    """The service's base URL, and whether it is an emulator's (``--endpoint-url`` or ``STORAGE_EMULATOR_HOST``)."""
+    given = endpoint_url or os.environ.get("STORAGE_EMULATOR_HOST")
+    if not given:
+        return GOOGLE, False
+    if "://" not in given:
+        given = f"http://{given}"  # STORAGE_EMULATOR_HOST is often HOST:PORT
+    checked = checked_endpoint(given)
+    assert checked is not None
+    return checked.rstrip("/"), True
+
+
+class GcsReader(BatchedReads):
+    """One bucket's objects, through one session whose every request is counted and every answer checked."""
+
+    proof = "GCS CRC32C"
+
+    def __init__(self, bucket: str, *, endpoint_url: str | None = None) -> None:
+        self.base, emulated = _endpoint(endpoint_url)
+        try:
+            auth = importlib.import_module("google.auth")
+            transport = importlib.import_module("google.auth.transport.requests")
+            credentials_module = importlib.import_module("google.auth.credentials")
+            self._requests = importlib.import_module("requests")
+            retry = importlib.import_module("urllib3.util.retry")
+            urllib3 = importlib.import_module("urllib3.exceptions")
+            importlib.import_module("google_crc32c")
+        except ImportError:
+            raise UsageError("gs:// checkpoints need google-auth: pip install 'optim-repair[gcs]'") from None
+        try:
+            credentials, _ = auth.default(scopes=[SCOPE])
+        except auth.exceptions.DefaultCredentialsError as exc:
+            if not emulated:
+                raise InputError(
+                    "no Google Cloud credentials found (application default credentials: "
+                    "gcloud auth application-default login, or GOOGLE_APPLICATION_CREDENTIALS)"
+                ) from exc
+            credentials = credentials_module.AnonymousCredentials()
+        self._session: Any = transport.AuthorizedSession(credentials)
+        retries = retry.Retry(
+            total=4, backoff_factor=0.5, status_forcelist=(429, 500, 502, 503, 504), allowed_methods=None,
+            raise_on_status=False, respect_retry_after_header=True,
+        )  # fmt: skip
+        adapter = self._requests.adapters.HTTPAdapter(pool_maxsize=2 * WORKERS, max_retries=retries)
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
+        self._transport: tuple[type[BaseException], ...] = (
+            self._requests.RequestException, urllib3.HTTPError, http.client.HTTPException, OSError
+        )  # fmt: skip
+        self.bucket = bucket
+        self.run = uuid.uuid4().hex
+        """This run's id, in the metadata of every object it writes."""
+        self._count = Counter()
+
+    def sibling(self: _Reader, bucket: str) -> _Reader:
+        """The store of ``bucket`` through the same session, counted with this one, as the same run."""
+        if bucket == self.bucket:
+            return self
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other.bucket = bucket
+        return other
+
+    def where(self, key: str) -> str:
+        return f"gs://{self.bucket}/{key}"
+
+    def file_checksum(self, path: Path) -> str:
+        return crc32c_of(path)
+
+    def url(self, key: str | None = None, *, upload: bool = False, bucket: str | None = None) -> str:
+        """The JSON API's URL of the bucket's objects, or of the object ``key``."""
+        root = f"{self.base}/upload/storage/v1" if upload else f"{self.base}/storage/v1"
+        objects = f"{root}/b/{urllib.parse.quote(bucket or self.bucket, safe='')}/o"
+        return objects if key is None else f"{objects}/{urllib.parse.quote(key, safe='')}"
+
+    def send(self, method: str, url: str, key: str, *, writing: bool = False, **kwargs: Any) -> Any:
+        """One request (about ``key``, for messages), its body left unread; a refusal or a transport failure raised
+        as the error a user is shown."""
+        kwargs.setdefault("timeout", (CONNECT_SECONDS, READ_SECONDS))
+        headers = {"Accept-Encoding": "identity", **kwargs.pop("headers", {})}
+        try:
+            answer = self._session.request(method, url, stream=True, headers=headers, **kwargs)
+        except self._transport as exc:
+            raise self._lost(exc, key) from exc
+        retried = getattr(getattr(answer.raw, "retries", None), "history", ())
+        self._count.add(requests=1 + len(retried))
+        if answer.status_code >= 400:
+            raise self._failure(answer, key, writing, listing=urllib.parse.urlsplit(url).path.endswith("/o"))
+        return answer
+
+    def resource(self, method: str, url: str, key: str, *, writing: bool = False, **kwargs: Any) -> dict[str, Any]:
+        """A request whose answer is a JSON object, read whole within ``WHOLE_ANSWER_BYTES`` and a deadline."""
+
+        def call() -> dict[str, Any]:
+            answer = self.send(method, url, key, writing=writing, **kwargs)
+            return as_json(self.body(answer, key, WHOLE_ANSWER_BYTES), self.where(key))
+
+        return within(call, self.where(key))
+
+    def body(self, answer: Any, key: str, limit: int) -> bytes:
+        parts: list[bytes] = []
+        try:
+            receive(answer.raw, limit, parts.append, self.where(key))
+        except OptimRepairError:
+            raise
+        except self._transport as exc:
+            raise self._lost(exc, key) from exc
+        finally:
+            answer.close()
+        return b"".join(parts)
+
+    def _failure(self, answer: Any, key: str, writing: bool, *, listing: bool) -> OptimRepairError:
+        """The error of a request the store refused: denied is exit 4, naming bucket and key; a write that would
+        replace an object (412, 409) is exit 5; a read of an object replaced since it was listed says so. A listing
+        not found is of no bucket."""
+        where, status = self.where(key), answer.status_code
+        try:
+            error = as_json(self.body(answer, key, 64 << 10), where).get("error", {})
+            message = str(error.get("message", "") if isinstance(error, dict) else "").rstrip(".")
+        except OptimRepairError:
+            message = ""
+        if status in (401, 403):
+            return InputError(f"access denied (HTTP {status}: {redacted(message)})", path=where)
+        if status == 404:
+            bucket = listing or "bucket" in message.lower()
+            reason = "no such bucket" if bucket else "no such object (was it deleted meanwhile?)"
+            return InputError(reason, path=where)
+        if status in (409, 412) and writing:
+            return ObjectExists("exists: another writer put an object there first", path=where)
+        if status == 412:
+            return InputError(CHANGED, path=where)
+        kind = OutputError if writing else InputError
+        return kind(f"the store refused the request (HTTP {status}: {redacted(message)})", path=where)
+
+    def _lost(self, exc: BaseException, key: str) -> InputError:
+        return InputError(
+            f"the store could not be reached or stopped answering ({redacted(str(exc))})", path=self.where(key)
+        )
+
+    def stored(self, item: Mapping[str, Any], key: str) -> tuple[StoredObject, Copied]:
+        """An object's resource, judged: its size, generation and CRC-32C, each as the JSON API writes them."""
+        size, generation, crc32c = item.get("size"), item.get("generation"), item.get("crc32c")
+        if not (
+            isinstance(size, str) and _DIGITS.fullmatch(size)
+            and isinstance(generation, str) and _DIGITS.fullmatch(generation)
+            and isinstance(crc32c, str) and is_crc(crc32c)
+        ):  # fmt: skip
+            raise InputError("was described without a size, a generation and a CRC32C", path=self.where(key))
+        return StoredObject(int(size), generation), Copied(crc32c, generation)
+
+    def listing(self, prefix: str, *, children: bool = False) -> dict[str, StoredObject]:
+        """Every object under ``prefix`` (``children``: only those directly in it), by its checked name relative to
+        it. A listing that repeats a page token or a name, lists a name outside ``prefix``, or never ends is
+        refused."""
+        found: dict[str, StoredObject] = {}
+        tokens: set[str] = set()
+        params: dict[str, str] = {"prefix": prefix, "fields": "items(name,size,generation,crc32c),nextPageToken"}
+        if children:
+            params["delimiter"] = "/"
+        while True:
+            page = self.resource("GET", self.url(), prefix, params=params)
+            items = page.get("items", [])
+            if not isinstance(items, list):
+                raise InputError("answered a listing without a list of objects", path=self.where(prefix))
+            for item in items:
+                key = item.get("name") if isinstance(item, dict) else None
+                if not (isinstance(key, str) and key.startswith(prefix)):
+                    raise InputError(f"listed {shown_name(str(key))}, which is not under it", path=self.where(prefix))
+                if key.endswith("/"):  # a console's folder marker holds nothing
+                    continue
+                name = checked_name(key[len(prefix) :], lambda relative: self.where(f"{prefix}{relative}"))
+                if name in found:
+                    raise InputError("was listed twice (the store repeats its listing)", path=self.where(key))
+                found[name] = self.stored(item, key)[0]
+            if len(found) > LISTED_LIMIT:
+                raise InputError(f"lists more than {LISTED_LIMIT:,} objects", path=self.where(prefix))
+            following = page.get("nextPageToken")
+            if following is None:
+                return found
+            if not isinstance(following, str) or not following or following in tokens:
+                raise InputError("the store repeats its listing (a page token came twice)", path=self.where(prefix))
+            tokens.add(following)
+            params = {**params, "pageToken": following}
+
+    def head(self, key: str) -> StoredObject:
+        return self.stored(self.resource("GET", self.url(key), key), key)[0]
+
+    def checksum(self, key: str) -> Copied:
+        """The CRC-32C GCS keeps of the whole object ``key``, and its generation."""
+        return self.stored(self.resource("GET", self.url(key), key), key)[1]
+
+    def owner(self, key: str) -> tuple[str | None, Copied] | None:
+        """The run that wrote ``key`` (None when no run of optim-repair did) and its CRC-32C; None when there is no
+        such object."""
+        try:
+            item = self.resource("GET", self.url(key), key)
+        except InputError as exc:
+            if "no such object" in exc.reason:
+                return None
+            raise
+        metadata = item.get("metadata")
+        run = metadata.get(RUN_METADATA) if isinstance(metadata, dict) else None
+        return (run if isinstance(run, str) else None), self.stored(item, key)[1]
+
+    def _media(self, key: str, generation: str | None, wanted: str | None) -> Any:
+        """A GET of ``key``'s bytes (of ``generation``, where given; the HTTP range ``wanted``, or all of them), its
+        body unread; an answer from another generation, or without one, is refused."""
+        params = {"alt": "media", **({"generation": generation} if generation is not None else {})}
+        headers = {} if wanted is None else {"Range": f"bytes={wanted}"}
+        answer = self.send("GET", self.url(key), key, params=params, headers=headers)
+        given = answer.headers.get("X-Goog-Generation")
+        if given is None or not _DIGITS.fullmatch(given) or (generation is not None and given != generation):
+            answer.close()
+            reason = CHANGED if given is not None else "answered a read without the generation it read"
+            raise InputError(reason, path=self.where(key))
+        if answer.headers.get("Content-Encoding", "identity") != "identity":
+            answer.close()
+            raise InputError("is stored compressed (Content-Encoding); it is read as stored", path=self.where(key))
+        return answer
+
+    def _length(self, answer: Any, key: str) -> int | None:
+        text = answer.headers.get("Content-Length")
+        return int(text) if text is not None and _DIGITS.fullmatch(text) else None
+
+    def _ranged(self, answer: Any, asked: tuple[int, int, int] | None, key: str) -> int:
+        """The object's size, from the Content-Range of a 206 answer (or a 200 giving the whole object, where that
+        was asked); anything else than the range ``asked`` (None: a range at the end) is refused unread."""
+        length = self._length(answer, key)
+        if answer.status_code == 200 and asked is not None and asked[:2] == (0, asked[2] - 1) and length == asked[2]:
+            return asked[2]
+        matched = _CONTENT_RANGE.fullmatch(answer.headers.get("Content-Range", ""))
+        if answer.status_code != 206 or matched is None:
+            answer.close()
+            raise InputError(
+                f"answered a read by range with its whole body (HTTP {answer.status_code}, not 206)",
+                path=self.where(key),
+            )
+        first, last, size = (int(value) for value in matched.groups())
+        if (asked is not None and (first, last, size) != asked) or last < first or last >= size:
+            answer.close()
+            raise InputError(f"answered a read of another range than was asked ({matched[0]})", path=self.where(key))
+        return size
+
+    def get_range(self, key: str, stored: StoredObject, start: int, end: int) -> bytes:
+        """Bytes ``start`` to ``end`` of the generation ``stored`` of ``key``, by one GET: only a 206 answer whose
+        Content-Range is the one asked for is read, and no more than was asked."""
+        if not 0 <= start < end <= stored.size:
+            raise InputError(f"has no bytes {start:,} to {end:,} (it holds {stored.size:,})", path=self.where(key))
+        answer = self._media(key, stored.etag, f"{start}-{end - 1}")
+        self._ranged(answer, (start, end - 1, stored.size), key)
+        data = self._counted(answer, key, end - start)
+        if len(data) != end - start:
+            raise InputError(cut(len(data), end - start), path=self.where(key))
+        return data
+
+    def _counted(self, answer: Any, key: str, limit: int, sink: Callable[[bytes], None] | None = None) -> bytes:
+        parts: list[bytes] = []
+
+        def counted(chunk: bytes) -> None:
+            self._count.add(read=len(chunk))
+            (sink or parts.append)(chunk)
+
+        try:
+            receive(answer.raw, limit, counted, self.where(key))
+        except OptimRepairError:
+            raise
+        except self._transport as exc:
+            raise self._lost(exc, key) from exc
+        finally:
+            answer.close()
+        return b"".join(parts)
+
+    def tail(self, key: str, length: int) -> tuple[StoredObject, bytes]:
+        """The last ``length`` bytes of ``key`` (all of it, if shorter) by one GET, with the object's size and
+        generation, which later reads name."""
+        answer = self._media(key, None, f"-{length}")
+        given = self._length(answer, key)
+        if answer.status_code == 200 and given is not None and given <= length:
+            total = given  # all of it: what was asked
+        else:
+            total = self._ranged(answer, None, key)
+        expected = min(length, total)
+        if given != expected:
+            answer.close()
+            raise InputError(
+                f"answered a read of its last {expected:,} bytes with another length", path=self.where(key)
+            )
+        data = self._counted(answer, key, expected)
+        if len(data) != expected:
+            raise InputError(cut(len(data), expected), path=self.where(key))
+        return StoredObject(total, answer.headers["X-Goog-Generation"]), data
+
+    def download(self, key: str, stored: StoredObject, target: BinaryIO) -> None:
+        """The whole generation ``stored`` of ``key`` into ``target``, checked against the CRC-32C GCS keeps of it."""
+        crc32c = importlib.import_module("google_crc32c")
+        answer = self._media(key, stored.etag, None)
+        kept = hashes(answer.headers.get("X-Goog-Hash", "")).get("crc32c")
+        value = received = 0
+
+        def sink(chunk: bytes) -> None:
+            nonlocal value, received
+            value = crc32c.extend(value, chunk)
+            received += len(chunk)
+            target.write(chunk)
+
+        self._counted(answer, key, stored.size, sink)
+        if received != stored.size:
+            raise InputError(cut(received, stored.size), path=self.where(key))
+        if kept is None:
+            kept = self.checksum(key).checksum
+        if kept != encoded(value):
+            raise InputError("its bytes do not match the CRC32C the store keeps of it", path=self.where(key))
+
+    def read_small(self, key: str, limit: int) -> Small | None:
+        """The object ``key`` whole when it holds at most ``limit`` bytes (a marker), with its writer and age by the
+        store's clock; None when there is none."""
+        for _ in range(_SMALL_ATTEMPTS):  # its resource, then its bytes: a run may write it again in between
+            try:
+                item = self.resource("GET", self.url(key), key)
+            except InputError as exc:
+                if "no such object" in exc.reason:
+                    return None
+                raise
+            stored, _ = self.stored(item, key)
+            if stored.size > limit:
+                raise InputError(f"holds {stored.size:,} bytes, more than the {limit:,} read", path=self.where(key))
+            try:
+                answer = self._media(key, stored.etag, None)
+                break
+            except InputError as exc:
+                if "no such object" not in exc.reason and exc.reason != CHANGED:
+                    raise
+        else:
+            raise InputError(f"was written again each of {_SMALL_ATTEMPTS} times it was read", path=self.where(key))
+        sent = answer.headers.get("Date")
+        data = self._counted(answer, key, limit)
+        metadata = item.get("metadata")
+        run = metadata.get(RUN_METADATA) if isinstance(metadata, dict) else None
+        try:
+            now = email.utils.parsedate_to_datetime(str(sent))
+            updated = datetime.datetime.fromisoformat(str(item.get("updated", "")).replace("Z", "+00:00"))
+            age: float | None = (now - updated).total_seconds()
+        except (TypeError, ValueError):
+            age = None
+        return Small(data, stored.etag, run if isinstance(run, str) else None, age)

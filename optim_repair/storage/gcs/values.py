@@ -1,0 +1,57 @@
+"""What GCS's answers hold, read as it writes them: CRC-32C values (base64 of the big-endian value), a JSON object's
+fields, the ``X-Goog-Hash`` header."""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+from optim_repair.errors import InputError
+
+
+def crc32c_of(path: Path) -> str:
+    """A file's CRC-32C, as GCS keeps it (base64 of the big-endian value)."""
+    crc32c = importlib.import_module("google_crc32c")
+    value = 0
+    with path.open("rb") as stream:
+        while chunk := stream.read(8 << 20):
+            value = crc32c.extend(value, chunk)
+    return encoded(value)
+
+
+def encoded(value: int) -> str:
+    return base64.b64encode(value.to_bytes(4, "big")).decode()
+
+
+def decoded(value: str) -> int:
+    return int.from_bytes(base64.b64decode(value), "big")
+
+
+def as_json(data: bytes, where: str) -> dict[str, Any]:
+    try:
+        found = json.loads(data) if data else {}
+    except ValueError:
+        raise InputError("answered with something other than JSON", path=where) from None
+    if not isinstance(found, dict):
+        raise InputError("answered with JSON that is not an object", path=where)
+    return found
+
+
+def is_crc(text: str) -> bool:
+    try:
+        return len(base64.b64decode(text, validate=True)) == 4
+    except ValueError:
+        return False
+
+
+def hashes(header: str) -> dict[str, str]:
+    """``X-Goog-Hash`` (``crc32c=...,md5=...``) by kind."""
+    found: dict[str, str] = {}
+    for part in header.split(","):
+        kind, _, value = part.strip().partition("=")
+        if kind and value:
+            found[kind] = value
+    return found

@@ -1,0 +1,196 @@
+"""A hostile or faulty GCS: the faulty proxy of ``tests.factories.faulty_store`` in front of the real emulator
+(its faults that know no protocol: ranges ignored, drips, cuts, lost and failed answers), names a bucket may
+really hold, and runs that race or are stopped. What the emulator does not check is said where it matters."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from optim_repair import api
+from optim_repair.errors import InputError, UsageError
+from optim_repair.formats.dcp import METADATA_FILE
+from optim_repair.storage import answers
+from tests.conftest import run_cli
+from tests.factories import dcp as dk
+from tests.factories import faulty_store, gcsserver
+from tests.factories.built import Built
+from tests.factories.faulty_store import Fault
+from tests.factories.gcsserver import PREFIX
+
+
+@pytest.fixture(scope="module")
+def gcs() -> Iterator[gcsserver.Server]:
+    started = gcsserver.start()
+    yield started
+    gcsserver.stop(started)
+
+
+@pytest.fixture(autouse=True)
+def emulated(gcs: gcsserver.Server) -> Iterator[None]:
+    yield from gcsserver.environment(gcs)
+
+
+@pytest.fixture(scope="module")
+def proxy(gcs: gcsserver.Server) -> Iterator[faulty_store.FaultyProxy]:
+    started = faulty_store.start(gcs.endpoint)
+    yield started
+    faulty_store.stop(started)
+
+
+@pytest.fixture
+def faulty(proxy: faulty_store.FaultyProxy) -> Iterator[faulty_store.FaultyProxy]:
+    proxy.disarm()
+    yield proxy
+    proxy.disarm()
+
+
+@pytest.fixture
+def stored(gcs: gcsserver.Server, tmp_path: Path) -> tuple[str, Built]:
+    built = dk.sharded_dcp(tmp_path / "in")
+    bucket = gcsserver.new_bucket(gcs)
+    gcsserver.upload(gcs, built.path, bucket, PREFIX)
+    return bucket, built
+
+
+def _one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("optim-repair: error:")]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def test_a_name_outside_the_prefix_is_refused_where_it_is_listed(
+    gcs: gcsserver.Server, stored: tuple[str, Built]
+) -> None:
+    """GCS takes any name: ``..`` and empty segments are names it really holds, and would lead a download outside
+    the directory it fills."""
+    bucket, _ = stored
+    gcsserver.put(gcs, bucket, f"{PREFIX}../../escaped.distcp", b"x")
+    result = run_cli(["inspect", f"gs://{bucket}/{PREFIX}"], code=4)
+    assert "names a path outside its prefix" in _one_line(result.stderr)
+
+
+def test_a_store_that_ignores_range_is_refused_before_its_body_is_read(
+    faulty: faulty_store.FaultyProxy, stored: tuple[str, Built]
+) -> None:
+    bucket, _ = stored
+    faulty.arm(Fault("ignore-range"))
+    with pytest.raises(InputError, match=r"answered a read by range with its whole body \(HTTP 200, not 206\)"):
+        api.inspect(f"gs://{bucket}/{PREFIX}", endpoint_url=faulty.endpoint)
+    assert faulty.hits["ignore-range"] >= 1
+
+
+def test_a_store_that_drips_is_given_up_past_the_grace(
+    faulty: faulty_store.FaultyProxy, stored: tuple[str, Built], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bucket, _ = stored
+    monkeypatch.setattr(answers, "GRACE_SECONDS", 1.0)
+    faulty.arm(Fault("drip", method="GET", match="alt=media", delay=0.2))
+    started = time.monotonic()
+    result = run_cli(["inspect", f"gs://{bucket}/{PREFIX}", "--endpoint-url", faulty.endpoint], code=4)
+    assert "answers too slowly" in _one_line(result.stderr)
+    assert time.monotonic() - started < 10
+
+
+def test_a_listing_that_drips_is_given_up_at_its_deadline(
+    faulty: faulty_store.FaultyProxy, stored: tuple[str, Built], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bucket, _ = stored
+    monkeypatch.setattr(answers, "GRACE_SECONDS", 1.0)
+    monkeypatch.setattr(answers, "WHOLE_ANSWER_BYTES", answers.FLOOR_BYTES_PER_SECOND)
+    faulty.arm(Fault("drip", method="GET", match="prefix=", delay=0.01))
+    started = time.monotonic()
+    result = run_cli(["inspect", f"gs://{bucket}/{PREFIX}", "--endpoint-url", faulty.endpoint], code=4)
+    assert "answers too slowly" in _one_line(result.stderr)
+    assert time.monotonic() - started < 8
+
+
+def test_a_body_cut_off_is_exit_4_naming_the_key(faulty: faulty_store.FaultyProxy, stored: tuple[str, Built]) -> None:
+    bucket, _ = stored
+    faulty.arm(Fault("cut", method="GET", match="metadata?alt=media", after=10))
+    result = run_cli(["inspect", f"gs://{bucket}/{PREFIX}", "--endpoint-url", faulty.endpoint], code=4)
+    assert f"gs://{bucket}/{PREFIX}{METADATA_FILE}: " in _one_line(result.stderr)
+
+
+@pytest.mark.parametrize("lost", ["upload", "rewrite"])
+def test_a_write_whose_answer_was_lost_is_known_for_the_runs_own(
+    faulty: faulty_store.FaultyProxy, gcs: gcsserver.Server, stored: tuple[str, Built], tmp_path: Path, lost: str
+) -> None:
+    """The write took effect, its answer was lost (500), the transport retried. An upload's retry gets 412 (no
+    object may be there) and the run reads the key back and finds its own. (The emulator ignores the precondition
+    of a rewrite's destination, so that a rewrite's retry simply writes again: its 412 path is the upload's.)"""
+    bucket, built = stored
+    match = "uploadType=multipart" if lost == "upload" else "rewriteTo"
+    faulty.arm(Fault("lose-answer", method="POST", match=match, times=1))
+    result = run_cli(
+        ["fix", f"gs://{bucket}/{PREFIX}", "--out", f"gs://{bucket}/fixed/", "--endpoint-url", faulty.endpoint]
+    )
+    assert faulty.hits["lose-answer"] == 1, result.stderr
+    copied = gcsserver.keys(gcs, bucket, "fixed/")
+    assert copied == {path.name for path in built.path.iterdir()} | {"__optim_repair_0.distcp"}
+    local = gcsserver.download(gcs, bucket, "fixed/", tmp_path / "fixed")
+    resumed = dk.resume(local, "adamw", "optim", False)
+    reference = dk.uninterrupted("adamw")
+    assert all(torch.equal(resumed[name], reference[name]) for name in reference)
+
+
+def test_a_failing_store_leaves_nothing_at_the_output(
+    faulty: faulty_store.FaultyProxy, gcs: gcsserver.Server, stored: tuple[str, Built]
+) -> None:
+    bucket, _ = stored
+    faulty.arm(Fault("fail", method="POST", match="rewriteTo", status=503))
+    result = run_cli(
+        ["fix", f"gs://{bucket}/{PREFIX}", "--out", f"gs://{bucket}/fixed/", "--endpoint-url", faulty.endpoint], code=5
+    )
+    assert "the store refused the request (HTTP 503" in _one_line(result.stderr)
+    assert faulty.hits["fail"] >= 2  # retried by the transport before it gave up
+    assert gcsserver.keys(gcs, bucket, "fixed/") == set()  # no object, no marker
+
+
+def test_credentials_in_the_endpoint_are_never_shown(stored: tuple[str, Built], gcs: gcsserver.Server) -> None:
+    bucket, _ = stored
+    host = gcs.endpoint.removeprefix("http://")
+    result = run_cli(["inspect", f"gs://{bucket}/{PREFIX}", "--endpoint-url", f"http://KEY:TOPSECRET@{host}"], code=2)
+    assert "TOPSECRET" not in result.stderr + result.stdout
+    with pytest.raises(UsageError, match="is not an endpoint URL"):
+        api.inspect(f"gs://{bucket}/{PREFIX}", endpoint_url="ftp://127.0.0.1")
+
+
+def test_of_two_fixes_into_one_prefix_at_most_one_succeeds_and_its_copy_loads(
+    gcs: gcsserver.Server, stored: tuple[str, Built], tmp_path: Path
+) -> None:
+    """Every node of a job runs the resume script: 10 trials of two fixes at once into one prefix. The claim's
+    marker is written with ``ifGenerationMatch=0``, which the emulator checks on uploads."""
+    bucket, built = stored
+    expected = {path.name for path in built.path.iterdir()} | {"__optim_repair_0.distcp"}
+    for trial in range(10):
+        out = f"race-{trial}/"
+        command = [
+            sys.executable,
+            "-m",
+            "optim_repair",
+            "fix",
+            f"gs://{bucket}/{PREFIX}",
+            "--out",
+            f"gs://{bucket}/{out}",
+        ]
+        runs = [
+            subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(2)
+        ]
+        ended = [(run.wait(timeout=120), run.stderr.read() if run.stderr else "") for run in runs]
+        for run in runs:
+            run.stderr.close() if run.stderr else None
+        codes = sorted(code for code, _ in ended)
+        assert codes in ([0, 5], [5, 5]), ended
+        left = gcsserver.keys(gcs, bucket, out)
+        if codes == [0, 5]:
+            assert left == expected, (ended, left)
+            dk.resume(gcsserver.download(gcs, bucket, out, tmp_path / out), "adamw", "optim", False, steps=0)
+        else:
+            assert left == set()
