@@ -54,8 +54,10 @@ def inspect(
     Raises ``optim_repair.errors.InputError`` when there is nothing to inspect.
 
     ``path`` may be a prefix in object storage, as a string (``"s3://bucket/step-1000/"``: the ``optim-repair[s3]``
-    extra), read with the AWS CLI's credentials and endpoint, or ``profile`` and ``endpoint_url``; of it, only each
-    DCP checkpoint's ``.metadata`` and bytes entries are read (``inventory.traffic`` counts the requests).
+    extra, read with the AWS CLI's credentials and endpoint, or ``profile`` and ``endpoint_url``;
+    ``"gs://bucket/step-1000/"``: the ``optim-repair[gcs]`` extra, with application default credentials, at
+    ``endpoint_url`` or ``STORAGE_EMULATOR_HOST`` where given); of it, only each DCP checkpoint's ``.metadata`` and
+    bytes entries are read (``inventory.traffic`` counts the requests).
 
     ``for_torch`` (``"2.13"``) names the torch release that will load it, whose loaders judge it (the param-group
     options its ``dcp.load`` asks for); by default the installed torch.
@@ -395,7 +397,9 @@ def fix(
     options = StoreOptions(profile, endpoint_url)
     source, release = _path_of(checkpoint), _release_of(for_torch)
     if verify == "download" and not (is_remote(source) and is_remote(out)):
-        raise UsageError("{argument} is for copies made inside a store (s3:// to s3://)", argument="verify")
+        raise UsageError(
+            "{argument} is for copies made inside a store (s3:// to s3://, gs:// to gs://)", argument="verify"
+        )
     weights = _weights_of(request, options)
     copy = CopyRequest(force=force, link=link, sync=sync, read_back=verify == "download")
     with contextlib.ExitStack() as held:

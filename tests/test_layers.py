@@ -47,6 +47,24 @@ def test_only_the_storage_layer_reaches_the_s3_client() -> None:
     assert naming == []
 
 
+def test_each_stores_client_is_imported_in_its_own_package_alone() -> None:
+    """A store is its package: boto3 is imported only in ``storage/s3/``, google-auth and requests only in
+    ``storage/gcs/`` (by name at run time, as an extra is, or by an import statement)."""
+    clients = {"s3": "boto3|botocore", "gcs": "google|requests"}
+    naming = [
+        (module.relative_to(PACKAGE).as_posix(), store)
+        for module in MODULES
+        for store, names in clients.items()
+        if module.relative_to(PACKAGE).parts[:2] != ("storage", store)
+        and re.search(rf'import_module\("({names})[."]|^\s*(import|from) ({names})\b', module.read_text(), re.M)
+    ]
+    assert naming == []
+    assert all(
+        re.search(r'import_module\("(boto3|google\.auth)"', (PACKAGE / "storage" / store / "reading.py").read_text())
+        for store in clients
+    )
+
+
 def test_every_module_the_design_names_exists() -> None:
     """docs/design.md draws the house: each path it names (``storage/s3/store.py``, ``tests/...``) is one."""
     text = (ROOT / "docs" / "design.md").read_text()

@@ -1,4 +1,4 @@
-"""Repairing checkpoints in object storage (``s3://``) where they are, by server-side copies.
+"""Repairing checkpoints in object storage (``s3://``, ``gs://``) where they are, by server-side copies.
 
 A repair writes into an empty prefix, as torch's own writer commits: a server-side copy of every object the
 repair does not change, then the new shard, and each ``.metadata`` last. Until that last write no DCP reader
@@ -96,7 +96,7 @@ def write_in_store(
     ``read_back``, every copy is also read back and compared byte for byte. Everything that can be refused is
     refused before the output is touched."""
     if not is_remote(out):
-        raise UsageError("a checkpoint in object storage is written to object storage (s3://...) in this version")
+        raise UsageError("a checkpoint in object storage is written to object storage (s3://, gs://) in this version")
     target_url = parse_url(out)
     if target_url.scheme != source.url.scheme:
         raise UsageError(f"a checkpoint in {source.url.scheme}:// is copied inside that store, not to {out}")

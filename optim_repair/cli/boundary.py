@@ -148,7 +148,7 @@ Checkpoint = Annotated[
     str,
     typer.Argument(
         metavar="CKPT",
-        help="A torch file, a checkpoint directory, or a DCP directory, on this machine or in s3://BUCKET/PREFIX/.",
+        help="A torch file, a checkpoint directory, or a DCP directory, on this machine or in s3:// or gs://BUCKET/PREFIX/.",
         show_default=False,
     ),
 ]
@@ -166,7 +166,7 @@ EndpointOption = Annotated[
     typer.Option(
         "--endpoint-url",
         metavar="URL",
-        help="For s3://: an S3-compatible endpoint (default: AWS_ENDPOINT_URL).",
+        help="For s3:// and gs://: the store's endpoint (default: AWS_ENDPOINT_URL; for gs://, STORAGE_EMULATOR_HOST).",
         rich_help_panel=STORAGE,
     ),
 ]

@@ -99,7 +99,8 @@ def inspect(
         typer.Option(
             metavar="PATH",
             help="Compare each optimizer with this model: safetensors (a file or a directory of shards), torch file "
-            "or DCP directory, here or in s3://. Default: the weights beside the optimizer, when there are some.",
+            "or DCP directory, here or in s3:// or gs://. Default: the weights beside the optimizer, when there are "
+            "some.",
         ),
     ] = None,
     strict: Annotated[
@@ -182,7 +183,7 @@ def fix(
         typer.Option(
             metavar="PATH",
             help="Model weights for parameter shapes: safetensors (a file or a directory of shards), torch file "
-            "or DCP directory, here or in s3://.",
+            "or DCP directory, here or in s3:// or gs://.",
         ),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
@@ -251,7 +252,7 @@ def fix(
         typer.Option(
             metavar="store|download",
             parser=choice("--verify", ["store", "download"]),
-            help="For s3://: prove server-side copies by the store's checksums (store), or read them back.",
+            help="For s3:// and gs://: prove server-side copies by the store's checksums (store), or read them back.",
             rich_help_panel=STORAGE,
         ),
     ] = "store",
@@ -333,7 +334,7 @@ def fix(
 )
 def diff(
     a: Annotated[
-        str, typer.Argument(metavar="A", help="A checkpoint, as inspect takes it (a file, a directory, s3://).")
+        str, typer.Argument(metavar="A", help="A checkpoint, as inspect takes it (a file, a directory, s3://, gs://).")
     ],
     b: Annotated[str, typer.Argument(metavar="B", help="The checkpoint to compare A with, in any format.")],
     metadata_only: Annotated[

@@ -1,5 +1,7 @@
-"""What every store's reader does the same way over its own requests: counting, several requests at once, byte
-ranges coalesced into few reads, and two objects compared by reading both back.
+"""What every store's reader does alike over its own requests.
+
+Counting, several requests at once, byte ranges coalesced into few reads, and two objects compared by reading both
+back.
 
 A store's reader (``s3.reading.S3Reader``, ``gcs.reading.GcsReader``) inherits ``BatchedReads`` and gives
 ``get_range`` and ``head``; what it sends and how it judges each answer stays its own.

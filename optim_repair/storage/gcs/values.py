@@ -1,5 +1,7 @@
-"""What GCS's answers hold, read as it writes them: CRC-32C values (base64 of the big-endian value), a JSON object's
-fields, the ``X-Goog-Hash`` header."""
+"""What GCS's answers hold, read as GCS writes them.
+
+CRC-32C values (base64 of the big-endian value), a JSON object's fields, the ``X-Goog-Hash`` header.
+"""
 
 from __future__ import annotations
 
