@@ -9,9 +9,10 @@ gives the median seconds, the peak RSS, and the ratio to the yardstick next to t
 
     python scripts/benchmark.py --gib 2 --params 1440 --moe-params 30000,300000 --chunks 1000000,5000000
 
-With ``--s3``, the torch file and the DCP directory are also uploaded to an S3-compatible server on 127.0.0.1
-(moto's server mode, as the tests start it), and ``s3://`` inspect and fix are measured beside a boto3 download of
-the same objects (what ``aws s3 cp --recursive`` does), with a second table of the requests and bytes each made.
+With ``--s3`` and ``--gcs``, the torch file and the DCP directory are also put in a store on 127.0.0.1 (moto's
+server mode; fake-gcs-server, as the tests start them), and inspect and fix there are measured beside a download
+of the same objects with the store's own client, with a second table of the requests and bytes each made
+(``benchmark_stores.py``).
 
 Absolute times drift on a shared machine; ratios measured side by side hold.
 """
@@ -19,18 +20,16 @@ Absolute times drift on a shared machine; ratios measured side by side hold.
 from __future__ import annotations
 
 import argparse
-import atexit
-import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+
+from benchmark_stores import print_traffic, remote_pairs
 
 MISSING = 4
 NAIVE = """
@@ -62,39 +61,6 @@ print(f"elapsed={time.perf_counter() - start}", file=sys.stderr)
 """
 """What a user would script to find DCP parameters without state: torch reads the metadata, a set difference;
 it times itself, so that torch's import is not counted."""
-DOWNLOAD = """
-import sys, tempfile, boto3
-from pathlib import Path
-client, bucket, prefix = boto3.client("s3"), sys.argv[1], sys.argv[2]
-requests = []
-client.meta.events.register("before-send.s3", lambda **_: requests.append(1))
-moved = 0
-with tempfile.TemporaryDirectory() as into:
-    for item in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []):
-        target = Path(into) / item["Key"].replace("/", "_")
-        client.download_file(bucket, item["Key"], str(target))
-        moved += target.stat().st_size
-print(f"requests={len(requests)} read={moved}")
-"""
-"""The yardstick of object storage: every object of the checkpoint downloaded, as ``aws s3 cp --recursive`` does (its
-transfer manager makes one GET of an object under 8 MiB, parts of larger ones)."""
-UPLOAD = """
-import sys, time, boto3, botocore
-from pathlib import Path
-client, bucket = boto3.client("s3"), sys.argv[1]
-for _ in range(100):  # the server is starting
-    try:
-        client.create_bucket(Bucket=bucket)
-        break
-    except botocore.exceptions.EndpointConnectionError:
-        time.sleep(0.1)
-for directory, prefix in zip(sys.argv[2::2], sys.argv[3::2]):
-    for path in sorted(Path(directory).rglob("*")):
-        if path.is_file():
-            key = prefix + path.relative_to(directory).as_posix()
-            client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes(), ChecksumAlgorithm="CRC32")
-"""
-"""The checkpoints put in the server, as a client of today puts them (with a CRC32)."""
 
 
 def build(root: Path, gib: float, params: int, moe_params: list[int]) -> None:
@@ -177,6 +143,7 @@ def main() -> int:
         help="DCP checkpoints of this many chunks too, comma-separated (1000000,5000000), one per rank per tensor",
     )
     parser.add_argument("--s3", action="store_true", help="also measure s3:// inspect and fix (a local S3 server)")
+    parser.add_argument("--gcs", action="store_true", help="also measure gs:// inspect and fix (a local GCS emulator)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--only", default="", help="measure only the rows whose command label contains this")
@@ -324,7 +291,8 @@ def main() -> int:
             (f"{label} [pure Python scan]", [*pure, *command[len(tool) :]], yard_label, yard_command, None)
             for label, command, yard_label, yard_command, _ in scaled
         ]
-        remote = _remote_pairs(root, torch_file, dcp_dir, tool) if args.s3 else []
+        stores = [store for store, wanted in (("s3", args.s3), ("gcs", args.gcs)) if wanted]
+        remote = [row for store in stores for row in remote_pairs(store, torch_file, dcp_dir, tool)]
         pairs += [
             (label, command, yard_label, yard_command, None) for label, command, yard_label, yard_command, _ in remote
         ]
@@ -352,77 +320,8 @@ def main() -> int:
                 f"| {ratio:.2f}x | {verdict} |"
             )
         if remote:
-            _print_traffic(remote, args.only)
+            print_traffic(remote, args.only)
     return 0
-
-
-def _remote_pairs(root: Path, torch_file: Path, dcp_dir: Path, tool: list[str]) -> list[tuple[Any, ...]]:
-    """The ``s3://`` rows, once the checkpoints are uploaded to a server started for them (stopped at exit). The
-    server and the upload are processes of their own: a measured process forked from a parent holding boto3
-    would count its pages in its peak RSS."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    atexit.register(server.terminate)
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
-    )  # fmt: skip
-    bucket = "optim-repair-bench"
-    subprocess.run([sys.executable, "-c", UPLOAD, bucket, dcp_dir, "dcp/", torch_file.parent, "torch/"], check=True)
-    fresh_out = f"s3://{bucket}/out-$(date +%s%N)/"  # a new prefix each run: a fix writes into an empty one
-    download = [sys.executable, "-c", DOWNLOAD, bucket]
-    dcp, torch = f"s3://{bucket}/dcp/", f"s3://{bucket}/torch/{torch_file.name}"
-    tool_text = " ".join(str(part) for part in tool)
-    return [
-        (
-            "inspect s3:// (DCP)",
-            [*tool, "inspect", dcp],
-            "boto3 download",
-            [*download, "dcp/"],
-            [*tool, "inspect", dcp],
-        ),
-        (
-            "fix s3:// → s3:// (DCP)",
-            shell(f"{tool_text} fix {dcp} --out {fresh_out}"),
-            "boto3 download",
-            [*download, "dcp/"],
-            shell(f"{tool_text} fix {dcp} --out {fresh_out} --json"),
-        ),
-        (
-            "inspect s3:// (torch file)",
-            [*tool, "inspect", torch],
-            "boto3 download",
-            [*download, f"torch/{torch_file.name}"],
-            [*tool, "inspect", torch],
-        ),
-        (
-            "fix --fill empty s3:// → s3:// (torch file)",
-            shell(f"{tool_text} fix {torch} --fill empty --out {fresh_out}"),
-            "boto3 download",
-            [*download, f"torch/{torch_file.name}"],
-            shell(f"{tool_text} fix {torch} --fill empty --out {fresh_out} --json"),
-        ),
-    ]
-
-
-def _print_traffic(remote: list[tuple[Any, ...]], only: str) -> None:
-    """The requests and bytes of each ``s3://`` row, from its ``--json`` document, beside the download's."""
-    print("\n| command | requests | read | written | copied in the store | download: requests | read |")
-    print("|---|---|---|---|---|---|---|")
-    for label, _, _, yard_command, json_command in (row for row in remote if only in row[0]):
-        argv = json_command if json_command[0] == "sh" else [*json_command, "--json"]
-        document = json.loads(subprocess.run(argv, capture_output=True, text=True).stdout)["remote"]
-        yard = subprocess.run(yard_command, capture_output=True, text=True, check=True).stdout.split()
-        counted = dict(field.split("=") for field in yard)
-        print(
-            f"| {label} | {document['requests']} | {document['bytes_read']:,} | {document['bytes_written']:,} "
-            f"| {document['bytes_copied']:,} | {counted['requests']} | {int(counted['read']):,} |"
-        )
 
 
 if __name__ == "__main__":
