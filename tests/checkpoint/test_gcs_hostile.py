@@ -76,6 +76,30 @@ def test_a_name_outside_the_prefix_is_refused_where_it_is_listed(
     assert "names a path outside its prefix" in _one_line(result.stderr)
 
 
+@pytest.mark.parametrize("name", ["../../outside/.metadata", "a//b.distcp", "/etc/x.distcp", "x" * 1100])
+def test_a_listed_name_outside_the_prefix_is_refused_where_it_is_listed(
+    faulty: faulty_store.FaultyProxy, stored: tuple[str, Built], tmp_path: Path, name: str
+) -> None:
+    """A store that lies in its listing: a name that would lead outside the directory a download fills."""
+    bucket, _ = stored
+    faulty.arm(Fault("hostile-names", names=(f"{PREFIX}{name}",)))
+    result = run_cli(
+        ["fix", f"gs://{bucket}/{PREFIX}", "--out", tmp_path / "out", "--endpoint-url", faulty.endpoint], code=4
+    )
+    assert "names a path outside its prefix" in _one_line(result.stderr)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "outside").exists()
+
+
+def test_a_listing_whose_page_token_repeats_is_exit_4(
+    faulty: faulty_store.FaultyProxy, stored: tuple[str, Built]
+) -> None:
+    bucket, _ = stored
+    faulty.arm(Fault("repeat-token"))
+    result = run_cli(["inspect", f"gs://{bucket}/{PREFIX}", "--endpoint-url", faulty.endpoint], code=4)
+    assert "the store repeats its listing" in _one_line(result.stderr)  # its first page came twice
+    assert faulty.hits["repeat-token"] == 2
+
+
 def test_a_store_that_ignores_range_is_refused_before_its_body_is_read(
     faulty: faulty_store.FaultyProxy, stored: tuple[str, Built]
 ) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import json
 import re
 import socket
 import threading
@@ -59,7 +60,8 @@ class Fault:
     - ``slow-headers``: moto gets the request at once; the answer starts ``delay`` seconds later.
 
     A fault hits the requests of ``method`` (any when None) whose path and query contain ``match``, ``times`` of them
-    (all when None); hostile-names and repeat-token hit only ListObjectsV2 requests, ignore-range only ranged ones.
+    (all when None); hostile-names and repeat-token hit only listings (S3's ListObjectsV2, or GCS's JSON listing,
+    whose ``items`` gain the names and whose ``nextPageToken`` they set), ignore-range only ranged ones.
     Faults of different kinds armed together combine on a request (a failed answer comes late, a cut one drips); of
     one kind, the first armed that matches hits.
     """
@@ -185,7 +187,8 @@ class _Handler(BaseHTTPRequestHandler):
         proxy = server.proxy
         body, sized = self._read_body()
         query = parse_qs(urlsplit(self.path).query)
-        listing = self.command == "GET" and query.get("list-type") == ["2"]
+        gcs_listing = self.command == "GET" and urlsplit(self.path).path.endswith("/o")  # GCS's JSON API
+        listing = self.command == "GET" and (query.get("list-type") == ["2"] or gcs_listing)
         hit = proxy.take(self.command, self.path, listing=listing, ranged="Range" in self.headers)
         if "fail" in hit:
             answer = _error(hit["fail"].status)
@@ -193,11 +196,14 @@ class _Handler(BaseHTTPRequestHandler):
             skipped = {"range"} if "ignore-range" in hit else set()
             answer = self._forward(proxy.upstream, _without_token(self.path), body, sized, skipped)
             if answer.status == 200 and "hostile-names" in hit:
-                answer.body = _with_names(
-                    answer.body, hit["hostile-names"].names, query.get("encoding-type") == ["url"]
+                names = hit["hostile-names"].names
+                answer.body = (
+                    _with_items(answer.body, names)
+                    if gcs_listing
+                    else _with_names(answer.body, names, query.get("encoding-type") == ["url"])
                 )
             if answer.status == 200 and "repeat-token" in hit:
-                answer.body = _truncated(answer.body)
+                answer.body = _page_token(answer.body) if gcs_listing else _truncated(answer.body)
             if "lose-answer" in hit:
                 answer = _error(hit["lose-answer"].status)
         if "slow-headers" in hit:
@@ -278,7 +284,7 @@ def _without_token(target: str) -> str:
     path, _, query = target.partition("?")
     if not query:
         return target
-    kept = [part for part in query.split("&") if part != f"continuation-token={TOKEN}"]
+    kept = [part for part in query.split("&") if part not in (f"continuation-token={TOKEN}", f"pageToken={TOKEN}")]
     return f"{path}?{'&'.join(kept)}" if kept else path
 
 
@@ -315,6 +321,22 @@ def _truncated(listing: bytes) -> bytes:
         place = text.rindex("</ListBucketResult>")
         text = text[:place] + token + text[place:]
     return text.encode()
+
+
+def _with_items(listing: bytes, names: tuple[str, ...]) -> bytes:
+    """A GCS listing (JSON) with an item for each of ``names`` after the emulator's own."""
+    page = json.loads(listing)
+    page["items"] = [
+        *page.get("items", []),
+        *({"kind": "storage#object", "name": name, "size": "1", "generation": "1", "crc32c": "AAAAAA=="}
+          for name in names),
+    ]  # fmt: skip
+    return json.dumps(page).encode()
+
+
+def _page_token(listing: bytes) -> bytes:
+    """A GCS listing (JSON) that says there is more, from ``TOKEN``."""
+    return json.dumps({**json.loads(listing), "nextPageToken": TOKEN}).encode()
 
 
 def start(upstream: str) -> FaultyProxy:
