@@ -82,6 +82,18 @@ def test_errors_name_the_bucket_and_key(stored: tuple[str, Built]) -> None:
         api.inspect(f"gs://{bucket}/{PREFIX}", profile="default")
 
 
+def test_without_credentials_the_service_is_not_asked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No emulator named and no application default credentials: exit 4 before a request; an emulator named by
+    STORAGE_EMULATOR_HOST is reached anonymously, as Google's own client reaches it (the other tests)."""
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST")
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path))  # no gcloud login here
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")  # nothing listens: no metadata server
+    result = run_cli(["inspect", "gs://bucket/run/"], code=4)
+    assert "no Google Cloud credentials found" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_without_the_client_the_error_names_the_extra(stored: tuple[str, Built]) -> None:
     bucket, _ = stored
     code = "import sys; sys.modules['google.auth'] = None; from optim_repair.console import main; main()"

@@ -47,16 +47,18 @@ _SMALL_ATTEMPTS = 5
 _Reader = TypeVar("_Reader", bound="GcsReader")
 
 
-def _endpoint(endpoint_url: str | None) -> tuple[str, bool]:
-    """The service's base URL, and whether it is an emulator's (``--endpoint-url`` or ``STORAGE_EMULATOR_HOST``)."""
-    given = endpoint_url or os.environ.get("STORAGE_EMULATOR_HOST")
+def _endpoint(endpoint_url: str | None) -> tuple[str, str]:
+    """The service's base URL, and how it was named: ``google``, ``endpoint`` (``--endpoint-url``: an emulator, or a
+    private endpoint of the service) or ``emulator`` (``STORAGE_EMULATOR_HOST``)."""
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    given, named = (endpoint_url, "endpoint") if endpoint_url else (emulator, "emulator")
     if not given:
-        return GOOGLE, False
+        return GOOGLE, "google"
     if "://" not in given:
         given = f"http://{given}"  # STORAGE_EMULATOR_HOST is often HOST:PORT
     checked = checked_endpoint(given)
     assert checked is not None
-    return checked.rstrip("/"), True
+    return checked.rstrip("/"), named
 
 
 class GcsReader(BatchedReads):
@@ -65,7 +67,7 @@ class GcsReader(BatchedReads):
     proof = "GCS CRC32C"
 
     def __init__(self, bucket: str, *, endpoint_url: str | None = None) -> None:
-        self.base, emulated = _endpoint(endpoint_url)
+        self.base, named = _endpoint(endpoint_url)
         try:
             auth = importlib.import_module("google.auth")
             transport = importlib.import_module("google.auth.transport.requests")
@@ -77,9 +79,11 @@ class GcsReader(BatchedReads):
         except ImportError:
             raise UsageError("gs:// checkpoints need google-auth: pip install 'optim-repair[gcs]'") from None
         try:
+            if named == "emulator" and "GOOGLE_APPLICATION_CREDENTIALS" not in os.environ:
+                raise auth.exceptions.DefaultCredentialsError  # as Google's client: an emulator, anonymously
             credentials, _ = auth.default(scopes=[SCOPE])
         except auth.exceptions.DefaultCredentialsError as exc:
-            if not emulated:
+            if named == "google":
                 raise InputError(
                     "no Google Cloud credentials found (application default credentials: "
                     "gcloud auth application-default login, or GOOGLE_APPLICATION_CREDENTIALS)"
