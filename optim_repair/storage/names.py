@@ -23,8 +23,8 @@ def redacted(text: str) -> str:
 
 
 def checked_endpoint(endpoint_url: str | None) -> str | None:
-    """``endpoint_url`` as botocore takes it; a malformed one, or one that holds credentials (botocore signs with
-    the AWS ones, never with these), is a ``UsageError`` that shows it without them."""
+    """``endpoint_url`` as a store's client takes it; a malformed one, or one that holds credentials (requests are
+    signed with the store's own credentials, never with these), is a ``UsageError`` that shows it without them."""
     if endpoint_url is None:
         return None
     shown = redacted(endpoint_url)
@@ -37,8 +37,8 @@ def checked_endpoint(endpoint_url: str | None) -> str | None:
         raise UsageError(f"{shown} is not an endpoint URL (http://HOST[:PORT][/PATH] or https://...)")
     if parts.username is not None or parts.password is not None:
         raise UsageError(
-            f"{shown}: an endpoint URL holds no credentials (requests are signed with the AWS keys: the "
-            "environment, a profile or an SSO login)"
+            f"{shown}: an endpoint URL holds no credentials (requests are signed with the store's own: for s3:// "
+            "the AWS keys of the environment, a profile or an SSO login; for gs://, application default credentials)"
         )
     return endpoint_url
 

@@ -82,6 +82,11 @@ def parse_url(text: str) -> StoreUrl:
     bucket, _, key = text[len(scheme) + 3 :].partition("/")
     if not scheme or not bucket:
         raise UsageError(f"{text} names no bucket ({scheme or 's3'}://BUCKET/PREFIX/)")
+    if key and any(part in ("", ".", "..") for part in key.removesuffix("/").split("/")):
+        raise UsageError(
+            f"{text} names a key with an empty, '.' or '..' segment, which a store keeps as it is written and this "
+            "tool refuses to read back as a path; name the prefix without them"
+        )
     return StoreUrl(scheme, bucket, key)
 
 

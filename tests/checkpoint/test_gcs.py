@@ -94,6 +94,25 @@ def test_without_credentials_the_service_is_not_asked(monkeypatch: pytest.Monkey
     assert "no Google Cloud credentials found" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_an_empty_torch_file_is_named_empty_as_on_a_disk(gcs: gcsserver.Server) -> None:
+    bucket = gcsserver.new_bucket(gcs)
+    gcsserver.put(gcs, bucket, f"{PREFIX}optimizer.pt", b"")
+    with pytest.raises(InputError, match=rf"^gs://{bucket}/{PREFIX}optimizer.pt: empty file$"):
+        api.inspect(f"gs://{bucket}/{PREFIX}optimizer.pt")
+
+
+@pytest.mark.parametrize("out", ["fixed/../elsewhere/", "fixed//inner/", "./fixed/"])
+def test_a_key_with_dot_or_empty_segments_is_refused_before_anything_is_read(
+    gcs: gcsserver.Server, stored: tuple[str, Built], out: str
+) -> None:
+    """A store keeps ``a/../b`` as it is written; this tool refuses to read such a name back (it would lead a
+    download outside its directory), so it never writes one."""
+    bucket, _ = stored
+    result = run_cli(["fix", f"gs://{bucket}/{PREFIX}", "--out", f"gs://{bucket}/{out}"], code=2)
+    assert "names a key with an empty, '.' or '..' segment" in result.stderr
+    assert gcsserver.keys(gcs, bucket) == {f"{PREFIX}{name}" for name in gcsserver.keys(gcs, bucket, PREFIX)}
+
+
 def test_without_the_client_the_error_names_the_extra(stored: tuple[str, Built]) -> None:
     bucket, _ = stored
     code = "import sys; sys.modules['google.auth'] = None; from optim_repair.console import main; main()"

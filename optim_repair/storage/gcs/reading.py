@@ -126,9 +126,11 @@ class GcsReader(BatchedReads):
         objects = f"{root}/b/{urllib.parse.quote(bucket or self.bucket, safe='')}/o"
         return objects if key is None else f"{objects}/{urllib.parse.quote(key, safe='')}"
 
-    def send(self, method: str, url: str, key: str, *, writing: bool = False, **kwargs: Any) -> Any:
-        """One request (about ``key``, for messages), its body left unread; a refusal or a transport failure raised
-        as the error a user is shown."""
+    def send(
+        self, method: str, url: str, key: str, *, writing: bool = False, accept: tuple[int, ...] = (), **kwargs: Any
+    ) -> Any:
+        """One request (about ``key``, for messages), its body left unread; a refusal (but the statuses ``accept``
+        names) or a transport failure raised as the error a user is shown."""
         kwargs.setdefault("timeout", (CONNECT_SECONDS, READ_SECONDS))
         headers = {"Accept-Encoding": "identity", **kwargs.pop("headers", {})}
         try:
@@ -137,7 +139,7 @@ class GcsReader(BatchedReads):
             raise self._lost(exc, key) from exc
         retried = getattr(getattr(answer.raw, "retries", None), "history", ())
         self._count.add(requests=1 + len(retried))
-        if answer.status_code >= 400:
+        if answer.status_code >= 400 and answer.status_code not in accept:
             raise self._failure(answer, key, writing, listing=urllib.parse.urlsplit(url).path.endswith("/o"))
         return answer
 
@@ -255,12 +257,14 @@ class GcsReader(BatchedReads):
         run = metadata.get(RUN_METADATA) if isinstance(metadata, dict) else None
         return (run if isinstance(run, str) else None), self.stored(item, key)[1]
 
-    def _media(self, key: str, generation: str | None, wanted: str | None) -> Any:
+    def _media(self, key: str, generation: str | None, wanted: str | None, *, accept: tuple[int, ...] = ()) -> Any:
         """A GET of ``key``'s bytes (of ``generation``, where given; the HTTP range ``wanted``, or all of them), its
-        body unread; an answer from another generation, or without one, is refused."""
+        body unread; an answer from another generation, or without one, is refused (but an ``accept``ed status)."""
         params = {"alt": "media", **({"generation": generation} if generation is not None else {})}
         headers = {} if wanted is None else {"Range": f"bytes={wanted}"}
-        answer = self.send("GET", self.url(key), key, params=params, headers=headers)
+        answer = self.send("GET", self.url(key), key, params=params, headers=headers, accept=accept)
+        if answer.status_code in accept:
+            return answer
         given = answer.headers.get("X-Goog-Generation")
         if given is None or not _DIGITS.fullmatch(given) or (generation is not None and given != generation):
             answer.close()
@@ -281,13 +285,16 @@ class GcsReader(BatchedReads):
         length = self._length(answer, key)
         if answer.status_code == 200 and asked is not None and asked[:2] == (0, asked[2] - 1) and length == asked[2]:
             return asked[2]
-        matched = _CONTENT_RANGE.fullmatch(answer.headers.get("Content-Range", ""))
+        given = answer.headers.get("Content-Range", "")
+        matched = _CONTENT_RANGE.fullmatch(given)
         if answer.status_code != 206 or matched is None:
             answer.close()
-            raise InputError(
-                f"answered a read by range with its whole body (HTTP {answer.status_code}, not 206)",
-                path=self.where(key),
+            reason = (
+                f"answered a read by range with its whole body (HTTP {answer.status_code}, not 206)"
+                if answer.status_code != 206
+                else f"answered a read by range with a Content-Range of no range ({shown_name(given[:100])})"
             )
+            raise InputError(reason, path=self.where(key))
         first, last, size = (int(value) for value in matched.groups())
         if (asked is not None and (first, last, size) != asked) or last < first or last >= size:
             answer.close()
@@ -326,8 +333,14 @@ class GcsReader(BatchedReads):
     def tail(self, key: str, length: int) -> tuple[StoredObject, bytes]:
         """The last ``length`` bytes of ``key`` (all of it, if shorter) by one GET, with the object's size and
         generation, which later reads name."""
-        answer = self._media(key, None, f"-{length}")
+        answer = self._media(key, None, f"-{length}", accept=(416,))
         given = self._length(answer, key)
+        if answer.status_code == 416 or (given == 0 and answer.status_code in (200, 206)):  # no bytes to give
+            answer.close()
+            stored = self.head(key)
+            if stored.size:
+                raise InputError(f"refused to give the last bytes of its {stored.size:,}", path=self.where(key))
+            return stored, b""
         if answer.status_code == 200 and given is not None and given <= length:
             total = given  # all of it: what was asked
         else:
