@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path, PurePosixPath
@@ -26,7 +26,8 @@ from typing import BinaryIO, NamedTuple
 
 from optim_repair.checkpoint.planning import FinishedPlan
 from optim_repair.checkpoint.stored import StoredCheckpoint, members
-from optim_repair.errors import InputError, OutputError, Remedy, UsageError, VerificationError
+from optim_repair.errors import InputError, OutputError, Remedy, UsageError, VerificationError, shown_name
+from optim_repair.formats.dcp import REPAIR_SHARD_PREFIX
 from optim_repair.formats.dcp.adapter import PlannedDcp
 from optim_repair.formats.registry import is_dcp_metadata
 from optim_repair.formats.torchfile.adapter import PlannedTorchFile, Spliced
@@ -46,20 +47,35 @@ STORE_COPIES = HolderProof(unchanged_files=True)
 and proven by its checksums (``_prove``), so that the verifier of what the repair wrote does not read them."""
 
 
-def _refused_early(store: WritableStore, url: StoreUrl, force: bool) -> None:
+def _refused_early(store: WritableStore, url: StoreUrl, force: bool, ours: Collection[str]) -> None:
     """Refuse an output prefix that holds objects (without ``force``) before anything is written; where a marker
     is there, the claim decides (a stopped run's objects are cleared first)."""
     listed = store.listing(url.prefix)
     if MARKER not in listed:
-        _refuse_existing(store, url, force, ignore=MARKER)
+        _refuse_existing(store, url, force, ours, ignore=MARKER)
 
 
-def _refuse_existing(store: WritableStore, url: StoreUrl, force: bool, *, ignore: str) -> list[str]:
+def _refuse_existing(
+    store: WritableStore, url: StoreUrl, force: bool, ours: Collection[str], *, ignore: str
+) -> list[str]:
     """The objects under the output prefix (but this run's marker ``ignore``): refused unless ``force``, which
-    deletes them, once the run holds the prefix and the whole plan is known to succeed."""
+    deletes them, once the run holds the prefix and the whole plan is known to succeed. As on a disk, ``force``
+    replaces only what looks like an earlier copy: objects the copy writes (``ours``) or a repair's new shard;
+    a prefix holding anything else is no earlier copy, and is refused whatever ``force`` says."""
     existing = [name for name in store.listing(url.prefix) if name != ignore]
     if existing and not force:
         raise OutputError("already holds objects", path=str(url), remedy=Remedy("force", note=" to replace them"))
+    foreign = sorted(
+        name for name in existing if name not in ours and not PurePosixPath(name).name.startswith(REPAIR_SHARD_PREFIX)
+    )
+    if foreign:
+        shown = ", ".join(shown_name(name) for name in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise OutputError(
+            f"holds {len(foreign)} objects the copy would not write ({shown}): it is no earlier copy, and "
+            "--force replaces only one; remove them yourself, or choose another {argument}",
+            path=str(url),
+            argument="out",
+        )
     return existing
 
 
@@ -153,11 +169,12 @@ def _write_prefix(source: StoredCheckpoint, finished: FinishedPlan, output: _Out
     }
     verification = sum((prepared.proven for prepared in spliced.values()), verification)
     copies = [(name, stored) for name, stored in source.listing.items() if name not in staged and name not in spliced]
-    _refused_early(target, url, force)
+    ours = {*(name for name, _ in copies), *spliced, *staged}
+    _refused_early(target, url, force, ours)
     planned_keys = [url.object(name) for name in (*(name for name, _ in copies), *spliced, *staged)]
     planned_keys += [scratch for name in spliced for scratch in target.scratch_keys(url.object(name))]
     with claimed(target, marker_key(url.prefix), planned_keys, reporter.notice) as claim:
-        existing = _refuse_existing(target, url, force, ignore=MARKER)
+        existing = _refuse_existing(target, url, force, ours, ignore=MARKER)
         _abort_left_uploads(target, url.prefix, reporter.notice)
         if existing:
             target.delete([url.object(name) for name in existing])
@@ -241,9 +258,9 @@ def upload_copy(copy: Path, out: str, *, force: bool, options: StoreOptions, rep
                 raise VerificationError("the store holds other bytes than were sent", path=out)
         return store.traffic(), store.proof
     files = {path.relative_to(copy).as_posix(): path for path in sorted(copy.rglob("*")) if path.is_file()}
-    _refused_early(store, url, force)
+    _refused_early(store, url, force, files)
     with claimed(store, marker_key(url.prefix), [url.object(name) for name in files], reporter.notice) as claim:
-        existing = _refuse_existing(store, url, force, ignore=MARKER)
+        existing = _refuse_existing(store, url, force, files, ignore=MARKER)
         _abort_left_uploads(store, url.prefix, reporter.notice)
         if existing:
             store.delete([url.object(name) for name in existing])

@@ -163,8 +163,14 @@ def test_a_prefix_that_holds_objects_is_refused_unless_forced(gcs: gcsserver.Ser
     with pytest.raises(OutputError, match="already holds objects; pass force=True to replace them"):
         api.fix(f"gs://{bucket}/{PREFIX}", f"gs://{bucket}/fixed/")
     assert gcsserver.keys(gcs, bucket, "fixed/") == {"notes.txt"}
-    api.fix(f"gs://{bucket}/{PREFIX}", f"gs://{bucket}/fixed/", force=True)
-    assert "notes.txt" not in gcsserver.keys(gcs, bucket, "fixed/")
+    with pytest.raises(OutputError, match=r"holds 1 objects the copy would not write \(notes.txt\): it is no earlier"):
+        api.fix(f"gs://{bucket}/{PREFIX}", f"gs://{bucket}/fixed/", force=True)  # as on a disk: not a copy's
+    assert gcsserver.keys(gcs, bucket, "fixed/") == {"notes.txt"}
+    api.fix(f"gs://{bucket}/{PREFIX}", f"gs://{bucket}/earlier/")
+    api.fix(f"gs://{bucket}/{PREFIX}", f"gs://{bucket}/earlier/", force=True)  # an earlier copy is replaced
+    assert gcsserver.keys(gcs, bucket, "earlier/") == {path.name for path in built.path.iterdir()} | {
+        "__optim_repair_0.distcp"
+    }
     for out in ("run/", PREFIX, f"{PREFIX}fixed/"):
         with pytest.raises(UsageError, match="holds the checkpoint or lies inside it"):
             api.fix(f"gs://{bucket}/{PREFIX}", f"gs://{bucket}/{out}", force=True)

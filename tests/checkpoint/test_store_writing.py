@@ -93,13 +93,19 @@ def test_the_cli_reports_requests_and_bytes(stored: tuple[str, Built]) -> None:
 def test_a_prefix_that_holds_objects_is_refused_unless_forced(
     server: s3server.Server, stored: tuple[str, Built]
 ) -> None:
-    bucket, _ = stored
+    bucket, built = stored
     server.client().put_object(Bucket=bucket, Key="fixed/notes.txt", Body=b"keep me")
     with pytest.raises(OutputError, match="already holds objects; pass force=True to replace them"):
         api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/fixed/")
     assert s3server.keys(server, bucket, "fixed/") == {"notes.txt"}
-    api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/fixed/", force=True)
-    assert "notes.txt" not in s3server.keys(server, bucket, "fixed/")
+    with pytest.raises(OutputError, match=r"holds 1 objects the copy would not write \(notes.txt\): it is no earlier"):
+        api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/fixed/", force=True)  # as on a disk: not a copy's
+    assert s3server.keys(server, bucket, "fixed/") == {"notes.txt"}
+    api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/earlier/")
+    api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/earlier/", force=True)  # an earlier copy is replaced
+    assert s3server.keys(server, bucket, "earlier/") == {path.name for path in built.path.iterdir()} | {
+        "__optim_repair_0.distcp"
+    }
 
 
 def test_the_copy_is_refused_over_or_inside_the_checkpoint(server: s3server.Server, stored: tuple[str, Built]) -> None:
