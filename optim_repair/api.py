@@ -309,7 +309,7 @@ def dry_run(
     weights = _weights_of(request, options)
     with _opened(checkpoint, options, dereference, release=_release_of(for_torch)) as read:
         finished = _finished(read, request, weights)
-        target, needed, free = copies.estimate(read.listing, finished, out, link=link, force=force)
+        target, needed, free = copies.estimate(read.listing, finished, out, link=link, force=force, options=options)
     return DryRun(read.diagnosis, finished.plan, target, needed, free)
 
 

@@ -130,23 +130,31 @@ def _uploaded(
 
 
 def estimate(
-    listing: Listing, finished: FinishedPlan, out: str | Path, *, link: bool, force: bool
+    listing: Listing, finished: FinishedPlan, out: str | Path, *, link: bool, force: bool, options: StoreOptions
 ) -> tuple[Path | str, int, int | None]:
     """Where ``write`` would put the copy, about how many bytes it would write (hard-linked files excluded), and
-    the bytes free where it would go (None in a store, which sets no such bound). A copy on this machine is
-    refused as ``write`` would refuse it before writing (``writing.preflight``: what is at ``out``, the room
-    there), and its directory is ``probe``d."""
+    the bytes free where it would go (None in a store, which sets no such bound). The copy is refused as
+    ``write`` would refuse it before writing: on this machine, what is at ``out`` and the room there
+    (``writing.preflight``; its directory ``probe``d); in a store, where it would go and what is there."""
     if isinstance(listing, StoredCheckpoint):
         needed = listing.size() + finished.added_bytes()
         if is_remote(out):
+            store_writing.refused_in_store(listing, os.fspath(out), force=force)
             return os.fspath(out), needed, None
         target = local_target(str(listing.url), out)
+        if (target.exists() or target.is_symlink()) and not force:
+            raise OutputError("already exists", path=str(target), remedy=Remedy("force", note=" to replace it"))
         check_room(needed, target)
         probe(target, directory=not listing.is_file)
         return target, needed, free_space(target)
     assert isinstance(listing, DiskListing)  # the two listings there are
     if is_remote(out):
-        return upload_key(listing.found, os.fspath(out)), space_needed(listing.found, finished, link=False), None
+        key, found = upload_key(listing.found, os.fspath(out)), listing.found
+        names = (
+            [path.relative_to(found.root).as_posix() for path in found.root.rglob("*")] if found.is_directory else []
+        )
+        store_writing.refused_upload(names, key, is_file=not found.is_directory, force=force, options=options)
+        return key, space_needed(found, finished, link=False), None
     local = output_path(listing.found.root, out)
     preflight(listing.found, finished, local, force=force, link=link)
     probe(local, directory=listing.found.is_directory)

@@ -111,6 +111,17 @@ def write_in_store(
     """Write the repaired copy of ``source`` to the prefix ``out`` of a store, proven as the module says; with
     ``read_back``, every copy is also read back and compared byte for byte. Everything that can be refused is
     refused before the output is touched."""
+    target_url = _target_url(source, out)
+    target = source.store.sibling(target_url.bucket)
+    with tempfile.TemporaryDirectory(prefix="optim-repair-staged-") as staging:
+        output = _Output(target, target_url, Path(staging), force, read_back, reporter)
+        write = _write_file if source.is_file else _write_prefix
+        verification = write(source, finished, output)
+    return verification, source.store.traffic()
+
+
+def _target_url(source: StoredCheckpoint, out: str) -> StoreUrl:
+    """Where in its store the copy of ``source`` goes: refused outside that store, and over or inside ``source``."""
     if not is_remote(out):
         raise UsageError("a checkpoint in object storage is written to object storage (s3://, gs://) in this version")
     target_url = parse_url(out)
@@ -121,19 +132,40 @@ def write_in_store(
         target_url.prefix.startswith(held) or held.startswith(target_url.prefix)
     ):
         raise UsageError(f"{out} holds the checkpoint or lies inside it; write the copy to a prefix beside it")
-    target = source.store.sibling(target_url.bucket)
-    with tempfile.TemporaryDirectory(prefix="optim-repair-staged-") as staging:
-        output = _Output(target, target_url, Path(staging), force, read_back, reporter)
-        write = _write_file if source.is_file else _write_prefix
-        verification = write(source, finished, output)
-    return verification, source.store.traffic()
+    return target_url
+
+
+def _file_key(source: StoredCheckpoint, url: StoreUrl) -> str:
+    """The key of the copy of the torch file ``source``: ``url``, or the file's name under it when it ends in a
+    slash."""
+    return url.object(PurePosixPath(source.url.key).name) if url.key.endswith("/") or not url.key else url.key
+
+
+def refused_in_store(source: StoredCheckpoint, out: str, *, force: bool) -> None:
+    """Refuse, as ``write_in_store`` would before writing (a dry run), a copy of ``source`` to ``out``."""
+    url = _target_url(source, out)
+    target = source.store.sibling(url.bucket)
+    if source.is_file:
+        _refuse_object(target, _file_key(source, url), force)
+    else:
+        _refused_early(target, url, force, set(source.listing))
+
+
+def refused_upload(names: Collection[str], out: str, *, is_file: bool, force: bool, options: StoreOptions) -> None:
+    """Refuse, as ``upload_copy`` would before writing (a dry run), a local copy of ``names`` uploaded to ``out``."""
+    url = parse_url(out)
+    store = open_store(url, options)
+    if is_file:
+        _refuse_object(store, url.key, force)
+    else:
+        _refused_early(store, url, force, names)
 
 
 def _write_file(source: StoredCheckpoint, finished: FinishedPlan, output: _Output) -> Verification:
     """The repaired copy of the torch file ``source`` as one new object (``url``, or the file's name under it when
     it ends in a slash), which appears whole or not at all."""
     target, url, staging, force, read_back, reporter = output
-    key = url.object(PurePosixPath(source.url.key).name) if url.key.endswith("/") or not url.key else url.key
+    key = _file_key(source, url)
     planned = finished.files[""]
     assert isinstance(planned, PlannedTorchFile)  # the adapter of a torch file
     prepared = planned.splice(source.opener(""), staging / "spliced", appended=not target.composes_ranges)

@@ -325,6 +325,26 @@ def test_a_killed_fix_never_leaves_a_loadable_prefix_and_the_next_run_cleans_up(
         assert _loadable(gcsserver.download(gcs, bucket, out, tmp_path / f"again-{trial}"))
 
 
+def test_a_dry_run_refuses_what_fix_would_refuse(
+    gcs: gcsserver.Server, stored: tuple[str, Built], tmp_path: Path
+) -> None:
+    """Before it writes, fix refuses an output that is taken (or, with --force, holds what is no earlier copy) and
+    one over or inside the checkpoint, on either side: its dry run refuses alike, and writes nothing."""
+    bucket, built = stored
+    gcsserver.put(gcs, bucket, "taken/notes.txt", b"keep me")
+    (tmp_path / "local").mkdir()
+    source, taken = f"gs://{bucket}/{PREFIX}", f"gs://{bucket}/taken/"
+    for checkpoint, out, force in ((source, taken, False), (source, taken, True), (built.path, taken, False),
+                                   (built.path, taken, True), (source, tmp_path / "local", False)):  # fmt: skip
+        with pytest.raises(OutputError):
+            api.dry_run(checkpoint, out, force=force)
+    with pytest.raises(UsageError, match="holds the checkpoint or lies inside it"):
+        api.dry_run(source, f"{source}inner/")
+    assert api.dry_run(source, tmp_path / "local", force=True).free_bytes is not None
+    assert api.dry_run(source, f"gs://{bucket}/fresh/").free_bytes is None
+    assert gcsserver.keys(gcs, bucket, "taken/") == {"notes.txt"} and gcsserver.keys(gcs, bucket, "fresh/") == set()
+
+
 def test_dry_run_latest_and_a_model_in_the_store(gcs: gcsserver.Server, tmp_path: Path) -> None:
     built = trainers.hf_trainer(tmp_path / "in", steps=2)
     bucket = gcsserver.new_bucket(gcs)
