@@ -36,6 +36,7 @@ from optim_repair.records.traffic import Traffic
 from optim_repair.records.verification import HolderProof, Verification
 from optim_repair.storage.answers import CHANGED
 from optim_repair.storage.claim import MARKER, Claim, claimed, marker_key
+from optim_repair.storage.disk_staging import remove_stale, temporary_sibling
 from optim_repair.storage.interface import WritableStore
 from optim_repair.storage.objects import Copied, StoredObject
 from optim_repair.storage.schemes import StoreOptions, StoreUrl, is_remote, open_store, parse_url
@@ -113,8 +114,10 @@ def write_in_store(
     refused before the output is touched."""
     target_url = _target_url(source, out)
     target = source.store.sibling(target_url.bucket)
-    with tempfile.TemporaryDirectory(prefix="optim-repair-staged-") as staging:
-        output = _Output(target, target_url, Path(staging), force, read_back, reporter)
+    private = Path(tempfile.gettempdir()) / "optim-repair-staged"  # the stand-in its temporaries are named for
+    remove_stale(private, reporter.notice)  # what a killed run staged
+    with temporary_sibling(private, directory=True) as staging:
+        output = _Output(target, target_url, staging, force, read_back, reporter)
         write = _write_file if source.is_file else _write_prefix
         verification = write(source, finished, output)
     return verification, source.store.traffic()

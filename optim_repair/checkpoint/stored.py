@@ -44,6 +44,7 @@ from optim_repair.records.inventory import CheckpointInventory, FileInventory, W
 from optim_repair.records.steps import save_under_way, step_number
 from optim_repair.records.traffic import Traffic
 from optim_repair.storage.claim import MARKER
+from optim_repair.storage.disk_staging import remove_stale, temporary_sibling
 from optim_repair.storage.interface import Store, WritableStore
 from optim_repair.storage.objects import StoredObject
 from optim_repair.storage.ranged import RangedObject
@@ -329,8 +330,10 @@ def opened(text: str, options: StoreOptions, mirror: Path | None = None) -> Iter
         parents = (PurePosixPath(name).parent.as_posix() for name in listing if is_dcp_metadata(name))
         dcp = tuple(sorted({"" if parent == "." else parent for parent in parents}))
     with contextlib.ExitStack() as stack:
-        if mirror is None:
-            mirror = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="optim-repair-remote-")))
+        if mirror is None:  # locked while the run lives; what a killed run left is removed by the next
+            private = Path(tempfile.gettempdir()) / "optim-repair-remote"
+            remove_stale(private, lambda line: None)
+            mirror = stack.enter_context(temporary_sibling(private, directory=True))
         local = mirror / local_name(url)
         if "" not in listing:
             local.mkdir()

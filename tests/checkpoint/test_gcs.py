@@ -25,7 +25,7 @@ from optim_repair import api
 from optim_repair.errors import InputError, OutputError, UsageError
 from optim_repair.formats.dcp import METADATA_FILE
 from optim_repair.render import fix_document
-from optim_repair.storage import claim
+from optim_repair.storage import claim, disk_staging
 from optim_repair.storage.gcs import store
 from tests.conftest import run_cli
 from tests.factories import dcp as dk
@@ -297,7 +297,9 @@ def test_a_killed_fix_never_leaves_a_loadable_prefix_and_the_next_run_cleans_up(
 ) -> None:
     bucket, _ = stored
     command = [sys.executable, "-m", "optim_repair", "fix", f"gs://{bucket}/{PREFIX}", "--out"]
-    environment = {**os.environ, claim.LEASE_VARIABLE: "1"}  # a killed run's claim lapses after a second
+    private = tmp_path / "private"  # the runs' TMPDIR: what they stage and fetch there
+    private.mkdir()
+    environment = {**os.environ, claim.LEASE_VARIABLE: "1", "TMPDIR": str(private)}  # a killed claim lapses in 1 s
     started = time.monotonic()
     subprocess.run([*command, f"gs://{bucket}/timed/"], check=True, capture_output=True, env=environment)
     whole = time.monotonic() - started
@@ -323,6 +325,9 @@ def test_a_killed_fix_never_leaves_a_loadable_prefix_and_the_next_run_cleans_up(
         assert again.returncode == 0, again.stderr
         assert ("a stopped run left" in again.stderr) == bool(left)
         assert _loadable(gcsserver.download(gcs, bucket, out, tmp_path / f"again-{trial}"))
+    time.sleep(disk_staging.STALE_AFTER_SECONDS + 0.5)  # what the last killed runs left is stale now
+    subprocess.run([*command, f"gs://{bucket}/last/"], check=True, capture_output=True, env=environment)
+    assert list(private.iterdir()) == []  # what each killed run staged or fetched was removed by a later run
 
 
 def test_a_dry_run_refuses_what_fix_would_refuse(
