@@ -25,6 +25,7 @@ from optim_repair.checkpoint.discovery import model_only
 from optim_repair.checkpoint.reading import LIGHTNING_META, Listed
 from optim_repair.errors import (
     InputError,
+    NotATorchFile,
     OutputError,
     UsageError,
     os_error_reason,
@@ -39,6 +40,7 @@ from optim_repair.formats.dcp import (
 from optim_repair.formats.registry import is_dcp_metadata, role_of
 from optim_repair.formats.safetensors import read_weights
 from optim_repair.formats.torchfile import TorchFile, open_torch_file, read_inventory
+from optim_repair.formats.torchfile.legacy import has_legacy_magic
 from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, reading_plan
 from optim_repair.records.inventory import CheckpointInventory, FileInventory, WeightMap
 from optim_repair.records.steps import save_under_way, step_number
@@ -175,8 +177,10 @@ class StoredCheckpoint:
                 cast(RangedObject, stream).prefetch(plan, gap=HEADER_GAP)
             stream.seek(0)
             if stream.read(len(ZIP_MAGIC)) != ZIP_MAGIC:  # its pickle is bounded by mapping it, as on a disk
-                reason = "is no zip archive (a legacy-format torch file?): not read in object storage yet"
-                raise UsageError(reason, path=name)
+                stream.seek(0)
+                if not has_legacy_magic(stream):
+                    raise NotATorchFile("not a torch file (no zip archive, no legacy magic number)", path=name)
+                raise UsageError("is a legacy-format torch file: not read in object storage yet", path=name)
         return opener
 
     def read_safetensors(self, rel: str, name: str) -> WeightMap:

@@ -99,6 +99,9 @@ def test_an_empty_torch_file_is_named_empty_as_on_a_disk(gcs: gcsserver.Server) 
     gcsserver.put(gcs, bucket, f"{PREFIX}optimizer.pt", b"")
     with pytest.raises(InputError, match=rf"^gs://{bucket}/{PREFIX}optimizer.pt: empty file$"):
         api.inspect(f"gs://{bucket}/{PREFIX}optimizer.pt")
+    gcsserver.put(gcs, bucket, f"{PREFIX}notes.pt", b"these are notes, not a checkpoint\n")
+    result = run_cli(["inspect", f"gs://{bucket}/{PREFIX}notes.pt"], code=4)  # as on a disk: no usage error
+    assert "notes.pt: not a torch file (no zip archive, no legacy magic number)" in result.stderr
 
 
 @pytest.mark.parametrize("out", ["fixed/../elsewhere/", "fixed//inner/", "./fixed/"])

@@ -164,7 +164,7 @@ def test_a_legacy_torch_file_is_not_read_from_a_store_yet(server: s3server.Serve
     built = trainers.legacy_format(tmp_path / "in")
     bucket = s3server.new_bucket(server)
     s3server.upload(server, built.path.parent, bucket, PREFIX)
-    with pytest.raises(UsageError, match=r"legacy.pt: is no zip archive \(a legacy-format torch file\?\)"):
+    with pytest.raises(UsageError, match=r"legacy.pt: is a legacy-format torch file: not read in object storage yet"):
         api.inspect(f"s3://{bucket}/{PREFIX}legacy.pt")
     with pytest.raises(InputError, match=r"no optimizer state found in any file \(1 file\(s\) skipped\)"):
         api.inspect(f"s3://{bucket}/{PREFIX}")

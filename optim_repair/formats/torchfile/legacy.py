@@ -6,6 +6,7 @@ of storage keys) followed, for each key in that list, by an 8-byte element count
 
 from __future__ import annotations
 
+import pickle
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,6 +42,18 @@ class LegacyTorchFile:
     def storage_range(self, key: str) -> tuple[int, int]:
         """Byte offset and length of a storage's bytes in the file."""
         return self.offsets[key], self.graph.storages[key].nbytes
+
+
+_MAGIC_PICKLES = tuple(pickle.dumps(LEGACY_MAGIC, protocol=protocol) for protocol in range(pickle.HIGHEST_PROTOCOL + 1))
+"""The legacy format's magic number as ``torch.save`` pickles it first, in each protocol it may be given."""
+
+
+def has_legacy_magic(stream: BinaryIO) -> bool:
+    """Whether ``stream`` (at the start of a file that is no zip archive) begins with the pickled magic number of
+    torch's legacy format: its bytes compared, nothing unpickled (a store's object is not mapped, so its pickle
+    is not read)."""
+    head = stream.read(max(len(magic) for magic in _MAGIC_PICKLES))
+    return any(head.startswith(magic) for magic in _MAGIC_PICKLES)
 
 
 def open_legacy(stream: BinaryIO, path: Path, source: str, *, ours: bool = False) -> LegacyTorchFile:
