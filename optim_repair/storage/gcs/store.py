@@ -58,12 +58,19 @@ class GcsStore(GcsReader):
         """What ``write`` (a request that replaces nothing) wrote at ``key``. Where it finds an object there, the
         object is read back: this run's own (a lost answer's retry found it), or another writer's."""
         try:
-            return self.stored(write(), key)[1]
+            return self._wrote(write(), key)
         except ObjectExists:
             found = self.owner(key)
             if found is None or found[0] != self.run:
                 raise ObjectExists("exists: another writer put an object there first", path=self.where(key)) from None
             return found[1]
+
+    def _wrote(self, resource: dict[str, Any], key: str) -> Copied:
+        """What a write's answer says of the object it wrote, which must be ``key`` in this bucket."""
+        if resource.get("name") != key or resource.get("bucket", self.bucket) != self.bucket:
+            named = shown_name(f"{resource.get('bucket')}/{resource.get('name')}"[:300])
+            raise OutputError(f"answered a write with another object ({named})", path=self.where(key))
+        return self.stored(resource, key)[1]
 
     def _resource(self, key: str, checksum: str) -> dict[str, Any]:
         return {"name": key, "crc32c": checksum, "metadata": {RUN_METADATA: self.run}}
@@ -92,7 +99,7 @@ class GcsStore(GcsReader):
 
     def replace_own(self, key: str, data: bytes, etag: str) -> Copied:
         """``data`` over this run's object ``key`` while it is still the generation ``etag``."""
-        return self.stored(self._upload(key, data, etag), key)[1]
+        return self._wrote(self._upload(key, data, etag), key)
 
     def put_file(self, key: str, path: Path, size: int) -> Copied:
         """The file ``path`` as the new object ``key``, never over one that exists: at most ``SIMPLE_LIMIT`` bytes
@@ -219,7 +226,7 @@ class GcsStore(GcsReader):
                     "POST", f"{self.url(key)}/compose", key, writing=True, json=body,
                     params={"ifGenerationMatch": alone.etag},
                 )  # fmt: skip
-                written = self.stored(resource, key)[1]
+                written = self._wrote(resource, key)
             except ObjectExists:  # the answer lost, and its retry found the composed object: this run's own?
                 found = self.owner(key)
                 if found is None or found[0] != self.run or found[1].etag == alone.etag:
