@@ -4,7 +4,8 @@ Counting, several requests at once, byte ranges coalesced into few reads, and tw
 back.
 
 A store's reader (``s3.reading.S3Reader``, ``gcs.reading.GcsReader``) inherits ``BatchedReads`` and gives
-``get_range`` and ``head``; what it sends and how it judges each answer stays its own.
+``get_range`` and ``head`` (``_Reads``); ``sibling`` is the same reader for another bucket; what it sends and how
+it judges each answer stays its own.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from optim_repair.records.traffic import Traffic
 from optim_repair.storage.interface import Store
@@ -42,16 +43,33 @@ class Counter:
             self.copied += copied
 
 
+class _Reads(Protocol):
+    """What ``BatchedReads`` builds on: the reader's own ranged read and HEAD, and ``each``."""
+
+    def get_range(self, key: str, stored: StoredObject, start: int, end: int) -> bytes: ...
+
+    def head(self, key: str) -> StoredObject: ...
+
+    def each(self, work: Callable[[_Item], _Result], items: Sequence[_Item]) -> Generator[_Result, None, None]: ...
+
+
+_Batched = TypeVar("_Batched", bound="BatchedReads")
+
+
 class BatchedReads:
     """The reads a store's reader builds from its own ``get_range`` and ``head``, counted by its ``_count``."""
 
     _count: Counter
+    bucket: str
 
-    def get_range(self, key: str, stored: StoredObject, start: int, end: int) -> bytes:
-        raise NotImplementedError
-
-    def head(self, key: str) -> StoredObject:
-        raise NotImplementedError
+    def sibling(self: _Batched, bucket: str) -> _Batched:
+        """The store of ``bucket`` through the same client, counted with this one, as the same run."""
+        if bucket == self.bucket:
+            return self
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other.bucket = bucket
+        return other
 
     def traffic(self) -> Traffic:
         count = self._count
@@ -62,7 +80,7 @@ class BatchedReads:
         self._count.add(read=read, written=written, copied=copied)
 
     def ranges(
-        self, key: str, stored: StoredObject, wanted: Sequence[tuple[int, int]], *, gap: int = COALESCE_GAP
+        self: _Reads, key: str, stored: StoredObject, wanted: Sequence[tuple[int, int]], *, gap: int = COALESCE_GAP
     ) -> list[bytes]:
         """The bytes of each ``(offset, length)`` of ``key``, in the order asked: ranges closer than ``gap`` are
         read by one GET, the GETs ``WORKERS`` at a time."""
@@ -83,7 +101,7 @@ class BatchedReads:
                 found[index] = data[offset - start : offset - start + length]
         return found
 
-    def identical(self, key: str, stored: StoredObject, other: str, source: Store) -> bool:
+    def identical(self: _Reads, key: str, stored: StoredObject, other: str, source: Store) -> bool:
         """Whether this store's object ``other`` holds the bytes of ``source``'s ``key`` (as listed), both read
         back in chunks."""
         copy = self.head(other)

@@ -1,14 +1,15 @@
-"""Fixtures of the ``s3://`` tests: a two-rank FSDP checkpoint uploaded to the real S3-compatible server
-(``server`` and ``environment`` in ``tests/conftest.py``)."""
+"""Fixtures of the store tests: a two-rank FSDP checkpoint uploaded to the real S3-compatible server (``server``
+and ``environment`` in ``tests/conftest.py``), and the GCS emulator with one uploaded to it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.factories import dcp as dk
-from tests.factories import s3server
+from tests.factories import gcsserver, s3server
 from tests.factories.built import Built
 from tests.factories.s3server import PREFIX
 
@@ -19,4 +20,27 @@ def stored(server: s3server.Server, tmp_path: Path) -> tuple[str, Built]:
     built = dk.sharded_dcp(tmp_path / "in")
     bucket = s3server.new_bucket(server)
     s3server.upload(server, built.path, bucket, PREFIX)
+    return bucket, built
+
+
+@pytest.fixture(scope="module")
+def gcs() -> Iterator[gcsserver.Server]:
+    """A real GCS emulator (fake-gcs-server) on 127.0.0.1 for each module that asks for one."""
+    started = gcsserver.start()
+    yield started
+    gcsserver.stop(started)
+
+
+@pytest.fixture
+def gcs_environment(gcs: gcsserver.Server) -> Iterator[None]:
+    """What a user sets for that emulator (``STORAGE_EMULATOR_HOST``)."""
+    yield from gcsserver.environment(gcs)
+
+
+@pytest.fixture
+def gcs_stored(gcs: gcsserver.Server, tmp_path: Path) -> tuple[str, Built]:
+    """A two-rank FSDP checkpoint, as ``dcp.save`` wrote it, uploaded under ``PREFIX`` of a new bucket."""
+    built = dk.sharded_dcp(tmp_path / "in")
+    bucket = gcsserver.new_bucket(gcs)
+    gcsserver.upload(gcs, built.path, bucket, PREFIX)
     return bucket, built

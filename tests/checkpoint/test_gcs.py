@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,34 +32,15 @@ from tests.factories import gcsserver, trainers
 from tests.factories.built import Built
 from tests.factories.gcsserver import PREFIX
 
-
-@pytest.fixture(scope="module")
-def gcs() -> Iterator[gcsserver.Server]:
-    started = gcsserver.start()
-    yield started
-    gcsserver.stop(started)
-
-
-@pytest.fixture(autouse=True)
-def emulated(gcs: gcsserver.Server) -> Iterator[None]:
-    yield from gcsserver.environment(gcs)
-
-
-@pytest.fixture
-def stored(gcs: gcsserver.Server, tmp_path: Path) -> tuple[str, Built]:
-    """A two-rank FSDP checkpoint, as ``dcp.save`` wrote it, uploaded under ``PREFIX`` of a new bucket."""
-    built = dk.sharded_dcp(tmp_path / "in")
-    bucket = gcsserver.new_bucket(gcs)
-    gcsserver.upload(gcs, built.path, bucket, PREFIX)
-    return bucket, built
+pytestmark = pytest.mark.usefixtures("gcs_environment")
 
 
 def _shards(built: Built) -> list[Path]:
     return sorted(built.path.glob("*.distcp"))
 
 
-def test_inspect_reads_the_metadata_and_one_range_a_shard(stored: tuple[str, Built]) -> None:
-    bucket, built = stored
+def test_inspect_reads_the_metadata_and_one_range_a_shard(gcs_stored: tuple[str, Built]) -> None:
+    bucket, built = gcs_stored
     diagnosis = api.inspect(f"gs://{bucket}/{PREFIX}")
     traffic = diagnosis.inventory.traffic
     assert traffic is not None and traffic.requests <= 2 + len(_shards(built))
@@ -70,8 +50,8 @@ def test_inspect_reads_the_metadata_and_one_range_a_shard(stored: tuple[str, Bui
     assert diagnosis.verdict == api.inspect(built.path).verdict == "repairable"
 
 
-def test_errors_name_the_bucket_and_key(stored: tuple[str, Built]) -> None:
-    bucket, _ = stored
+def test_errors_name_the_bucket_and_key(gcs_stored: tuple[str, Built]) -> None:
+    bucket, _ = gcs_stored
     with pytest.raises(InputError, match=r"^gs://no-such-bucket-here/x/: no such bucket$"):
         api.inspect("gs://no-such-bucket-here/x/")
     with pytest.raises(InputError, match=rf"^gs://{bucket}/{PREFIX}optimizer.pt: no such object"):
@@ -106,18 +86,18 @@ def test_an_empty_torch_file_is_named_empty_as_on_a_disk(gcs: gcsserver.Server) 
 
 @pytest.mark.parametrize("out", ["fixed/../elsewhere/", "fixed//inner/", "./fixed/"])
 def test_a_key_with_dot_or_empty_segments_is_refused_before_anything_is_read(
-    gcs: gcsserver.Server, stored: tuple[str, Built], out: str
+    gcs: gcsserver.Server, gcs_stored: tuple[str, Built], out: str
 ) -> None:
     """A store keeps ``a/../b`` as it is written; this tool refuses to read such a name back (it would lead a
     download outside its directory), so it never writes one."""
-    bucket, _ = stored
+    bucket, _ = gcs_stored
     result = run_cli(["fix", f"gs://{bucket}/{PREFIX}", "--out", f"gs://{bucket}/{out}"], code=2)
     assert "names a key with an empty, '.' or '..' segment" in result.stderr
     assert gcsserver.keys(gcs, bucket) == {f"{PREFIX}{name}" for name in gcsserver.keys(gcs, bucket, PREFIX)}
 
 
-def test_without_the_client_the_error_names_the_extra(stored: tuple[str, Built]) -> None:
-    bucket, _ = stored
+def test_without_the_client_the_error_names_the_extra(gcs_stored: tuple[str, Built]) -> None:
+    bucket, _ = gcs_stored
     code = "import sys; sys.modules['google.auth'] = None; from optim_repair.console import main; main()"
     ran = subprocess.run(
         [sys.executable, "-c", code, "inspect", f"gs://{bucket}/{PREFIX}"], capture_output=True, text=True
@@ -127,9 +107,9 @@ def test_without_the_client_the_error_names_the_extra(stored: tuple[str, Built])
 
 
 def test_fix_copies_inside_the_store_and_the_copy_resumes_bit_identically(
-    gcs: gcsserver.Server, stored: tuple[str, Built], tmp_path: Path
+    gcs: gcsserver.Server, gcs_stored: tuple[str, Built], tmp_path: Path
 ) -> None:
-    bucket, built = stored
+    bucket, built = gcs_stored
     before = {path.name: path.read_bytes() for path in built.path.iterdir()}
     other = gcsserver.new_bucket(gcs)
     for out in (f"gs://{bucket}/fixed/", f"gs://{other}/fixed/"):
@@ -152,16 +132,18 @@ def test_fix_copies_inside_the_store_and_the_copy_resumes_bit_identically(
     assert gcsserver.keys(gcs, bucket, PREFIX) == set(before)
 
 
-def test_read_back_compares_every_copied_byte(stored: tuple[str, Built]) -> None:
-    bucket, built = stored
+def test_read_back_compares_every_copied_byte(gcs_stored: tuple[str, Built]) -> None:
+    bucket, built = gcs_stored
     result = api.fix(f"gs://{bucket}/{PREFIX}", f"gs://{bucket}/fixed/", verify="download")
     assert result.verification.proof == "read back"
     assert result.traffic is not None
     assert result.traffic.read >= 2 * sum(path.stat().st_size for path in _shards(built))
 
 
-def test_a_prefix_that_holds_objects_is_refused_unless_forced(gcs: gcsserver.Server, stored: tuple[str, Built]) -> None:
-    bucket, built = stored
+def test_a_prefix_that_holds_objects_is_refused_unless_forced(
+    gcs: gcsserver.Server, gcs_stored: tuple[str, Built]
+) -> None:
+    bucket, built = gcs_stored
     gcsserver.put(gcs, bucket, "fixed/notes.txt", b"keep me")
     with pytest.raises(OutputError, match="already holds objects; pass force=True to replace them"):
         api.fix(f"gs://{bucket}/{PREFIX}", f"gs://{bucket}/fixed/")
@@ -243,9 +225,9 @@ def test_a_torch_file_is_repaired_from_a_store_and_into_one(gcs: gcsserver.Serve
 
 
 def test_a_remote_checkpoint_is_repaired_into_a_local_copy_and_a_local_one_into_the_store(
-    gcs: gcsserver.Server, stored: tuple[str, Built], tmp_path: Path
+    gcs: gcsserver.Server, gcs_stored: tuple[str, Built], tmp_path: Path
 ) -> None:
-    bucket, built = stored
+    bucket, built = gcs_stored
     out = tmp_path / "fixed"
     result = api.fix(f"gs://{bucket}/{PREFIX}", out)
     assert result.out == out and api.inspect(out).verdict == "healthy"
@@ -296,9 +278,9 @@ def _loadable(local: Path) -> bool:
 
 
 def test_a_killed_fix_never_leaves_a_loadable_prefix_and_the_next_run_cleans_up(
-    gcs: gcsserver.Server, stored: tuple[str, Built], tmp_path: Path
+    gcs: gcsserver.Server, gcs_stored: tuple[str, Built], tmp_path: Path
 ) -> None:
-    bucket, _ = stored
+    bucket, _ = gcs_stored
     command = [sys.executable, "-m", "optim_repair", "fix", f"gs://{bucket}/{PREFIX}", "--out"]
     private = tmp_path / "private"  # the runs' TMPDIR: what they stage and fetch there
     private.mkdir()
@@ -334,11 +316,11 @@ def test_a_killed_fix_never_leaves_a_loadable_prefix_and_the_next_run_cleans_up(
 
 
 def test_a_dry_run_refuses_what_fix_would_refuse(
-    gcs: gcsserver.Server, stored: tuple[str, Built], tmp_path: Path
+    gcs: gcsserver.Server, gcs_stored: tuple[str, Built], tmp_path: Path
 ) -> None:
     """Before it writes, fix refuses an output that is taken (or, with --force, holds what is no earlier copy) and
     one over or inside the checkpoint, on either side: its dry run refuses alike, and writes nothing."""
-    bucket, built = stored
+    bucket, built = gcs_stored
     gcsserver.put(gcs, bucket, "taken/notes.txt", b"keep me")
     (tmp_path / "local").mkdir()
     source, taken = f"gs://{bucket}/{PREFIX}", f"gs://{bucket}/taken/"

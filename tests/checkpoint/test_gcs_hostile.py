@@ -24,17 +24,7 @@ from tests.factories.built import Built
 from tests.factories.faulty_store import Fault
 from tests.factories.gcsserver import PREFIX
 
-
-@pytest.fixture(scope="module")
-def gcs() -> Iterator[gcsserver.Server]:
-    started = gcsserver.start()
-    yield started
-    gcsserver.stop(started)
-
-
-@pytest.fixture(autouse=True)
-def emulated(gcs: gcsserver.Server) -> Iterator[None]:
-    yield from gcsserver.environment(gcs)
+pytestmark = pytest.mark.usefixtures("gcs_environment")
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +41,6 @@ def faulty(proxy: faulty_store.FaultyProxy) -> Iterator[faulty_store.FaultyProxy
     proxy.disarm()
 
 
-@pytest.fixture
-def stored(gcs: gcsserver.Server, tmp_path: Path) -> tuple[str, Built]:
-    built = dk.sharded_dcp(tmp_path / "in")
-    bucket = gcsserver.new_bucket(gcs)
-    gcsserver.upload(gcs, built.path, bucket, PREFIX)
-    return bucket, built
-
-
 def _one_line(stderr: str) -> str:
     lines = [line for line in stderr.splitlines() if line.startswith("optim-repair: error:")]
     assert len(lines) == 1 and "Traceback" not in stderr, stderr
@@ -66,11 +48,11 @@ def _one_line(stderr: str) -> str:
 
 
 def test_a_name_outside_the_prefix_is_refused_where_it_is_listed(
-    gcs: gcsserver.Server, stored: tuple[str, Built]
+    gcs: gcsserver.Server, gcs_stored: tuple[str, Built]
 ) -> None:
     """GCS takes any name: ``..`` and empty segments are names it really holds, and would lead a download outside
     the directory it fills."""
-    bucket, _ = stored
+    bucket, _ = gcs_stored
     gcsserver.put(gcs, bucket, f"{PREFIX}../../escaped.distcp", b"x")
     result = run_cli(["inspect", f"gs://{bucket}/{PREFIX}"], code=4)
     assert "names a path outside its prefix" in _one_line(result.stderr)
@@ -78,10 +60,10 @@ def test_a_name_outside_the_prefix_is_refused_where_it_is_listed(
 
 @pytest.mark.parametrize("name", ["../../outside/.metadata", "a//b.distcp", "/etc/x.distcp", "x" * 1100])
 def test_a_listed_name_outside_the_prefix_is_refused_where_it_is_listed(
-    faulty: faulty_store.FaultyProxy, stored: tuple[str, Built], tmp_path: Path, name: str
+    faulty: faulty_store.FaultyProxy, gcs_stored: tuple[str, Built], tmp_path: Path, name: str
 ) -> None:
     """A store that lies in its listing: a name that would lead outside the directory a download fills."""
-    bucket, _ = stored
+    bucket, _ = gcs_stored
     faulty.arm(Fault("hostile-names", names=(f"{PREFIX}{name}",)))
     result = run_cli(
         ["fix", f"gs://{bucket}/{PREFIX}", "--out", tmp_path / "out", "--endpoint-url", faulty.endpoint], code=4
@@ -91,9 +73,9 @@ def test_a_listed_name_outside_the_prefix_is_refused_where_it_is_listed(
 
 
 def test_a_listing_whose_page_token_repeats_is_exit_4(
-    faulty: faulty_store.FaultyProxy, stored: tuple[str, Built]
+    faulty: faulty_store.FaultyProxy, gcs_stored: tuple[str, Built]
 ) -> None:
-    bucket, _ = stored
+    bucket, _ = gcs_stored
     faulty.arm(Fault("repeat-token"))
     result = run_cli(["inspect", f"gs://{bucket}/{PREFIX}", "--endpoint-url", faulty.endpoint], code=4)
     assert "the store repeats its listing" in _one_line(result.stderr)  # its first page came twice
@@ -101,9 +83,9 @@ def test_a_listing_whose_page_token_repeats_is_exit_4(
 
 
 def test_a_store_that_ignores_range_is_refused_before_its_body_is_read(
-    faulty: faulty_store.FaultyProxy, stored: tuple[str, Built]
+    faulty: faulty_store.FaultyProxy, gcs_stored: tuple[str, Built]
 ) -> None:
-    bucket, _ = stored
+    bucket, _ = gcs_stored
     faulty.arm(Fault("ignore-range"))
     with pytest.raises(InputError, match=r"answered a read by range with its whole body \(HTTP 200, not 206\)"):
         api.inspect(f"gs://{bucket}/{PREFIX}", endpoint_url=faulty.endpoint)
@@ -111,9 +93,9 @@ def test_a_store_that_ignores_range_is_refused_before_its_body_is_read(
 
 
 def test_a_store_that_drips_is_given_up_past_the_grace(
-    faulty: faulty_store.FaultyProxy, stored: tuple[str, Built], monkeypatch: pytest.MonkeyPatch
+    faulty: faulty_store.FaultyProxy, gcs_stored: tuple[str, Built], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    bucket, _ = stored
+    bucket, _ = gcs_stored
     monkeypatch.setattr(answers, "GRACE_SECONDS", 1.0)
     faulty.arm(Fault("drip", method="GET", match="alt=media", delay=0.2))
     started = time.monotonic()
@@ -123,9 +105,9 @@ def test_a_store_that_drips_is_given_up_past_the_grace(
 
 
 def test_a_listing_that_drips_is_given_up_at_its_deadline(
-    faulty: faulty_store.FaultyProxy, stored: tuple[str, Built], monkeypatch: pytest.MonkeyPatch
+    faulty: faulty_store.FaultyProxy, gcs_stored: tuple[str, Built], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    bucket, _ = stored
+    bucket, _ = gcs_stored
     monkeypatch.setattr(answers, "GRACE_SECONDS", 1.0)
     monkeypatch.setattr(answers, "WHOLE_ANSWER_BYTES", answers.FLOOR_BYTES_PER_SECOND)
     faulty.arm(Fault("drip", method="GET", match="prefix=", delay=0.01))
@@ -135,8 +117,10 @@ def test_a_listing_that_drips_is_given_up_at_its_deadline(
     assert time.monotonic() - started < 8
 
 
-def test_a_body_cut_off_is_exit_4_naming_the_key(faulty: faulty_store.FaultyProxy, stored: tuple[str, Built]) -> None:
-    bucket, _ = stored
+def test_a_body_cut_off_is_exit_4_naming_the_key(
+    faulty: faulty_store.FaultyProxy, gcs_stored: tuple[str, Built]
+) -> None:
+    bucket, _ = gcs_stored
     faulty.arm(Fault("cut", method="GET", match="metadata?alt=media", after=10))
     result = run_cli(["inspect", f"gs://{bucket}/{PREFIX}", "--endpoint-url", faulty.endpoint], code=4)
     assert f"gs://{bucket}/{PREFIX}{METADATA_FILE}: " in _one_line(result.stderr)
@@ -144,12 +128,12 @@ def test_a_body_cut_off_is_exit_4_naming_the_key(faulty: faulty_store.FaultyProx
 
 @pytest.mark.parametrize("lost", ["upload", "rewrite"])
 def test_a_write_whose_answer_was_lost_is_known_for_the_runs_own(
-    faulty: faulty_store.FaultyProxy, gcs: gcsserver.Server, stored: tuple[str, Built], tmp_path: Path, lost: str
+    faulty: faulty_store.FaultyProxy, gcs: gcsserver.Server, gcs_stored: tuple[str, Built], tmp_path: Path, lost: str
 ) -> None:
     """The write took effect, its answer was lost (500), the transport retried. An upload's retry gets 412 (no
     object may be there) and the run reads the key back and finds its own. (The emulator ignores the precondition
     of a rewrite's destination, so that a rewrite's retry simply writes again: its 412 path is the upload's.)"""
-    bucket, built = stored
+    bucket, built = gcs_stored
     match = "uploadType=multipart" if lost == "upload" else "rewriteTo"
     faulty.arm(Fault("lose-answer", method="POST", match=match, times=1))
     result = run_cli(
@@ -165,9 +149,9 @@ def test_a_write_whose_answer_was_lost_is_known_for_the_runs_own(
 
 
 def test_a_failing_store_leaves_nothing_at_the_output(
-    faulty: faulty_store.FaultyProxy, gcs: gcsserver.Server, stored: tuple[str, Built]
+    faulty: faulty_store.FaultyProxy, gcs: gcsserver.Server, gcs_stored: tuple[str, Built]
 ) -> None:
-    bucket, _ = stored
+    bucket, _ = gcs_stored
     faulty.arm(Fault("fail", method="POST", match="rewriteTo", status=503))
     result = run_cli(
         ["fix", f"gs://{bucket}/{PREFIX}", "--out", f"gs://{bucket}/fixed/", "--endpoint-url", faulty.endpoint], code=5
@@ -177,8 +161,8 @@ def test_a_failing_store_leaves_nothing_at_the_output(
     assert gcsserver.keys(gcs, bucket, "fixed/") == set()  # no object, no marker
 
 
-def test_credentials_in_the_endpoint_are_never_shown(stored: tuple[str, Built], gcs: gcsserver.Server) -> None:
-    bucket, _ = stored
+def test_credentials_in_the_endpoint_are_never_shown(gcs_stored: tuple[str, Built], gcs: gcsserver.Server) -> None:
+    bucket, _ = gcs_stored
     host = gcs.endpoint.removeprefix("http://")
     result = run_cli(["inspect", f"gs://{bucket}/{PREFIX}", "--endpoint-url", f"http://KEY:TOPSECRET@{host}"], code=2)
     assert "TOPSECRET" not in result.stderr + result.stdout
@@ -187,11 +171,11 @@ def test_credentials_in_the_endpoint_are_never_shown(stored: tuple[str, Built], 
 
 
 def test_of_two_fixes_into_one_prefix_at_most_one_succeeds_and_its_copy_loads(
-    gcs: gcsserver.Server, stored: tuple[str, Built], tmp_path: Path
+    gcs: gcsserver.Server, gcs_stored: tuple[str, Built], tmp_path: Path
 ) -> None:
     """Every node of a job runs the resume script: 10 trials of two fixes at once into one prefix. The claim's
     marker is written with ``ifGenerationMatch=0``, which the emulator checks on uploads."""
-    bucket, built = stored
+    bucket, built = gcs_stored
     expected = {path.name for path in built.path.iterdir()} | {"__optim_repair_0.distcp"}
     for trial in range(10):
         out = f"race-{trial}/"

@@ -23,7 +23,7 @@ import urllib.parse
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, ObjectExists, OptimRepairError, OutputError, UsageError, shown_name
 from optim_repair.storage.answers import CHANGED, WHOLE_ANSWER_BYTES, cut, receive, within
@@ -44,7 +44,6 @@ RUN_METADATA = "optim-repair-run"
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 _DIGITS = re.compile(r"[0-9]{1,20}")
 _SMALL_ATTEMPTS = 5
-_Reader = TypeVar("_Reader", bound="GcsReader")
 
 
 def _endpoint(endpoint_url: str | None) -> tuple[str, str]:
@@ -105,15 +104,6 @@ class GcsReader(BatchedReads):
         """This run's id, in the metadata of every object it writes."""
         self._count = Counter()
 
-    def sibling(self: _Reader, bucket: str) -> _Reader:
-        """The store of ``bucket`` through the same session, counted with this one, as the same run."""
-        if bucket == self.bucket:
-            return self
-        other = object.__new__(type(self))
-        other.__dict__.update(self.__dict__)
-        other.bucket = bucket
-        return other
-
     def where(self, key: str) -> str:
         return f"gs://{self.bucket}/{key}"
 
@@ -152,10 +142,20 @@ class GcsReader(BatchedReads):
 
         return within(call, self.where(key))
 
-    def body(self, answer: Any, key: str, limit: int) -> bytes:
+    def body(
+        self, answer: Any, key: str, limit: int, sink: Callable[[bytes], None] | None = None, *, counted: bool = False
+    ) -> bytes:
+        """The body of ``answer``, at most ``limit`` bytes at the floor's pace (``answers.receive``), into ``sink``
+        where given (else returned); ``counted``: an object's bytes, counted as read. A transport failure named."""
         parts: list[bytes] = []
+
+        def taken(chunk: bytes) -> None:
+            if counted:
+                self._count.add(read=len(chunk))
+            (sink or parts.append)(chunk)
+
         try:
-            receive(answer.raw, limit, parts.append, self.where(key))
+            receive(answer.raw, limit, taken, self.where(key))
         except OptimRepairError:
             raise
         except self._transport as exc:
@@ -308,27 +308,10 @@ class GcsReader(BatchedReads):
             raise InputError(f"has no bytes {start:,} to {end:,} (it holds {stored.size:,})", path=self.where(key))
         answer = self._media(key, stored.etag, f"{start}-{end - 1}")
         self._ranged(answer, (start, end - 1, stored.size), key)
-        data = self._counted(answer, key, end - start)
+        data = self.body(answer, key, end - start, counted=True)
         if len(data) != end - start:
             raise InputError(cut(len(data), end - start), path=self.where(key))
         return data
-
-    def _counted(self, answer: Any, key: str, limit: int, sink: Callable[[bytes], None] | None = None) -> bytes:
-        parts: list[bytes] = []
-
-        def counted(chunk: bytes) -> None:
-            self._count.add(read=len(chunk))
-            (sink or parts.append)(chunk)
-
-        try:
-            receive(answer.raw, limit, counted, self.where(key))
-        except OptimRepairError:
-            raise
-        except self._transport as exc:
-            raise self._lost(exc, key) from exc
-        finally:
-            answer.close()
-        return b"".join(parts)
 
     def tail(self, key: str, length: int) -> tuple[StoredObject, bytes]:
         """The last ``length`` bytes of ``key`` (all of it, if shorter) by one GET, with the object's size and
@@ -351,7 +334,7 @@ class GcsReader(BatchedReads):
             raise InputError(
                 f"answered a read of its last {expected:,} bytes with another length", path=self.where(key)
             )
-        data = self._counted(answer, key, expected)
+        data = self.body(answer, key, expected, counted=True)
         if len(data) != expected:
             raise InputError(cut(len(data), expected), path=self.where(key))
         return StoredObject(total, answer.headers["X-Goog-Generation"]), data
@@ -369,7 +352,7 @@ class GcsReader(BatchedReads):
             received += len(chunk)
             target.write(chunk)
 
-        self._counted(answer, key, stored.size, sink)
+        self.body(answer, key, stored.size, sink, counted=True)
         if received != stored.size:
             raise InputError(cut(received, stored.size), path=self.where(key))
         if kept is None:
@@ -399,7 +382,7 @@ class GcsReader(BatchedReads):
         else:
             raise InputError(f"was written again each of {_SMALL_ATTEMPTS} times it was read", path=self.where(key))
         sent = answer.headers.get("Date")
-        data = self._counted(answer, key, limit)
+        data = self.body(answer, key, limit, counted=True)
         metadata = item.get("metadata")
         run = metadata.get(RUN_METADATA) if isinstance(metadata, dict) else None
         try:

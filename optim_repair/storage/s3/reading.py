@@ -19,7 +19,7 @@ import uuid
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, OptimRepairError, UsageError, shown_name
 from optim_repair.storage.answers import check_range, cut, failure, receive, within
@@ -39,9 +39,6 @@ _WHOLE_ANSWERS = frozenset({"list_objects_v2", "list_multipart_uploads", "head_o
 """The requests whose answers the client reads whole, each bounded by ``answers.within``. Object bodies are read
 against the floor as they come (``answers.receive``); a write's answer may rightly take long (a server-side copy of
 gigabytes), and is bounded by botocore's read timeout alone."""
-
-
-_Reader = TypeVar("_Reader", bound="S3Reader")
 
 
 class S3Reader(BatchedReads):
@@ -79,15 +76,6 @@ class S3Reader(BatchedReads):
         """This run's id, in the metadata of every object it writes."""
         self._count = Counter()
         self._client.meta.events.register("before-send.s3", lambda **_: self._count.add(requests=1))
-
-    def sibling(self: _Reader, bucket: str) -> _Reader:
-        """The store of ``bucket`` through the same client, counted with this one, as the same run."""
-        if bucket == self.bucket:
-            return self
-        other = object.__new__(type(self))
-        other.__dict__.update(self.__dict__)
-        other.bucket = bucket
-        return other
 
     def where(self, key: str) -> str:
         """The object ``key`` as a URL, for messages."""
