@@ -47,7 +47,11 @@ def exit_at_once(signum: int, frame: FrameType | None) -> None:
 @contextlib.contextmanager
 def held() -> Iterator[None]:
     """The ending signals wait while the block runs, and are handled once it ends: for a step that a
-    handler raising in its middle would leave half done (a temporary created but not yet recorded)."""
+    handler raising in its middle would leave half done (a temporary created but not yet recorded).
+
+    A mask is a thread's own, and Python runs a handler in the main thread whichever thread the kernel gave the
+    signal to: so every thread a run starts is started inside this block, inherits the mask, and never takes an
+    ending signal, which then waits for the main thread's mask alone."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, ENDING)
     try:
         yield

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, cast
 
+from optim_repair import signals
 from optim_repair.checkpoint.reading import Listing, read_parsed
 from optim_repair.decisions.difference import (
     Values,
@@ -401,7 +402,8 @@ def diff_listings(a: Listing, b: Listing, *, metadata_only: bool = False) -> Dif
             # up to a switch interval (5 ms) each time: a shorter one lets the reads go at the disk's speed.
             stack.callback(sys.setswitchinterval, sys.getswitchinterval())
             sys.setswitchinterval(_SWITCH_SECONDS)
-            whole = stack.enter_context(ThreadPoolExecutor(1)).submit(same_bytes, a, b)
+            with signals.held():  # the thread inherits the mask: the ending signals reach the main thread alone
+                whole = stack.enter_context(ThreadPoolExecutor(1)).submit(same_bytes, a, b)
         read = [read_parsed(a)]
         size = whole.result() if whole is not None else None
         if size is not None:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from optim_repair import signals
 from optim_repair.errors import InputError, ObjectExists, OptimRepairError, OutputError
 from optim_repair.storage.names import redacted
 
@@ -66,7 +67,8 @@ def within(call: Callable[[], _Answer], where: str) -> _Answer:
         finally:
             done.set()
 
-    threading.Thread(target=run, name="optim-repair-request", daemon=True).start()
+    with signals.held():  # the thread inherits the mask: the ending signals reach the main thread alone
+        threading.Thread(target=run, name="optim-repair-request", daemon=True).start()
     if not done.wait(seconds):
         raise InputError(f"answers too slowly (no whole answer in {seconds:.0f} s)", path=where)
     answered, value = outcome[0]

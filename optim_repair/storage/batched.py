@@ -15,6 +15,7 @@ from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, TypeVar
 
+from optim_repair import signals
 from optim_repair.records.traffic import Traffic
 from optim_repair.storage.interface import Store
 from optim_repair.storage.objects import StoredObject
@@ -118,7 +119,9 @@ class BatchedReads:
         signal), it starts no more, and returns once the requests in flight have ended."""
         pool = ThreadPoolExecutor(WORKERS)
         try:
-            yield from pool.map(work, items)
+            with signals.held():  # its threads start with the mask: the ending signals reach the main thread alone
+                results = pool.map(work, items)
+            yield from results
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 

@@ -92,8 +92,9 @@ class Claim:
         except ObjectExists:
             again = self.store.read_small(self.marker, MARKER_LIMIT)
             raise _busy(self.store, self.marker, again) from None
-        self._renewer = threading.Thread(target=self._renew_until_stopped, name="optim-repair-lease", daemon=True)
-        self._renewer.start()
+        with signals.held():  # started and recorded together; the thread inherits the mask (``signals.held``)
+            self._renewer = threading.Thread(target=self._renew_until_stopped, name="optim-repair-lease", daemon=True)
+            self._renewer.start()
 
     def _renew_until_stopped(self) -> None:
         while not self._stop.wait(self._lease / 4):
@@ -145,10 +146,14 @@ class Claim:
         return copied
 
     def commit(self, write: Callable[[], _Result]) -> _Result:
-        """``write`` the commit, once the claim is known to hold (renewed just before)."""
+        """``write`` the commit, once the claim is known to hold (renewed just before). Once it is written the copy
+        is whole, and the ending signals wait from then to the process's exit (``signals.settle``, where the
+        console handles them): none turns a committed copy into a run that says nothing was written."""
         self.check()
         self.renew()
-        return write()
+        committed = write()
+        signals.settle()
+        return committed
 
     def release(self) -> None:
         """The copy is whole: stop renewing and delete the marker."""
