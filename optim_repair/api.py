@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from optim_repair.checkpoint import copies, stored
 from optim_repair.checkpoint.diffing import diff_listings
@@ -29,7 +29,10 @@ from optim_repair.records.repair_plan import Addition, FillChoice, PlanFill, Rep
 from optim_repair.records.request import NO_OPERATIONS, CopyRequest, Operations, PlanRequest
 from optim_repair.records.traffic import Traffic
 from optim_repair.records.verification import Verification
-from optim_repair.storage.schemes import StoreOptions, is_remote
+from optim_repair.storage.schemes import StoreArgs, StoreOptions, is_remote
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 def inspect(
@@ -38,9 +41,8 @@ def inspect(
     strict: bool = False,
     model: str | Path | None = None,
     dereference: bool = False,
-    profile: str | None = None,
-    endpoint_url: str | None = None,
     for_torch: str | None = None,
+    **store: Unpack[StoreArgs],
 ) -> Diagnosis:
     """Read ``path`` (a torch file, a checkpoint directory or a DCP directory) and diagnose it.
 
@@ -56,13 +58,14 @@ def inspect(
     ``path`` may be a prefix in object storage, as a string (``"s3://bucket/step-1000/"``: the ``optim-repair[s3]``
     extra, read with the AWS CLI's credentials and endpoint, or ``profile`` and ``endpoint_url``;
     ``"gs://bucket/step-1000/"``: the ``optim-repair[gcs]`` extra, with application default credentials, at
-    ``endpoint_url`` or ``STORAGE_EMULATOR_HOST`` where given); of it, only each DCP checkpoint's ``.metadata`` and
-    bytes entries are read (``inventory.traffic`` counts the requests).
+    ``endpoint_url`` or ``STORAGE_EMULATOR_HOST`` where given; ``"az://container/step-1000/"``: the
+    ``optim-repair[azure]`` extra, in the ``account`` the URL, the argument or the connection string names); of it,
+    only each DCP checkpoint's ``.metadata`` and bytes entries are read (``inventory.traffic`` counts the requests).
 
     ``for_torch`` (``"2.13"``) names the torch release that will load it, whose loaders judge it (the param-group
     options its ``dcp.load`` asks for); by default the installed torch.
     """
-    options = StoreOptions(profile, endpoint_url)
+    options = StoreOptions(**store)
     weights = _model_weights(model, options) if model is not None else None
     with _listing(path, options, dereference=dereference) as listing:
         inventory, _ = _read_unchanged(listing, keep=False)
@@ -107,7 +110,10 @@ def _read_unchanged(listing: Listing, *, keep: bool = True) -> tuple[CheckpointI
 
 
 def latest_checkpoint(
-    run: str | Path, *, profile: str | None = None, endpoint_url: str | None = None, notice: Notice = silent
+    run: str | Path,
+    *,
+    notice: Notice = silent,
+    **store: Unpack[StoreArgs],
 ) -> Path | str:
     """The newest complete step of the run directory ``run`` (``checkpoint-N``, ``step-N``, ``global_stepN``,
     ``iter_N``, ``epoch=E-step=S.ckpt``), to inspect or fix: a step still being written (a DCP checkpoint without
@@ -117,7 +123,7 @@ def latest_checkpoint(
     (``"s3://bucket/run/"``): its step is returned as a URL (its tracker is not read). Raises ``InputError`` when
     there is none."""
     if is_remote(run):
-        return stored.latest_step(str(run), StoreOptions(profile, endpoint_url))
+        return stored.latest_step(str(run), StoreOptions(**store))
     step = latest_step(Path(run))
     disagreeing = tracker_disagrees(Path(run), step)
     if disagreeing is not None:
@@ -130,8 +136,7 @@ def diff(
     b: str | Path,
     *,
     metadata_only: bool = False,
-    profile: str | None = None,
-    endpoint_url: str | None = None,
+    **store: Unpack[StoreArgs],
 ) -> Difference:
     """Compare two checkpoints, each anything ``inspect`` reads (a torch file, a checkpoint directory, a DCP
     directory, a prefix in object storage), of one format or two.
@@ -142,7 +147,7 @@ def diff(
     and the torch file ``dcp_to_torch_save`` makes of it hold the same. ``metadata_only`` reads no tensor bytes.
     Nothing is loaded with torch; bytes are read in bounded memory. ``Difference.same`` says whether they agree.
     """
-    options = StoreOptions(profile, endpoint_url)
+    options = StoreOptions(**store)
     with _listing(a, options) as first, _listing(b, options) as second:
         return diff_listings(first, second, metadata_only=metadata_only)
 
@@ -296,16 +301,15 @@ def dry_run(
     dereference: bool = False,
     reset_phantom_step: bool = False,
     operations: Operations = NO_OPERATIONS,
-    profile: str | None = None,
-    endpoint_url: str | None = None,
     for_torch: str | None = None,
+    **store: Unpack[StoreArgs],
 ) -> DryRun:
     """What ``fix`` with the same arguments would add and write, and the room there is for it; writes nothing
     (but a temporary beside ``out``, removed at once: the run's first write, tried). What ``fix`` would refuse
     before it writes (an ``out`` that exists, without ``force``; too little room; a directory it cannot write
     in) is refused alike. Either side may be in a store, as for ``fix``."""
     request = _request(fill, optimizer, model, reset_phantom_step, operations)
-    options = StoreOptions(profile, endpoint_url)
+    options = StoreOptions(**store)
     weights = _weights_of(request, options)
     with _opened(checkpoint, options, dereference, release=_release_of(for_torch)) as read:
         finished = _finished(read, request, weights)
@@ -364,9 +368,8 @@ def fix(
     progress: Progress = ignore,
     notice: Notice = silent,
     verify: Literal["store", "download"] = "store",
-    profile: str | None = None,
-    endpoint_url: str | None = None,
     for_torch: str | None = None,
+    **store: Unpack[StoreArgs],
 ) -> FixResult:
     """Write a repaired copy of ``checkpoint`` to ``out``, verified as read back; the input is never modified.
 
@@ -394,11 +397,12 @@ def fix(
     started = time.monotonic()
     request = _request(fill, optimizer, model, reset_phantom_step, operations)
     reporter = Reporter(progress, notice)
-    options = StoreOptions(profile, endpoint_url)
+    options = StoreOptions(**store)
     source, release = _path_of(checkpoint), _release_of(for_torch)
     if verify == "download" and not (is_remote(source) and is_remote(out)):
         raise UsageError(
-            "{argument} is for copies made inside a store (s3:// to s3://, gs:// to gs://)", argument="verify"
+            "{argument} is for copies made inside a store (s3:// to s3://, gs:// to gs://, az:// to az://)",
+            argument="verify",
         )
     weights = _weights_of(request, options)
     copy = CopyRequest(force=force, link=link, sync=sync, read_back=verify == "download")

@@ -9,9 +9,10 @@ gives the median seconds, the peak RSS, and the ratio to the yardstick next to t
 
     python scripts/benchmark.py --gib 2 --params 1440 --moe-params 30000,300000 --chunks 1000000,5000000
 
-With ``--s3`` and ``--gcs``, the torch file and the DCP directory are also put in a store on 127.0.0.1 (moto's
-server mode; fake-gcs-server, as the tests start them), and inspect and fix there are measured beside a download
-of the same objects with the store's own client, with a second table of the requests and bytes each made
+With ``--s3``, ``--gcs`` and ``--azure``, the torch file and the DCP directory are also put in a store on 127.0.0.1
+(moto's server mode; fake-gcs-server and Azurite, as the tests start them), and inspect and fix there are measured
+beside a download of the same objects with the store's own client, with a second table of the requests and bytes
+each made
 (``benchmark_stores.py``).
 
 Absolute times drift on a shared machine; ratios measured side by side hold.
@@ -144,6 +145,7 @@ def main() -> int:
     )
     parser.add_argument("--s3", action="store_true", help="also measure s3:// inspect and fix (a local S3 server)")
     parser.add_argument("--gcs", action="store_true", help="also measure gs:// inspect and fix (a local GCS emulator)")
+    parser.add_argument("--azure", action="store_true", help="also measure az:// inspect and fix (Azurite)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--only", default="", help="measure only the rows whose command label contains this")
@@ -291,7 +293,7 @@ def main() -> int:
             (f"{label} [pure Python scan]", [*pure, *command[len(tool) :]], yard_label, yard_command, None)
             for label, command, yard_label, yard_command, _ in scaled
         ]
-        stores = [store for store, wanted in (("s3", args.s3), ("gcs", args.gcs)) if wanted]
+        stores = [store for store, wanted in (("s3", args.s3), ("gcs", args.gcs), ("azure", args.azure)) if wanted]
         remote = [row for store in stores for row in remote_pairs(store, torch_file, dcp_dir, tool)]
         pairs += [
             (label, command, yard_label, yard_command, None) for label, command, yard_label, yard_command, _ in remote

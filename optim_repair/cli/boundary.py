@@ -148,7 +148,7 @@ Checkpoint = Annotated[
     str,
     typer.Argument(
         metavar="CKPT",
-        help="A torch file, a checkpoint directory, or a DCP directory, on this machine or in s3:// or gs://BUCKET/PREFIX/.",
+        help="A torch file, a checkpoint directory, or a DCP directory, on this machine or in s3://, gs:// or az://BUCKET/PREFIX/.",
         show_default=False,
     ),
 ]
@@ -166,7 +166,18 @@ EndpointOption = Annotated[
     typer.Option(
         "--endpoint-url",
         metavar="URL",
-        help="For s3:// and gs://: the store's endpoint (default: AWS_ENDPOINT_URL; for gs://, STORAGE_EMULATOR_HOST).",
+        help="The store's endpoint (default: AWS_ENDPOINT_URL for s3://, STORAGE_EMULATOR_HOST for gs://, the "
+        "connection string's BlobEndpoint for az://).",
+        rich_help_panel=STORAGE,
+    ),
+]
+AccountOption = Annotated[
+    str | None,
+    typer.Option(
+        "--account",
+        metavar="NAME",
+        help="For az://: the storage account (default: the URL's, else AZURE_STORAGE_CONNECTION_STRING's, else "
+        "AZURE_STORAGE_ACCOUNT).",
         rich_help_panel=STORAGE,
     ),
 ]

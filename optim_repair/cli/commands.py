@@ -14,6 +14,7 @@ from optim_repair.cli.boundary import (
     FILLS,
     MODEL_CHANGES,
     STORAGE,
+    AccountOption,
     Checkpoint,
     ColorOption,
     Command,
@@ -37,7 +38,7 @@ from optim_repair.cli.boundary import (
 from optim_repair.decisions.optimizers import OPTIMIZERS
 from optim_repair.errors import ClosedPipe, ExitCode, Stopped
 from optim_repair.formats.pickle_limits import SCANNER
-from optim_repair.storage.schemes import is_remote
+from optim_repair.storage.schemes import StoreArgs, is_remote
 from optim_repair.version import versions
 
 app = typer.Typer(
@@ -67,14 +68,12 @@ def _main(
     """Find and repair missing optimizer state in PyTorch checkpoints, without touching the original."""
 
 
-def _step(
-    checkpoint: str, latest: bool, screen: render.Screen, profile: str | None, endpoint_url: str | None
-) -> str | Path:
+def _step(checkpoint: str, latest: bool, screen: render.Screen, store: StoreArgs) -> str | Path:
     """The checkpoint a command works on: ``checkpoint``, or with ``--latest`` its run's newest complete step."""
     if not latest:
         return checkpoint if is_remote(checkpoint) else Path(checkpoint)
     say = on_stderr(render.message_printer(screen))
-    step = api.latest_checkpoint(checkpoint, profile=profile, endpoint_url=endpoint_url, notice=say)
+    step = api.latest_checkpoint(checkpoint, notice=say, **store)
     say(f"newest complete step: {step}")
     return step
 
@@ -99,8 +98,8 @@ def inspect(
         typer.Option(
             metavar="PATH",
             help="Compare each optimizer with this model: safetensors (a file or a directory of shards), torch file "
-            "or DCP directory, here or in s3:// or gs://. Default: the weights beside the optimizer, when there are "
-            "some.",
+            "or DCP directory, here or in s3://, gs:// or az://. Default: the weights beside the optimizer, when "
+            "there are some.",
         ),
     ] = None,
     strict: Annotated[
@@ -114,6 +113,7 @@ def inspect(
     dereference: DereferenceFlag = False,
     profile: ProfileOption = None,
     endpoint_url: EndpointOption = None,
+    account: AccountOption = None,
     for_torch: ForTorchOption = None,
     json: JsonFlag = False,
     quiet: QuietFlag = False,
@@ -121,13 +121,15 @@ def inspect(
 ) -> None:
     """Report every optimizer, every parameter without state, and every malformed entry."""
     screen = make_screen(color, quiet)
+    store = StoreArgs(profile=profile, endpoint_url=endpoint_url, account=account)
     given = {"--model": model, "--for-torch": for_torch, "--profile": profile, "--endpoint-url": endpoint_url}
+    given["--account"] = account
     carried = (*(["--dereference"] if dereference else []), *(w for o, v in given.items() if v for w in (o, v)))
 
     def command() -> int:
         diagnosis = api.inspect(
-            _step(checkpoint, latest, screen, profile, endpoint_url), strict=strict, model=model,
-            dereference=dereference, profile=profile, endpoint_url=endpoint_url, for_torch=for_torch,
+            _step(checkpoint, latest, screen, store), strict=strict, model=model,
+            dereference=dereference, for_torch=for_torch, **store,
         )  # fmt: skip
         with writes_to("stdout"):
             if json:
@@ -183,7 +185,7 @@ def fix(
         typer.Option(
             metavar="PATH",
             help="Model weights for parameter shapes: safetensors (a file or a directory of shards), torch file "
-            "or DCP directory, here or in s3:// or gs://.",
+            "or DCP directory, here or in s3://, gs:// or az://.",
         ),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
@@ -252,12 +254,14 @@ def fix(
         typer.Option(
             metavar="store|download",
             parser=choice("--verify", ["store", "download"]),
-            help="For s3:// and gs://: prove server-side copies by the store's checksums (store), or read them back.",
+            help="For a store: prove server-side copies by its checksums (store; az:// copies are pinned, not proven), "
+            "or read them back.",
             rich_help_panel=STORAGE,
         ),
     ] = "store",
     profile: ProfileOption = None,
     endpoint_url: EndpointOption = None,
+    account: AccountOption = None,
     for_torch: ForTorchOption = None,
     json: JsonFlag = False,
     quiet: QuietFlag = False,
@@ -268,7 +272,8 @@ def fix(
     filled = FILLS[fill] if fill is not None else None
 
     def command() -> int:
-        step = _step(checkpoint, latest, screen, profile, endpoint_url)
+        store = StoreArgs(profile=profile, endpoint_url=endpoint_url, account=account)
+        step = _step(checkpoint, latest, screen, store)
         changes = api.model_changes(
             rename=[rename_pair(text) for text in rename or ()],
             drop=drop or (),
@@ -288,8 +293,7 @@ def fix(
                 dereference=dereference,
                 reset_phantom_step=reset_phantom_step,
                 operations=changes,
-                profile=profile,
-                endpoint_url=endpoint_url,
+                **store,
                 for_torch=for_torch,
             )
             with writes_to("stdout"):
@@ -314,8 +318,7 @@ def fix(
                 progress=on_stderr(progress),
                 notice=on_stderr(render.message_printer(screen)),
                 verify="download" if verify == "download" else "store",
-                profile=profile,
-                endpoint_url=endpoint_url,
+                **store,
                 for_torch=for_torch,
             )
         with writes_to("stdout"):
@@ -334,7 +337,7 @@ def fix(
 )
 def diff(
     a: Annotated[
-        str, typer.Argument(metavar="A", help="A checkpoint, as inspect takes it (a file, a directory, s3://, gs://).")
+        str, typer.Argument(metavar="A", help="A checkpoint, as inspect takes it (a file, a directory, a store URL).")
     ],
     b: Annotated[str, typer.Argument(metavar="B", help="The checkpoint to compare A with, in any format.")],
     metadata_only: Annotated[
@@ -346,6 +349,7 @@ def diff(
     ] = False,
     profile: ProfileOption = None,
     endpoint_url: EndpointOption = None,
+    account: AccountOption = None,
     json: JsonFlag = False,
     quiet: QuietFlag = False,
     color: ColorOption = "auto",
@@ -354,7 +358,8 @@ def diff(
     screen = make_screen(color, quiet)
 
     def command() -> int:
-        difference = api.diff(a, b, metadata_only=metadata_only, profile=profile, endpoint_url=endpoint_url)
+        store = StoreArgs(profile=profile, endpoint_url=endpoint_url, account=account)
+        difference = api.diff(a, b, metadata_only=metadata_only, **store)
         with writes_to("stdout"):
             if json:
                 render.print_json(render.diff_document(difference))

@@ -15,8 +15,8 @@ class Verification:
     """Files hard-linked to the original's (``link``): the same bytes by construction, not compared."""
     proof: str | None = None
     """How copies made inside an object store were proven (``S3 CRC32``, ``GCS CRC32C``; ``read back``; for a
-    local copy uploaded, ``UPLOADED`` and the checksum each upload was checked by), or None where every byte was
-    read."""
+    local copy uploaded, ``UPLOADED`` and the checksum each upload was checked by; ``PINNED`` and the version tag,
+    where they were not proven), or None where every byte was read."""
 
     def __add__(self, other: Verification) -> Verification:
         linked = self.linked + other.linked
@@ -26,6 +26,9 @@ class Verification:
 NOTHING = Verification(0, 0)
 UPLOADED = "uploaded, checked by "
 """How a proof begins for a copy proven on this machine, then uploaded to a store."""
+PINNED = "pinned to "
+"""How a proof begins for copies a store made pinned to their source's version tag and proved by no checksum
+(``WritableStore.pinned``): not proven."""
 
 
 @dataclass(frozen=True)

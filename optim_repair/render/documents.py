@@ -17,7 +17,7 @@ from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis
 from optim_repair.decisions.notices import Notice
 from optim_repair.records.inventory import ParamKey, Scalar
 from optim_repair.records.traffic import Traffic
-from optim_repair.records.verification import UPLOADED, Verification
+from optim_repair.records.verification import PINNED, UPLOADED, Verification
 from optim_repair.render.differences import DiffDoc, FileDoc, diff_document, file_docs
 from optim_repair.render.schema import SCHEMA_VERSION, VersionsDoc, versions_doc
 
@@ -315,6 +315,8 @@ def proof(verification: Verification) -> str:
     if verification.proof.startswith(UPLOADED):
         checked_by = verification.proof[len(UPLOADED) :]
         return f"read back through the file system, then uploaded, each object checked by {checked_by} on receipt"
+    if verification.proof.startswith(PINNED):
+        return f"copied inside the store {verification.proof}, not proven (--verify download reads the copies back)"
     return f"verified by {verification.proof}, not read back"
 
 

@@ -87,6 +87,10 @@ class WritableStore(Store, Protocol):
     """Whether ``compose`` takes a range of the original after new bytes (S3's multipart copy); where not (GCS's
     compose takes whole objects), a splice must keep the whole original and append to it."""
 
+    pinned: str | None
+    """Where the store proves no copy it makes by a checksum (Azure keeps none of a copy), how a report names its
+    copies: made pinned to their source's version tag, not proven; None where every copy is proven."""
+
     def scratch_keys(self, key: str) -> list[str]:
         """Keys besides ``key`` that a ``compose`` of ``key`` may write and deletes once done: a run's claim lists
         them, so that what a stopped run left there is removed by the next."""

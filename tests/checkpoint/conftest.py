@@ -1,5 +1,6 @@
 """Fixtures of the store tests: a two-rank FSDP checkpoint uploaded to the real S3-compatible server (``server``
-and ``environment`` in ``tests/conftest.py``), and the GCS emulator with one uploaded to it."""
+and ``environment`` in ``tests/conftest.py``), and the GCS emulator and the Azure Blob emulator (Azurite) with one
+uploaded to each."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.factories import azurite, gcsserver, s3server
 from tests.factories import dcp as dk
-from tests.factories import gcsserver, s3server
 from tests.factories.built import Built
 from tests.factories.s3server import PREFIX
 
@@ -44,3 +45,26 @@ def gcs_stored(gcs: gcsserver.Server, tmp_path: Path) -> tuple[str, Built]:
     bucket = gcsserver.new_bucket(gcs)
     gcsserver.upload(gcs, built.path, bucket, PREFIX)
     return bucket, built
+
+
+@pytest.fixture(scope="module")
+def azure() -> Iterator[azurite.Server]:
+    """A real Azure Blob emulator (Azurite) on 127.0.0.1 for each module that asks for one."""
+    started = azurite.start()
+    yield started
+    azurite.stop(started)
+
+
+@pytest.fixture
+def azure_environment(azure: azurite.Server) -> Iterator[None]:
+    """What a user sets for that emulator (``AZURE_STORAGE_CONNECTION_STRING``)."""
+    yield from azurite.environment(azure)
+
+
+@pytest.fixture
+def azure_stored(azure: azurite.Server, tmp_path: Path) -> tuple[str, Built]:
+    """A two-rank FSDP checkpoint, as ``dcp.save`` wrote it, uploaded under ``PREFIX`` of a new container."""
+    built = dk.sharded_dcp(tmp_path / "in")
+    container = azurite.new_container(azure)
+    azurite.upload(azure, built.path, container, PREFIX)
+    return container, built

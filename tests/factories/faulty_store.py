@@ -1,15 +1,27 @@
-"""An HTTP proxy on 127.0.0.1 in front of the real S3 server of ``tests.factories.s3server``, which passes every
-request and answer through unchanged until a fault is armed: then the store lies (names it does not hold, a whole
-object for a ranged read, a continuation token that never ends), drips, cuts answers off, loses answers of requests
-that took effect, fails, or answers late.
+"""An HTTP proxy on 127.0.0.1 in front of a real store's server (the S3 server of ``tests.factories.s3server``,
+the GCS emulator of ``gcsserver``, Azurite of ``azurite``), which passes every request and answer through unchanged
+until a fault is armed: then the store lies (names it does not hold, a whole object for a ranged read, a
+continuation token that never ends, an answer of its choosing), drips, cuts answers off, loses answers of requests
+that took effect, fails, or answers late; or another writer acts just before a request goes on.
 
-Clients reach it as they reach a store, by its endpoint (``AWS_ENDPOINT_URL``). It forwards the request as it came:
-method, path and query, the headers (Host and the SigV4 Authorization included) and the body; a body sent with
-chunked transfer encoding goes on de-chunked with a Content-Length, its other headers (``Content-Encoding:
-aws-chunked``, ``x-amz-decoded-content-length``) untouched. Only the headers of the hop itself (Connection,
-Transfer-Encoding, an Expect the proxy has already answered with ``100 Continue``) are not forwarded. The faults that
-alter a request (ignore-range drops the signed Range header, repeat-token a query parameter) would not pass a server
-that checks signatures; the others leave the request intact.
+Clients reach it as they reach a store, by its endpoint (``AWS_ENDPOINT_URL``, ``STORAGE_EMULATOR_HOST``, an
+``--endpoint-url`` of ``http://127.0.0.1:PORT/devstoreaccount1`` for Azure). It forwards the request as it came:
+method, path and query (an Azure SAS, which rides in the query, included), the headers (Host, the SigV4
+Authorization, every ``x-ms-*`` header included) and the body; a body sent with chunked transfer encoding goes on
+de-chunked with a Content-Length, its other headers (``Content-Encoding: aws-chunked``,
+``x-amz-decoded-content-length``) untouched. Only the headers of the hop itself (Connection, Transfer-Encoding, an
+Expect the proxy has already answered with ``100 Continue``) are not forwarded. The faults that alter a request
+(ignore-range drops the signed Range header, repeat-token a query parameter) would not pass a server that checks
+signatures; the others leave the request intact. A request carrying ``x-ms-version`` is Azure's: its failures are
+answered as Azure answers them (an ``x-ms-error-code`` header and Azure's XML error).
+
+What Azurite lacks, the proxy can do in its place (``copies-ranges``): Azurite answers Put Block From URL (``PUT
+?comp=block`` with ``x-ms-copy-source``) with 501, or 500 under an account SAS, where the service copies the range
+itself. Armed, the proxy serves it as Azure's REST reference describes it (learn.microsoft.com, "Put Block From
+URL"): the source is read by ``x-ms-source-range`` while its ETag is ``x-ms-source-if-match`` (a source changed
+since is ``412 SourceConditionNotMet``; a source that cannot be read, ``CannotVerifyCopySource`` with its status),
+authorized as the source URL says (its SAS, or ``x-ms-copy-source-authorization``); its bytes are staged as the
+block by a plain Put Block carrying their Content-MD5, and the answer is the service's ``201 Created``.
 """
 
 from __future__ import annotations
@@ -22,14 +34,20 @@ import socket
 import threading
 import time
 import uuid
+from base64 import b64encode
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from email.utils import formatdate
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Literal, get_args
 from urllib.parse import parse_qs, quote, urlsplit
 from xml.sax.saxutils import escape
 
-Kind = Literal["hostile-names", "ignore-range", "drip", "cut", "repeat-token", "lose-answer", "fail", "slow-headers"]
+Kind = Literal[
+    "hostile-names", "ignore-range", "drip", "cut", "repeat-token", "lose-answer", "fail", "slow-headers",
+    "copies-ranges", "meanwhile", "answer-body",
+]  # fmt: skip
 """What a fault does to the requests it hits (see ``Fault``)."""
 KINDS: tuple[Kind, ...] = get_args(Kind)
 TOKEN = "same-token"
@@ -38,6 +56,12 @@ _HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer
 """Headers of one hop, which a proxy does not pass on."""
 _NOT_XML = re.compile("[\x00-\x08\x0b-\x1f\ufffe\uffff]")
 """Characters that XML 1.0 text cannot hold as themselves (a carriage return would be read as a line feed)."""
+_FROM_URL = frozenset(
+    {"x-ms-copy-source", "x-ms-copy-source-authorization", "x-ms-source-range", "x-ms-source-if-match",
+     "x-ms-source-if-none-match", "x-ms-source-if-modified-since", "x-ms-source-if-unmodified-since",
+     "x-ms-source-content-md5", "x-ms-source-content-crc64"}
+)  # fmt: skip
+"""The headers of a Put Block From URL that speak of its source, which a plain Put Block does not carry."""
 
 
 @dataclass(frozen=True)
@@ -48,22 +72,35 @@ class Fault:
       of ``names`` after its own, KeyCount adjusted; URL-encoded as moto encodes its keys when the request asked for
       ``encoding-type=url`` (as botocore does), else XML-escaped, the characters XML cannot hold as themselves as
       character references (a carriage return survives; the control characters XML 1.0 forbids make parsers refuse
-      the answer, which is why S3 offers ``encoding-type=url``).
-    - ``ignore-range``: a request with a Range header goes to moto without it; the client gets the 200 and the whole
-      body.
+      the answer, which is why S3 offers ``encoding-type=url``). An Azure listing (``GET
+      /ACCOUNT/CONTAINER?restype=container&comp=list``) gains a ``<Blob>`` (Name, and Properties with Content-Length,
+      Etag, Last-Modified) for each after Azurite's own, its Name XML-escaped as above, or, where ``encoded``, as
+      Azure writes a name XML cannot hold: percent-encoded (every character but letters, digits and ``_.-~``),
+      ``<Name Encoded="true">``.
+    - ``ignore-range``: a request with a Range header (Azure's ``x-ms-range`` too) goes to moto without it; the client
+      gets the 200 and the whole body.
     - ``drip``: status and headers as usual, then the body one byte every ``delay`` seconds.
     - ``cut``: status and headers (the full Content-Length), ``after`` bytes of the body, then the connection closes.
     - ``repeat-token``: a ListObjectsV2 answer says it is truncated, with ``NextContinuationToken`` ``TOKEN``; a
       request that comes back with that token goes to moto without it (armed or not), so the first page comes again.
-    - ``lose-answer``: moto gets the request (it takes effect); the client gets ``status`` and an S3 error.
-    - ``fail``: moto never sees the request; the client gets ``status`` and an S3 error (``InternalError``).
+      An Azure listing's ``NextMarker`` becomes ``TOKEN`` (its ``marker`` parameter is dropped likewise).
+    - ``lose-answer``: moto gets the request (it takes effect); the client gets ``status`` and an S3 error (Azure's,
+      for Azure's requests).
+    - ``fail``: moto never sees the request; the client gets ``status`` and an S3 error (``InternalError``; Azure's,
+      for Azure's requests).
     - ``slow-headers``: moto gets the request at once; the answer starts ``delay`` seconds later.
+    - ``copies-ranges``: the proxy serves a Put Block From URL itself, as the module says, where Azurite cannot.
+    - ``meanwhile``: ``action`` runs (another writer's request, say) just before the request goes on.
+    - ``answer-body``: the answer's body is ``body`` instead (its status and other headers as they were).
 
-    A fault hits the requests of ``method`` (any when None) whose path and query contain ``match``, ``times`` of them
-    (all when None); hostile-names and repeat-token hit only listings (S3's ListObjectsV2, or GCS's JSON listing,
-    whose ``items`` gain the names and whose ``nextPageToken`` they set), ignore-range only ranged ones.
-    Faults of different kinds armed together combine on a request (a failed answer comes late, a cut one drips); of
-    one kind, the first armed that matches hits.
+    ``message``, where given, is the message of the error answer of fail and lose-answer, ``{target}`` in it
+    replaced by the request's path and query (a store that echoes the request). A fault hits the requests of
+    ``method`` (any when None) whose path and query contain ``match`` and that carry the header ``header`` (any
+    when empty), ``times`` of them (all when None); hostile-names and repeat-token hit only listings (S3's
+    ListObjectsV2, GCS's JSON listing, whose ``items`` gain the names and whose ``nextPageToken`` they set, or
+    Azure's), ignore-range only ranged ones, copies-ranges only Put Block From URL. Faults of different kinds armed
+    together combine on a request (a failed answer comes late, a cut one drips); of one kind, the first armed that
+    matches hits.
     """
 
     kind: Kind
@@ -74,6 +111,11 @@ class Fault:
     after: int = 0
     delay: float = 1.0
     status: int = 500
+    encoded: bool = False
+    header: str = ""
+    action: Callable[[], object] | None = None
+    body: bytes = b""
+    message: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -130,9 +172,19 @@ class FaultyProxy:
         with self._lock:
             self._armed = []
 
-    def take(self, method: str, target: str, *, listing: bool, ranged: bool) -> dict[Kind, Fault]:
+    def take(
+        self,
+        method: str,
+        target: str,
+        *,
+        listing: bool,
+        ranged: bool,
+        from_url: bool = False,
+        headers: Collection[str] = (),
+    ) -> dict[Kind, Fault]:
         """Record a request (``method`` and ``target``, its path and query) and return the faults that hit it, by kind;
-        ``listing``: it is a ListObjectsV2 request, ``ranged``: it has a Range header."""
+        ``listing``: it is a listing (ListObjectsV2, GCS's or Azure's), ``ranged``: it has a Range header,
+        ``from_url``: it is an Azure Put Block From URL, ``headers``: the names of its headers, in lower case."""
         hit: dict[Kind, Fault] = {}
         with self._lock:
             self.requests.append(f"{method} {target}")
@@ -143,8 +195,10 @@ class FaultyProxy:
                     or armed.left == 0
                     or (fault.method is not None and fault.method.upper() != method)
                     or fault.match not in target
+                    or (fault.header and fault.header.lower() not in headers)
                     or (fault.kind in ("hostile-names", "repeat-token") and not listing)
                     or (fault.kind == "ignore-range" and not ranged)
+                    or (fault.kind == "copies-ranges" and not from_url)
                 ):
                     continue
                 hit[fault.kind] = fault
@@ -187,25 +241,46 @@ class _Handler(BaseHTTPRequestHandler):
         proxy = server.proxy
         body, sized = self._read_body()
         query = parse_qs(urlsplit(self.path).query)
+        azure = "x-ms-version" in self.headers
         gcs_listing = self.command == "GET" and urlsplit(self.path).path.endswith("/o")  # GCS's JSON API
-        listing = self.command == "GET" and (query.get("list-type") == ["2"] or gcs_listing)
-        hit = proxy.take(self.command, self.path, listing=listing, ranged="Range" in self.headers)
+        azure_listing = (
+            self.command == "GET" and query.get("restype") == ["container"] and query.get("comp") == ["list"]
+        )
+        listing = self.command == "GET" and (query.get("list-type") == ["2"] or gcs_listing or azure_listing)
+        from_url = self.command == "PUT" and query.get("comp") == ["block"] and "x-ms-copy-source" in self.headers
+        ranged = "Range" in self.headers or "x-ms-range" in self.headers
+        names = {name.lower() for name in self.headers}
+        hit = proxy.take(self.command, self.path, listing=listing, ranged=ranged, from_url=from_url, headers=names)
+        if "meanwhile" in hit and hit["meanwhile"].action is not None:
+            hit["meanwhile"].action()
         if "fail" in hit:
-            answer = _error(hit["fail"].status)
+            answer = _error(hit["fail"].status, azure, _message(hit["fail"], self.path))
         else:
-            skipped = {"range"} if "ignore-range" in hit else set()
-            answer = self._forward(proxy.upstream, _without_token(self.path), body, sized, skipped)
+            if "copies-ranges" in hit:
+                answer = self._block_from_url(proxy, body)
+            else:
+                skipped = {"range", "x-ms-range"} if "ignore-range" in hit else set()
+                answer = self._forward(proxy.upstream, _without_token(self.path), body, sized, skipped)
             if answer.status == 200 and "hostile-names" in hit:
-                names = hit["hostile-names"].names
-                answer.body = (
-                    _with_items(answer.body, names)
-                    if gcs_listing
-                    else _with_names(answer.body, names, query.get("encoding-type") == ["url"])
-                )
+                fault = hit["hostile-names"]
+                if gcs_listing:
+                    answer.body = _with_items(answer.body, fault.names)
+                elif azure_listing:
+                    answer.body = _with_blobs(answer.body, fault.names, fault.encoded)
+                else:
+                    answer.body = _with_names(answer.body, fault.names, query.get("encoding-type") == ["url"])
             if answer.status == 200 and "repeat-token" in hit:
-                answer.body = _page_token(answer.body) if gcs_listing else _truncated(answer.body)
+                answer.body = (
+                    _page_token(answer.body)
+                    if gcs_listing
+                    else _next_marker(answer.body)
+                    if azure_listing
+                    else _truncated(answer.body)
+                )
+            if "answer-body" in hit:
+                answer.body = hit["answer-body"].body
             if "lose-answer" in hit:
-                answer = _error(hit["lose-answer"].status)
+                answer = _error(hit["lose-answer"].status, azure, _message(hit["lose-answer"], self.path))
         if "slow-headers" in hit:
             time.sleep(hit["slow-headers"].delay)
         try:
@@ -226,14 +301,25 @@ class _Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         return (self.rfile.read(int(length)), True) if length is not None else (b"", False)
 
-    def _forward(self, upstream: tuple[str, int], target: str, body: bytes, sized: bool, skipped: set[str]) -> _Answer:
-        """Moto's whole answer to the request, sent on with its headers but those of the hop and ``skipped``."""
+    def _forward(
+        self,
+        upstream: tuple[str, int],
+        target: str,
+        body: bytes,
+        sized: bool,
+        skipped: Collection[str],
+        added: Collection[tuple[str, str]] = (),
+    ) -> _Answer:
+        """Moto's whole answer to the request, sent on with its headers but those of the hop and ``skipped``, and
+        with ``added``."""
         connection = http.client.HTTPConnection(*upstream, timeout=60)
         try:
             connection.putrequest(self.command, target, skip_host=True, skip_accept_encoding=True)
             for name, value in self.headers.items():
-                if name.lower() not in _HOP | skipped | {"expect", "content-length"}:
+                if name.lower() not in _HOP | set(skipped) | {"expect", "content-length"}:
                     connection.putheader(name, value)
+            for name, value in added:
+                connection.putheader(name, value)
             if sized:
                 connection.putheader("Content-Length", str(len(body)))
             connection.endheaders(body if sized else None)
@@ -241,6 +327,44 @@ class _Handler(BaseHTTPRequestHandler):
             return _Answer(response.status, response.reason, response.getheaders(), response.read())
         finally:
             connection.close()
+
+    def _block_from_url(self, proxy: FaultyProxy, body: bytes) -> _Answer:
+        """A Put Block From URL served as Azure serves it (the module says how): the source's range read while it is
+        the ETag named, then staged by a plain Put Block of those bytes and their Content-MD5."""
+        if body:
+            return _azure_error(400, "InvalidHeaderValue", "A Put Block From URL carries no body.")
+        source = urlsplit(self.headers["x-ms-copy-source"])
+        if source.scheme != "http" or source.hostname is None:
+            return _azure_error(400, "CannotVerifyCopySource", "The copy source is no http:// URL the proxy reads.")
+        named = (source.hostname, source.port or 80)
+        ours = proxy.endpoint.rpartition(":")[2]  # the proxy names itself where a client reaches the store by it
+        host = proxy.upstream if str(named[1]) == ours and named[0] in ("127.0.0.1", "localhost") else named
+        headers = {"x-ms-version": self.headers.get("x-ms-version", "2023-11-03")}
+        for name, sent in (("x-ms-source-range", "x-ms-range"), ("x-ms-source-if-match", "If-Match"),
+                           ("x-ms-source-if-none-match", "If-None-Match"),
+                           ("x-ms-copy-source-authorization", "Authorization")):  # fmt: skip
+            if name in self.headers:
+                headers[sent] = self.headers[name]
+        connection = http.client.HTTPConnection(*host, timeout=60)
+        try:
+            connection.request("GET", f"{source.path}?{source.query}" if source.query else source.path,
+                               headers=headers)  # fmt: skip
+            response = connection.getresponse()
+            data = response.read()
+        finally:
+            connection.close()
+        if response.status == 412:
+            return _azure_error(412, "SourceConditionNotMet", "The source condition specified using HTTP conditional "
+                                "header(s) is not met.")  # fmt: skip
+        if response.status >= 300:
+            return _azure_error(response.status, "CannotVerifyCopySource", response.reason)
+        asked = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("x-ms-source-range", ""))
+        if asked is not None and len(data) != int(asked[2]) - int(asked[1]) + 1:
+            return _azure_error(
+                416, "InvalidRange", "The range specified is invalid for the current size of the source."
+            )
+        md5 = b64encode(hashlib.md5(data).digest()).decode()
+        return self._forward(proxy.upstream, self.path, data, True, _FROM_URL | {"content-md5"}, [("Content-MD5", md5)])
 
     def _answer(self, answer: _Answer, drip: Fault | None, cut: Fault | None) -> None:
         """Send ``answer`` (its Content-Length that of its whole body), its body dripped or cut if so armed."""
@@ -264,19 +388,44 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.shutdown(socket.SHUT_RDWR)
 
 
-def _error(status: int) -> _Answer:
-    """An S3 error answer (``InternalError``) with ``status``."""
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+def _message(fault: Fault, target: str) -> str | None:
+    """The message of ``fault``'s error answer, ``{target}`` in it the request's (None: the store's usual)."""
+    return fault.message.replace("{target}", target) if fault.message else None
+
+
+def _error(status: int, azure: bool = False, message: str | None = None) -> _Answer:
+    """An S3 error answer (``InternalError``) with ``status``; Azure's, for ``azure``; with ``message`` if given."""
+    if azure:
+        return _azure_error(status, "InternalError", message or "Server encountered an internal error.")
     request_id = uuid.uuid4().hex[:16].upper()
+    text = _xml_text(message or "We encountered an internal error. Please try again.")
     body = (
         '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
-        "<Message>We encountered an internal error. Please try again.</Message>"
-        f"<RequestId>{request_id}</RequestId></Error>"
+        f"<Message>{text}</Message><RequestId>{request_id}</RequestId></Error>"
     ).encode()
-    try:
-        phrase = HTTPStatus(status).phrase
-    except ValueError:
-        phrase = "Error"
-    return _Answer(status, phrase, [("Content-Type", "application/xml"), ("x-amz-request-id", request_id)], body)
+    return _Answer(
+        status, _phrase(status), [("Content-Type", "application/xml"), ("x-amz-request-id", request_id)], body
+    )
+
+
+def _azure_error(status: int, code: str, message: str) -> _Answer:
+    """An error answer as Azure's Blob service writes one: ``x-ms-error-code``, and the code and a message (with the
+    request's id and the time, as Azure adds them) in XML."""
+    request_id = str(uuid.uuid4())
+    text = _xml_text(
+        f"{message}\nRequestId:{request_id}\nTime:{time.strftime('%Y-%m-%dT%H:%M:%S.0000000Z', time.gmtime())}"
+    )
+    body = f'<?xml version="1.0" encoding="utf-8"?><Error><Code>{code}</Code><Message>{text}</Message></Error>'.encode()
+    headers = [("Content-Type", "application/xml"), ("x-ms-request-id", request_id), ("x-ms-error-code", code),
+               ("x-ms-version", "2023-11-03"), ("Date", formatdate(usegmt=True))]  # fmt: skip
+    return _Answer(status, _phrase(status), headers, body)
 
 
 def _without_token(target: str) -> str:
@@ -284,7 +433,8 @@ def _without_token(target: str) -> str:
     path, _, query = target.partition("?")
     if not query:
         return target
-    kept = [part for part in query.split("&") if part not in (f"continuation-token={TOKEN}", f"pageToken={TOKEN}")]
+    dropped = (f"continuation-token={TOKEN}", f"pageToken={TOKEN}", f"marker={TOKEN}")
+    kept = [part for part in query.split("&") if part not in dropped]
     return f"{path}?{'&'.join(kept)}" if kept else path
 
 
@@ -337,6 +487,37 @@ def _with_items(listing: bytes, names: tuple[str, ...]) -> bytes:
 def _page_token(listing: bytes) -> bytes:
     """A GCS listing (JSON) that says there is more, from ``TOKEN``."""
     return json.dumps({**json.loads(listing), "nextPageToken": TOKEN}).encode()
+
+
+def _with_blobs(listing: bytes, names: tuple[str, ...], encoded: bool) -> bytes:
+    """An Azure listing (XML) with a ``<Blob>`` for each of ``names`` after Azurite's own."""
+    entries = "".join(
+        (
+            f'<Blob><Name Encoded="true">{quote(name, safe="")}</Name>'
+            if encoded
+            else f"<Blob><Name>{_xml_text(name)}</Name>"
+        )
+        + "<Properties><Last-Modified>Mon, 01 Jan 2024 00:00:00 GMT</Last-Modified>"
+        f"<Etag>0x{hashlib.md5(name.encode()).hexdigest()[:15].upper()}</Etag>"
+        "<Content-Length>1</Content-Length><BlobType>BlockBlob</BlobType></Properties></Blob>"
+        for name in names
+    )
+    text = listing.decode()
+    text, found = re.subn(r"<Blobs\s*/>", f"<Blobs>{entries}</Blobs>", text, count=1)
+    if not found:
+        place = text.rindex("</Blobs>")
+        text = text[:place] + entries + text[place:]
+    return text.encode()
+
+
+def _next_marker(listing: bytes) -> bytes:
+    """An Azure listing (XML) that says there is more, from ``TOKEN``."""
+    marker = f"<NextMarker>{TOKEN}</NextMarker>"
+    text, found = re.subn(r"<NextMarker\s*/>|<NextMarker>[^<]*</NextMarker>", marker, listing.decode(), count=1)
+    if not found:
+        place = text.rindex("</EnumerationResults>")
+        text = text[:place] + marker + text[place:]
+    return text.encode()
 
 
 def start(upstream: str) -> FaultyProxy:

@@ -46,6 +46,7 @@ class GcsStore(GcsReader):
     """One GCS bucket, read and written: what the checkpoint layer's ``WritableStore`` asks of a store."""
 
     composes_ranges = False
+    pinned = None
 
     def scratch_keys(self, key: str) -> list[str]:
         return [f"{key}{SCRATCH}"]

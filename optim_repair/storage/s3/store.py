@@ -45,6 +45,7 @@ class S3Store(S3Reader):
     """One bucket of an S3 store, read and written: what the checkpoint layer's ``WritableStore`` asks of a store."""
 
     composes_ranges = True
+    pinned = None
 
     def scratch_keys(self, key: str) -> list[str]:
         """None: a composition is one multipart upload to ``key``."""
