@@ -3,9 +3,10 @@
 Counting, several requests at once, byte ranges coalesced into few reads, and two objects compared by reading both
 back.
 
-A store's reader (``s3.reading.S3Reader``, ``gcs.reading.GcsReader``) inherits ``BatchedReads`` and gives
-``get_range`` and ``head`` (``_Reads``); ``sibling`` is the same reader for another bucket; what it sends and how
-it judges each answer stays its own.
+A store's reader (``s3.reading.S3Reader``, ``gcs.reading.GcsReader``, ``azure.reading.AzureReader``) inherits
+``BatchedReads`` and gives ``get_range`` and ``head`` (``_Reads``); ``sibling`` is the same reader for another
+bucket; what it sends and how it judges each answer stays its own. A reader over a requests session (GCS's,
+Azure's) inherits ``HttpReads``: the session's retries, and a body read against a length and a pace.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from optim_repair import signals
+from optim_repair.errors import InputError, OptimRepairError
 from optim_repair.records.traffic import Traffic
+from optim_repair.storage.answers import receive
 from optim_repair.storage.interface import Store
 from optim_repair.storage.objects import StoredObject
 
@@ -52,6 +55,18 @@ class _Reads(Protocol):
     def head(self, key: str) -> StoredObject: ...
 
     def each(self, work: Callable[[_Item], _Result], items: Sequence[_Item]) -> Generator[_Result, None, None]: ...
+
+
+class _Answers(Protocol):
+    """What ``HttpReads.body`` builds on: the reader's counter, its transport's failures, and how it names an
+    object and a lost transport."""
+
+    _count: Counter
+    _transport: tuple[type[BaseException], ...]
+
+    def where(self, key: str) -> str: ...
+
+    def _lost(self, exc: BaseException, key: str) -> InputError: ...
 
 
 _Batched = TypeVar("_Batched", bound="BatchedReads")
@@ -124,6 +139,54 @@ class BatchedReads:
             yield from results
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+class HttpReads(BatchedReads):
+    """What a reader over a requests session does alike: the transport's retries, and each body read within a
+    length and at the floor's pace (``answers.receive``). The reader brings the client's modules (imported in its
+    own package, as its extra is), its transport's failures (``_transport``) and how a lost one is named
+    (``_lost``)."""
+
+    @staticmethod
+    def retrying(session: Any, requests: Any, retry: Any) -> Any:
+        """``session`` retrying 429 and 5xx answers and lost connections (4 attempts, backing off, as the store's
+        ``Retry-After`` asks), with a connection a request in flight."""
+        retries = retry.Retry(
+            total=4, backoff_factor=0.5, status_forcelist=(429, 500, 502, 503, 504), allowed_methods=None,
+            raise_on_status=False, respect_retry_after_header=True,
+        )  # fmt: skip
+        adapter = requests.adapters.HTTPAdapter(pool_maxsize=2 * WORKERS, max_retries=retries)
+        session.mount("http://", adapter)
+        session.mount("https://", adapter)
+        return session
+
+    def body(
+        self: _Answers,
+        answer: Any,
+        key: str,
+        limit: int,
+        sink: Callable[[bytes], None] | None = None,
+        *,
+        counted: bool = False,
+    ) -> bytes:
+        """The body of ``answer``, at most ``limit`` bytes at the floor's pace (``answers.receive``), into ``sink``
+        where given (else returned); ``counted``: an object's bytes, counted as read. A transport failure named."""
+        parts: list[bytes] = []
+
+        def taken(chunk: bytes) -> None:
+            if counted:
+                self._count.add(read=len(chunk))
+            (sink or parts.append)(chunk)
+
+        try:
+            receive(answer.raw, limit, taken, self.where(key))
+        except OptimRepairError:
+            raise
+        except self._transport as exc:
+            raise self._lost(exc, key) from exc
+        finally:
+            answer.close()
+        return b"".join(parts)
 
 
 def _end(wanted: Sequence[tuple[int, int]], group: Sequence[int]) -> int:

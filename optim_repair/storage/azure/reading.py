@@ -19,15 +19,14 @@ import importlib
 import re
 import urllib.parse
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, ObjectExists, OptimRepairError, OutputError, shown_name
-from optim_repair.storage.answers import CHANGED, WHOLE_ANSWER_BYTES, cut, receive, within
+from optim_repair.storage.answers import CHANGED, WHOLE_ANSWER_BYTES, cut, within
 from optim_repair.storage.azure.credentials import Access, access, without_queries
 from optim_repair.storage.azure.values import as_xml, encoded, is_md5, md5_of, text_of
-from optim_repair.storage.batched import WORKERS, BatchedReads, Counter
+from optim_repair.storage.batched import Counter, HttpReads
 from optim_repair.storage.names import checked_name, redacted
 from optim_repair.storage.objects import Copied, Small, StoredObject
 
@@ -45,7 +44,7 @@ _ETAG = re.compile(r'"?[\x21\x23-\x7e]{1,200}"?')
 _SMALL_ATTEMPTS = 5
 
 
-class AzureReader(BatchedReads):
+class AzureReader(HttpReads):
     """One container's objects, through one session whose every request is counted and every answer checked."""
 
     proof = "Azure Content-MD5"
@@ -55,14 +54,7 @@ class AzureReader(BatchedReads):
         self._requests = importlib.import_module("requests")
         retry = importlib.import_module("urllib3.util.retry")
         urllib3 = importlib.import_module("urllib3.exceptions")
-        self._session: Any = self._requests.Session()
-        retries = retry.Retry(
-            total=4, backoff_factor=0.5, status_forcelist=(429, 500, 502, 503, 504), allowed_methods=None,
-            raise_on_status=False, respect_retry_after_header=True,
-        )  # fmt: skip
-        adapter = self._requests.adapters.HTTPAdapter(pool_maxsize=2 * WORKERS, max_retries=retries)
-        self._session.mount("http://", adapter)
-        self._session.mount("https://", adapter)
+        self._session: Any = self.retrying(self._requests.Session(), self._requests, retry)
         self._once: Any = self._requests.Session()
         """For a request whose refusal is an answer (``send(retried=False)``): sent once."""
         self._transport: tuple[type[BaseException], ...] = (
@@ -113,28 +105,6 @@ class AzureReader(BatchedReads):
         if answer.status_code >= 400 and answer.status_code not in accept:
             raise self.failure(answer, key, writing, listing=(params or {}).get("comp") == "list")
         return answer
-
-    def body(
-        self, answer: Any, key: str, limit: int, sink: Callable[[bytes], None] | None = None, *, counted: bool = False
-    ) -> bytes:
-        """The body of ``answer``, at most ``limit`` bytes at the floor's pace (``answers.receive``), into ``sink``
-        where given (else returned); ``counted``: an object's bytes, counted as read. A transport failure named."""
-        parts: list[bytes] = []
-
-        def taken(chunk: bytes) -> None:
-            if counted:
-                self._count.add(read=len(chunk))
-            (sink or parts.append)(chunk)
-
-        try:
-            receive(answer.raw, limit, taken, self.where(key))
-        except OptimRepairError:
-            raise
-        except self._transport as exc:
-            raise self._lost(exc, key) from exc
-        finally:
-            answer.close()
-        return b"".join(parts)
 
     def whole(self, method: str, url: str, key: str, **kwargs: Any) -> tuple[Any, bytes]:
         """A request and its whole answer, read within ``WHOLE_ANSWER_BYTES`` and a deadline."""

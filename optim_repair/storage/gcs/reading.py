@@ -21,13 +21,13 @@ import os
 import re
 import urllib.parse
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, ObjectExists, OptimRepairError, OutputError, UsageError, shown_name
-from optim_repair.storage.answers import CHANGED, WHOLE_ANSWER_BYTES, cut, receive, within
-from optim_repair.storage.batched import WORKERS, BatchedReads, Counter
+from optim_repair.storage.answers import CHANGED, WHOLE_ANSWER_BYTES, cut, within
+from optim_repair.storage.batched import Counter, HttpReads
 from optim_repair.storage.gcs.values import as_json, crc32c_of, encoded, hashes, is_crc
 from optim_repair.storage.names import checked_endpoint, checked_name, redacted
 from optim_repair.storage.objects import Copied, Small, StoredObject
@@ -60,7 +60,7 @@ def _endpoint(endpoint_url: str | None) -> tuple[str, str]:
     return checked.rstrip("/"), named
 
 
-class GcsReader(BatchedReads):
+class GcsReader(HttpReads):
     """One bucket's objects, through one session whose every request is counted and every answer checked."""
 
     proof = "GCS CRC32C"
@@ -88,14 +88,7 @@ class GcsReader(BatchedReads):
                     "gcloud auth application-default login, or GOOGLE_APPLICATION_CREDENTIALS)"
                 ) from exc
             credentials = credentials_module.AnonymousCredentials()
-        self._session: Any = transport.AuthorizedSession(credentials)
-        retries = retry.Retry(
-            total=4, backoff_factor=0.5, status_forcelist=(429, 500, 502, 503, 504), allowed_methods=None,
-            raise_on_status=False, respect_retry_after_header=True,
-        )  # fmt: skip
-        adapter = self._requests.adapters.HTTPAdapter(pool_maxsize=2 * WORKERS, max_retries=retries)
-        self._session.mount("http://", adapter)
-        self._session.mount("https://", adapter)
+        self._session: Any = self.retrying(transport.AuthorizedSession(credentials), self._requests, retry)
         self._transport: tuple[type[BaseException], ...] = (
             self._requests.RequestException, urllib3.HTTPError, http.client.HTTPException, OSError
         )  # fmt: skip
@@ -141,28 +134,6 @@ class GcsReader(BatchedReads):
             return as_json(self.body(answer, key, WHOLE_ANSWER_BYTES), self.where(key))
 
         return within(call, self.where(key))
-
-    def body(
-        self, answer: Any, key: str, limit: int, sink: Callable[[bytes], None] | None = None, *, counted: bool = False
-    ) -> bytes:
-        """The body of ``answer``, at most ``limit`` bytes at the floor's pace (``answers.receive``), into ``sink``
-        where given (else returned); ``counted``: an object's bytes, counted as read. A transport failure named."""
-        parts: list[bytes] = []
-
-        def taken(chunk: bytes) -> None:
-            if counted:
-                self._count.add(read=len(chunk))
-            (sink or parts.append)(chunk)
-
-        try:
-            receive(answer.raw, limit, taken, self.where(key))
-        except OptimRepairError:
-            raise
-        except self._transport as exc:
-            raise self._lost(exc, key) from exc
-        finally:
-            answer.close()
-        return b"".join(parts)
 
     def _failure(self, answer: Any, key: str, writing: bool, *, listing: bool) -> OptimRepairError:
         """The error of a request the store refused: denied is exit 4, naming bucket and key; a write that would
