@@ -56,7 +56,8 @@ class Access:
 
     def source(self, url: str) -> tuple[str, dict[str, str]]:
         """A copy's source URL and headers, authorized as this run's own reads are (SAS in the URL, or the token
-        as ``x-ms-copy-source-authorization``)."""
+        as ``x-ms-copy-source-authorization``, which a copy by range takes and an asynchronous Copy Blob does not:
+        inside one account, its own request's token authorizes the source)."""
         if self.sas:
             return f"{url}?{self.sas}", {}
         if self.token is not None:

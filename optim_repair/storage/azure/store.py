@@ -149,11 +149,12 @@ class AzureStore(AzureReader):
             raise
 
     def _copy(self, source: str, stored: StoredObject, target: str, source_bucket: str) -> Copied:
-        url, headers = self.access.source(self.url(source, container=source_bucket))
+        url, _ = self.access.source(self.url(source, container=source_bucket))  # inside the account: a SAS, or
+        # the request's own Azure AD token, authorizes the source (an asynchronous copy takes no source token)
         answer = self.send(
             "PUT", self.url(target), target, writing=True,
             headers={"x-ms-copy-source": url, "x-ms-source-if-match": stored.etag, "If-None-Match": "*",
-                     f"x-ms-meta-{RUN_METADATA}": self.run, **headers},
+                     f"x-ms-meta-{RUN_METADATA}": self.run},
         )  # fmt: skip
         answer.close()
         copy_id, status = answer.headers.get("x-ms-copy-id"), answer.headers.get("x-ms-copy-status")
