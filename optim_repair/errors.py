@@ -99,6 +99,11 @@ def shown_name(name: str) -> str:
     return name if name.isprintable() and "\\" not in name else repr(name)
 
 
+def counted(number: int, noun: str) -> str:
+    """``number`` and ``noun``, plural where the number is not one (``1 object``, ``2 objects``)."""
+    return f"{number:,} {noun}" if number == 1 else f"{number:,} {noun}s"
+
+
 def os_error_reason(exc: OSError) -> str:
     """What an OSError says, in the one wording every message uses (a full disk is said as such)."""
     if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):

@@ -23,7 +23,7 @@ from optim_repair.checkpoint.planning import FinishedPlan
 from optim_repair.checkpoint.reading import DiskListing, Listing
 from optim_repair.checkpoint.stored import StoredCheckpoint, local_name
 from optim_repair.checkpoint.writing import check_room, free_space, preflight, probe, space_needed, write_copy
-from optim_repair.errors import OutputError, Remedy
+from optim_repair.errors import OutputError, Remedy, counted
 from optim_repair.formats.registry import role_of
 from optim_repair.progress import Meter, Reporter
 from optim_repair.records.request import CopyRequest
@@ -102,7 +102,7 @@ def _downloaded(
     if Path(os.path.abspath(target)).parent.is_dir() and total > free_space(target):
         reason = f"has {free_space(target):,} bytes free, too few to download {total:,}"
         raise OutputError(reason, path=str(target.parent))
-    reporter.notice(f"downloading {len(listing.listing)} objects ({total:,} bytes) beside {target}")
+    reporter.notice(f"downloading {counted(len(listing.listing), 'object')} ({total:,} bytes) beside {target}")
     listing.download(Meter(reporter.progress, total).writing)
     verification = write_copy(discover(listing.local), finished, target, replace(copy, link=True), reporter)
     return target, verification, listing.traffic()

@@ -26,7 +26,15 @@ from typing import BinaryIO, NamedTuple
 
 from optim_repair.checkpoint.planning import FinishedPlan
 from optim_repair.checkpoint.stored import StoredCheckpoint, members
-from optim_repair.errors import InputError, OutputError, Remedy, UsageError, VerificationError, shown_name
+from optim_repair.errors import (
+    InputError,
+    OutputError,
+    Remedy,
+    UsageError,
+    VerificationError,
+    counted,
+    shown_name,
+)
 from optim_repair.formats.dcp import REPAIR_SHARD_PREFIX
 from optim_repair.formats.dcp.adapter import PlannedDcp
 from optim_repair.formats.registry import is_dcp_metadata
@@ -72,7 +80,7 @@ def _refuse_existing(
     if foreign:
         shown = ", ".join(shown_name(name) for name in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
         raise OutputError(
-            f"holds {len(foreign)} objects the copy would not write ({shown}): it is no earlier copy, and "
+            f"holds {counted(len(foreign), 'object')} the copy would not write ({shown}): it is no earlier copy, and "
             "--force replaces only one; remove them yourself, or choose another {argument}",
             path=str(url),
             argument="out",
@@ -85,7 +93,7 @@ def _abort_left_uploads(
 ) -> None:
     aborted = store.abort_uploads(prefix, exact=exact)
     if aborted:
-        notice(f"aborted {aborted} unfinished uploads a stopped run left at {store.where(prefix)}")
+        notice(f"aborted {counted(aborted, 'unfinished upload')} a stopped run left at {store.where(prefix)}")
 
 
 class _Output(NamedTuple):

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
 from optim_repair import signals
-from optim_repair.errors import InputError, ObjectExists, OutputError, UsageError, shown
+from optim_repair.errors import InputError, ObjectExists, OutputError, UsageError, counted, shown
 from optim_repair.storage.interface import WritableStore
 from optim_repair.storage.objects import Copied, Small
 
@@ -227,7 +227,7 @@ def clear_stopped(store: WritableStore, marker: str, found: Small, notice: Calla
         owner = store.owner(key)
         if owner is not None and owner[0] == run:
             owned.append((key, owner[1].etag))
-    notice(f"removing the {len(owned)} objects a stopped run left at {store.where(marker)}")
+    notice(f"removing {counted(len(owned), 'object')} a stopped run left at {store.where(marker)}")
     with signals.held():
         _delete_each(store, owned)
         store.delete_own(marker, found.etag)

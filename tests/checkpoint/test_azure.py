@@ -187,7 +187,7 @@ def test_a_prefix_that_holds_objects_is_refused_unless_forced(
     with pytest.raises(OutputError, match="already holds objects; pass force=True to replace them"):
         api.fix(f"az://{container}/{PREFIX}", f"az://{container}/fixed/")
     assert azurite.keys(azure, container, "fixed/") == {"notes.txt"}
-    with pytest.raises(OutputError, match=r"holds 1 objects the copy would not write \(notes.txt\): it is no earlier"):
+    with pytest.raises(OutputError, match=r"holds 1 object the copy would not write \(notes.txt\): it is no earlier"):
         api.fix(f"az://{container}/{PREFIX}", f"az://{container}/fixed/", force=True)  # as on a disk: not a copy's
     assert azurite.keys(azure, container, "fixed/") == {"notes.txt"}
     assert azurite.get(azure, container, "fixed/notes.txt") == b"keep me"

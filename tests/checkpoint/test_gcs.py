@@ -148,7 +148,7 @@ def test_a_prefix_that_holds_objects_is_refused_unless_forced(
     with pytest.raises(OutputError, match="already holds objects; pass force=True to replace them"):
         api.fix(f"gs://{bucket}/{PREFIX}", f"gs://{bucket}/fixed/")
     assert gcsserver.keys(gcs, bucket, "fixed/") == {"notes.txt"}
-    with pytest.raises(OutputError, match=r"holds 1 objects the copy would not write \(notes.txt\): it is no earlier"):
+    with pytest.raises(OutputError, match=r"holds 1 object the copy would not write \(notes.txt\): it is no earlier"):
         api.fix(f"gs://{bucket}/{PREFIX}", f"gs://{bucket}/fixed/", force=True)  # as on a disk: not a copy's
     assert gcsserver.keys(gcs, bucket, "fixed/") == {"notes.txt"}
     api.fix(f"gs://{bucket}/{PREFIX}", f"gs://{bucket}/earlier/")

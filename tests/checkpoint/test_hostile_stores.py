@@ -194,7 +194,7 @@ def test_a_failed_completion_and_a_failed_abort_leave_nothing_at_the_output(
     assert s3server.keys(server, bucket, "fixed/") == set()  # no object, no marker
     faulty.disarm()
     again = run_cli([*command, "--endpoint-url", faulty.endpoint])
-    assert "aborted 1 unfinished uploads a stopped run left" in again.stderr
+    assert "aborted 1 unfinished upload a stopped run left" in again.stderr
     assert s3server.keys(server, bucket, "fixed/") == {"optimizer.pt"}
 
 
@@ -256,7 +256,7 @@ def test_a_live_runs_marker_is_refused_and_a_stopped_runs_cleared_only_of_what_i
     held._stop_renewing()  # the run stops renewing, as a killed one does
     time.sleep(3.1)
     result = run_cli(["fix", f"s3://{bucket}/{PREFIX}", "--out", f"s3://{bucket}/fixed/"], code=5)
-    assert "removing the 1 objects a stopped run left" in result.stderr
+    assert "removing 1 object a stopped run left" in result.stderr
     assert "already holds objects" in _one_line(result.stderr)  # the other writer's object is kept, and refused
     assert s3server.keys(server, bucket, "fixed/") == {"b"}
 
@@ -366,7 +366,7 @@ def test_a_single_objects_claim_aborts_only_that_objects_unfinished_uploads(
                for key in ("single/optimizer.pt", "single/optimizer.pth")}  # fmt: skip
     notices: list[str] = []
     api.fix(path, f"s3://{bucket}/single/optimizer.pt", notice=notices.append)
-    assert f"aborted 1 unfinished uploads a stopped run left at s3://{bucket}/single/optimizer.pt" in notices
+    assert f"aborted 1 unfinished upload a stopped run left at s3://{bucket}/single/optimizer.pt" in notices
     left = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
     assert [(upload["Key"], upload["UploadId"]) for upload in left] == [
         ("single/optimizer.pth", uploads["single/optimizer.pth"])

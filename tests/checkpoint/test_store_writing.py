@@ -98,7 +98,7 @@ def test_a_prefix_that_holds_objects_is_refused_unless_forced(
     with pytest.raises(OutputError, match="already holds objects; pass force=True to replace them"):
         api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/fixed/")
     assert s3server.keys(server, bucket, "fixed/") == {"notes.txt"}
-    with pytest.raises(OutputError, match=r"holds 1 objects the copy would not write \(notes.txt\): it is no earlier"):
+    with pytest.raises(OutputError, match=r"holds 1 object the copy would not write \(notes.txt\): it is no earlier"):
         api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/fixed/", force=True)  # as on a disk: not a copy's
     assert s3server.keys(server, bucket, "fixed/") == {"notes.txt"}
     api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/earlier/")
@@ -342,10 +342,10 @@ def test_the_unfinished_upload_of_a_killed_run_is_aborted_by_the_next(
         client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"half")
     notices: list[str] = []
     api.fix(f"s3://{bucket}/{PREFIX}", f"s3://{bucket}/fixed/", notice=notices.append)
-    assert notices == [f"aborted 1 unfinished uploads a stopped run left at s3://{bucket}/fixed/"]
+    assert notices == [f"aborted 1 unfinished upload a stopped run left at s3://{bucket}/fixed/"]
     trainer = trainers.hf_trainer(tmp_path / "in")
     api.fix(trainer.path / "optimizer.pt", f"s3://{bucket}/single/optimizer.pt", notice=notices.append)
-    assert notices[-1] == f"aborted 1 unfinished uploads a stopped run left at s3://{bucket}/single/optimizer.pt"
+    assert notices[-1] == f"aborted 1 unfinished upload a stopped run left at s3://{bucket}/single/optimizer.pt"
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
