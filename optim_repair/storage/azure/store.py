@@ -139,14 +139,22 @@ class AzureStore(AzureReader):
 
     def copy(self, source: str, stored: StoredObject, target: str, *, source_bucket: str) -> Copied:
         """The ETag ``stored`` of ``source`` (in ``source_bucket``) copied inside Azure to the new ``target``, waited
-        for until Azure says it succeeded; pinned to that ETag, not proven by a checksum."""
+        for until Azure says it succeeded; pinned to that ETag, not proven by a checksum. Where an object is found
+        there, it is this run's copy (a lost answer's retry found it: waited for in turn), or another writer's."""
         try:
-            return self._written(target, lambda: self._copy(source, stored, target, source_bucket))
+            return self._copy(source, stored, target, source_bucket)
         except ObjectExists:
             original = self.sibling(source_bucket)
             if original.head(source).etag != stored.etag:  # a refusal of the pin, not of the no-replace
                 raise InputError(CHANGED, path=original.where(source)) from None
-            raise
+            _, _, run, described = self._head(target)
+            if run != self.run:
+                raise ObjectExists(
+                    "exists: another writer put an object there first", path=self.where(target)
+                ) from None
+            written = self._waited(target, str(described.headers.get("x-ms-copy-id", "")), stored.size)
+            self.count(copied=stored.size)
+            return written
 
     def _copy(self, source: str, stored: StoredObject, target: str, source_bucket: str) -> Copied:
         url, _ = self.access.source(self.url(source, container=source_bucket))  # inside the account: a SAS, or
