@@ -97,6 +97,14 @@ def test_without_a_connection_string_or_an_account_the_error_names_the_account(
     assert "Traceback" not in result.stderr
 
 
+def test_a_connection_string_whose_key_is_no_key_is_exit_2_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", "AccountName=acct01;AccountKey=not*base64!")
+    result = run_cli(["inspect", "az://container/run/"], code=2)
+    assert result.stderr.strip() == (
+        "optim-repair: error: AZURE_STORAGE_CONNECTION_STRING holds an AccountKey that is not base64"
+    )
+
+
 def test_an_empty_torch_file_is_named_empty_as_on_a_disk(azure: azurite.Server) -> None:
     container = azurite.new_container(azure)
     azurite.put(azure, container, f"{PREFIX}optimizer.pt", b"")

@@ -104,12 +104,16 @@ def access(account: str | None, endpoint_url: str | None) -> Access:
         f"https://{named}.blob.core.windows.net"
     )
     if "AccountKey" in connection:
-        sas = blob.generate_account_sas(
-            named, connection["AccountKey"],
-            resource_types=blob.ResourceTypes(service=True, container=True, object=True),
-            permission=blob.AccountSasPermissions(read=True, write=True, delete=True, list=True, add=True, create=True),
-            expiry=datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=SAS_DAYS),
-        )  # fmt: skip
+        try:
+            sas = blob.generate_account_sas(
+                named, connection["AccountKey"],
+                resource_types=blob.ResourceTypes(service=True, container=True, object=True),
+                permission=blob.AccountSasPermissions(read=True, write=True, delete=True, list=True, add=True,
+                                                      create=True),
+                expiry=datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=SAS_DAYS),
+            )  # fmt: skip
+        except ValueError:  # binascii.Error: a key Azure never gave
+            raise UsageError("AZURE_STORAGE_CONNECTION_STRING holds an AccountKey that is not base64") from None
         return Access(named, endpoint.rstrip("/"), sas, None)
     if "SharedAccessSignature" in connection:
         return Access(named, endpoint.rstrip("/"), connection["SharedAccessSignature"].lstrip("?"), None)
