@@ -108,7 +108,9 @@ class Claim:
 
     def renew(self) -> None:
         """Write the marker again (its lease starts anew), only over this run's own; ``OutputError`` when it is not
-        this run's any more (another run took it over after this one's lease lapsed)."""
+        this run's any more (another run took it over after this one's lease lapsed). A renewal refused because an
+        earlier attempt of it took effect (its answer lost, the transport retried) finds the marker still this
+        run's, and keeps its new version."""
         with self._lock:
             etag = self._etag
             if etag is None:
@@ -118,6 +120,10 @@ class Claim:
             except (ObjectExists, InputError) as exc:
                 if isinstance(exc, InputError) and "no such object" not in exc.reason:
                     raise
+                found = self.store.owner(self.marker) if isinstance(exc, ObjectExists) else None
+                if found is not None and found[0] == self.store.run:  # this renewal took effect, its answer was
+                    self._etag = found[1].etag  # lost, and the transport's retry was refused: the marker is ours
+                    return
                 raise OutputError(
                     "this run's claim was taken over by another run (its lease lapsed); the copy is not committed",
                     path=self.store.where(self.marker),
