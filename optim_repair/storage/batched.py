@@ -11,7 +11,10 @@ Azure's) inherits ``HttpReads``: the session's retries, and a body read against 
 
 from __future__ import annotations
 
+import http.client
+import importlib
 import threading
+import uuid
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
@@ -142,15 +145,19 @@ class BatchedReads:
 
 
 class HttpReads(BatchedReads):
-    """What a reader over a requests session does alike: the transport's retries, and each body read within a
-    length and at the floor's pace (``answers.receive``). The reader brings the client's modules (imported in its
-    own package, as its extra is), its transport's failures (``_transport``) and how a lost one is named
-    (``_lost``)."""
+    """What a reader over a requests session does alike: one session whose transport retries, its failures
+    named, a new run and its counter (``opened``), and each body read within a length and at the floor's pace
+    (``answers.receive``). The reader brings its session and the requests module (imported in its own package,
+    as its extra is) and how a lost transport is named (``_lost``)."""
 
-    @staticmethod
-    def retrying(session: Any, requests: Any, retry: Any) -> Any:
-        """``session`` retrying 429 and 5xx answers and lost connections (4 attempts, backing off, as the store's
-        ``Retry-After`` asks), with a connection a request in flight."""
+    _session: Any
+    _transport: tuple[type[BaseException], ...]
+
+    def opened(self, bucket: str, session: Any, requests: Any) -> None:
+        """Read ``bucket`` through ``session``, retrying 429 and 5xx answers and lost connections (4 attempts,
+        backing off, as the store's ``Retry-After`` asks), with a connection a request in flight; as a new run."""
+        retry = importlib.import_module("urllib3.util.retry")
+        urllib3 = importlib.import_module("urllib3.exceptions")
         retries = retry.Retry(
             total=4, backoff_factor=0.5, status_forcelist=(429, 500, 502, 503, 504), allowed_methods=None,
             raise_on_status=False, respect_retry_after_header=True,
@@ -158,7 +165,12 @@ class HttpReads(BatchedReads):
         adapter = requests.adapters.HTTPAdapter(pool_maxsize=2 * WORKERS, max_retries=retries)
         session.mount("http://", adapter)
         session.mount("https://", adapter)
-        return session
+        self._session = session
+        self._transport = (requests.RequestException, urllib3.HTTPError, http.client.HTTPException, OSError)
+        self.bucket = bucket
+        self.run = uuid.uuid4().hex
+        """This run's id, in the metadata of every object it writes."""
+        self._count = Counter()
 
     def body(
         self: _Answers,

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import email.utils
 import hashlib
-import http.client
 import importlib
 import re
 import urllib.parse
-import uuid
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -26,7 +24,7 @@ from optim_repair.errors import InputError, ObjectExists, OptimRepairError, Outp
 from optim_repair.storage.answers import CHANGED, WHOLE_ANSWER_BYTES, cut, within
 from optim_repair.storage.azure.credentials import Access, access, without_queries
 from optim_repair.storage.azure.values import as_xml, encoded, is_md5, md5_of, text_of
-from optim_repair.storage.batched import Counter, HttpReads
+from optim_repair.storage.batched import HttpReads
 from optim_repair.storage.names import checked_name, redacted
 from optim_repair.storage.objects import Copied, Small, StoredObject
 
@@ -52,18 +50,9 @@ class AzureReader(HttpReads):
     def __init__(self, container: str, *, account: str | None = None, endpoint_url: str | None = None) -> None:
         self.access: Access = access(account, endpoint_url)
         self._requests = importlib.import_module("requests")
-        retry = importlib.import_module("urllib3.util.retry")
-        urllib3 = importlib.import_module("urllib3.exceptions")
-        self._session: Any = self.retrying(self._requests.Session(), self._requests, retry)
+        self.opened(container, self._requests.Session(), self._requests)
         self._once: Any = self._requests.Session()
         """For a request whose refusal is an answer (``send(retried=False)``): sent once."""
-        self._transport: tuple[type[BaseException], ...] = (
-            self._requests.RequestException, urllib3.HTTPError, http.client.HTTPException, OSError
-        )  # fmt: skip
-        self.bucket = container
-        self.run = uuid.uuid4().hex
-        """This run's id, in the metadata of every object it writes."""
-        self._count = Counter()
 
     def where(self, key: str) -> str:
         return f"az://{self.bucket}/{key}"

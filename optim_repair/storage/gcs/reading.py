@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import datetime
 import email.utils
-import http.client
 import importlib
 import os
 import re
 import urllib.parse
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, ObjectExists, OptimRepairError, OutputError, UsageError, shown_name
 from optim_repair.storage.answers import CHANGED, WHOLE_ANSWER_BYTES, cut, within
-from optim_repair.storage.batched import Counter, HttpReads
+from optim_repair.storage.batched import HttpReads
 from optim_repair.storage.gcs.values import as_json, crc32c_of, encoded, hashes, is_crc
 from optim_repair.storage.names import checked_endpoint, checked_name, redacted
 from optim_repair.storage.objects import Copied, Small, StoredObject
@@ -72,8 +70,6 @@ class GcsReader(HttpReads):
             transport = importlib.import_module("google.auth.transport.requests")
             credentials_module = importlib.import_module("google.auth.credentials")
             self._requests = importlib.import_module("requests")
-            retry = importlib.import_module("urllib3.util.retry")
-            urllib3 = importlib.import_module("urllib3.exceptions")
             importlib.import_module("google_crc32c")
         except ImportError:
             raise UsageError("gs:// checkpoints need google-auth: pip install 'optim-repair[gcs]'") from None
@@ -88,14 +84,7 @@ class GcsReader(HttpReads):
                     "gcloud auth application-default login, or GOOGLE_APPLICATION_CREDENTIALS)"
                 ) from exc
             credentials = credentials_module.AnonymousCredentials()
-        self._session: Any = self.retrying(transport.AuthorizedSession(credentials), self._requests, retry)
-        self._transport: tuple[type[BaseException], ...] = (
-            self._requests.RequestException, urllib3.HTTPError, http.client.HTTPException, OSError
-        )  # fmt: skip
-        self.bucket = bucket
-        self.run = uuid.uuid4().hex
-        """This run's id, in the metadata of every object it writes."""
-        self._count = Counter()
+        self.opened(bucket, transport.AuthorizedSession(credentials), self._requests)
 
     def where(self, key: str) -> str:
         return f"gs://{self.bucket}/{key}"
