@@ -165,9 +165,7 @@ class Claim:
         """The copy is whole: stop renewing and delete the marker."""
         self._stop_renewing()
         with signals.held():
-            if self._etag is not None:
-                self.store.delete_own(self.marker, self._etag)
-                self._etag = None
+            self._delete_marker()
 
     def undo(self) -> None:
         """The run failed: delete what it wrote, and only that, then its marker."""
@@ -179,9 +177,18 @@ class Claim:
                 if found is not None and found[0] == self.store.run:
                     owned[key] = found[1].etag
             _delete_each(self.store, owned.items())
-            if self._etag is not None:
-                self.store.delete_own(self.marker, self._etag)
-                self._etag = None
+            self._delete_marker()
+
+    def _delete_marker(self) -> None:
+        """Delete this run's marker by the version it wrote last; where the store holds another version that still
+        carries this run's id (a renewal took effect, its answer lost), by that one."""
+        if self._etag is None:
+            return
+        self.store.delete_own(self.marker, self._etag)
+        found = self.store.owner(self.marker)
+        if found is not None and found[0] == self.store.run:
+            self.store.delete_own(self.marker, found[1].etag)
+        self._etag = None
 
     def _stop_renewing(self) -> None:
         self._stop.set()
