@@ -165,7 +165,9 @@ class Claim:
         """The copy is whole: stop renewing and delete the marker."""
         self._stop_renewing()
         with signals.held():
-            self._delete_marker()
+            if self._etag is not None:
+                self.store.delete_own(self.marker, self._etag)
+                self._etag = None
 
     def undo(self) -> None:
         """The run failed: delete what it wrote, and only that, then its marker."""
@@ -181,7 +183,8 @@ class Claim:
 
     def _delete_marker(self) -> None:
         """Delete this run's marker by the version it wrote last; where the store holds another version that still
-        carries this run's id (a renewal took effect, its answer lost), by that one."""
+        carries this run's id (a renewal took effect, its answer lost or never given), by that one. (A release
+        needs no such look: its commit renewed the marker just before, and knows its version.)"""
         if self._etag is None:
             return
         self.store.delete_own(self.marker, self._etag)
