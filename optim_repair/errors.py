@@ -30,15 +30,17 @@ class ExitCode(enum.IntEnum):
     INTERNAL = 70
     """A bug in optim-repair (EX_SOFTWARE), never an input problem."""
     HUNG_UP = 129
-    """SIGHUP (the terminal closed); nothing was written. Each signal's code is 128 plus its number."""
+    """SIGHUP (the terminal closed); nothing was written, or the copy was finished and is kept. Each signal's code
+    is 128 plus its number."""
     INTERRUPTED = 130
-    """Interrupted (Ctrl-C, SIGINT); nothing was written."""
+    """Interrupted (Ctrl-C, SIGINT); nothing was written, or the copy was finished and is kept."""
     QUIT = 131
-    """SIGQUIT (Ctrl-\\); nothing was written."""
+    """SIGQUIT (Ctrl-\\); nothing was written, or the copy was finished and is kept."""
     BROKEN_PIPE = 141
-    """stdout or stderr is a pipe its reader closed (the exit code of SIGPIPE); nothing was written."""
+    """stdout or stderr is a pipe its reader closed (the exit code of SIGPIPE);
+    nothing was written, or the copy was finished and is kept."""
     TERMINATED = 143
-    """Terminated (SIGTERM); nothing was written."""
+    """Terminated (SIGTERM); nothing was written, or the copy was finished and is kept."""
 
 
 @dataclass(frozen=True)

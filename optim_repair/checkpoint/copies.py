@@ -29,7 +29,7 @@ from optim_repair.progress import Meter, Reporter
 from optim_repair.records.request import CopyRequest
 from optim_repair.records.traffic import Traffic
 from optim_repair.records.verification import UPLOADED, Verification
-from optim_repair.storage.disk_staging import remove_stale, taken_back_on_failure, temporary_sibling
+from optim_repair.storage.disk_staging import recorded_placements, remove_stale, temporary_sibling
 from optim_repair.storage.schemes import StoreOptions, is_remote, parse_url
 
 Written = tuple[Path | str, Verification, Traffic | None]
@@ -121,7 +121,7 @@ def _uploaded(
     with temporary_sibling(private, directory=True) as tmp:
         staged = tmp / found.root.name
         link = os.stat(tmp).st_dev == os.stat(found.target).st_dev
-        with taken_back_on_failure():  # the staged copy is this run's own, never a copy the user was given
+        with recorded_placements():  # the staged copy is this run's own, never a copy the user was given
             verification = write_copy(found, finished, staged, CopyRequest(link=link, sync=False), reporter)
         traffic, checked_by = store_writing.upload_copy(
             staged, key, force=copy.force, options=options, reporter=reporter

@@ -3,7 +3,8 @@
 ``run_command`` is the one place where a library error becomes a message on stderr (and a JSON document
 on stdout with ``--json``) and an exit code; ``Command`` and ``Group`` make click's own usage errors read
 the same way. A command's output is part of its run: a write to stdout or stderr that fails is an error
-(exit 5, or 141 for a closed pipe), and a run that fails, however late, leaves no copy behind.
+(exit 5, or 141 for a closed pipe). A run that fails before its copy is verified and in place leaves nothing
+behind; one that fails after keeps the copy, which is never undone.
 """
 
 from __future__ import annotations
@@ -32,19 +33,21 @@ from optim_repair.errors import (
     os_error_reason,
 )
 from optim_repair.records.repair_plan import FillChoice
-from optim_repair.storage.disk_staging import taken_back_on_failure
+from optim_repair.storage.disk_staging import recorded_placements
 
+_ENDED = "nothing was written, or the copy was finished and is kept"
+"""What a run that ends early leaves: nothing, or its copy, once verified and in place (never undone)."""
 _COMMON_EXITS = {
     ExitCode.USAGE: "usage error",
     ExitCode.INPUT: "input missing, unreadable, unsafe to load, or without optimizer state",
     ExitCode.OUTPUT: "output refused or failed, stdout and stderr included",
     ExitCode.INTERNAL: "internal error (a bug in optim-repair: please report it)",
-    ExitCode.HUNG_UP: "hung up (SIGHUP: the terminal closed); nothing was written",
-    ExitCode.INTERRUPTED: "interrupted (Ctrl-C, SIGINT); nothing was written",
-    ExitCode.QUIT: "quit (SIGQUIT, Ctrl-\\); nothing was written",
+    ExitCode.HUNG_UP: f"hung up (SIGHUP: the terminal closed); {_ENDED}",
+    ExitCode.INTERRUPTED: f"interrupted (Ctrl-C, SIGINT); {_ENDED}",
+    ExitCode.QUIT: f"quit (SIGQUIT, Ctrl-\\); {_ENDED}",
     ExitCode.BROKEN_PIPE: "stdout or stderr is a pipe its reader closed (| head), as SIGPIPE would give, silently; "
-    "nothing was written",
-    ExitCode.TERMINATED: "terminated (SIGTERM); nothing was written",
+    + _ENDED,
+    ExitCode.TERMINATED: f"terminated (SIGTERM); {_ENDED}",
 }
 
 
@@ -307,39 +310,37 @@ def run_command(command: Callable[[], int], screen: render.Screen, *, json: bool
 
     Once the result is written out, the run's signals wait until it exits (``signals.settle``): a finished
     run stays finished. A run that fails after its copy was moved into place, its output or a signal
-    included, takes the copy back, and says so."""
+    included, keeps the copy (verified, and never undone), and says so."""
     try:
-        with taken_back_on_failure() as placed:
+        with recorded_placements() as placed:
             _check_streams()
             code = command()
             _flush()
             signals.settle()
-    except ClosedPipe as exc:  # | head: exit 141 and silence, as cat and git, unless a copy was taken back
+    except ClosedPipe as exc:  # | head: exit 141 and silence, as cat and git; a copy in place stays
         signals.settle()
         code = exc.exit_code
-        if placed:
-            fail(_taken_back(str(exc), placed), exc.exit_code, exc.code, exc.path, json, screen)
     except OptimRepairError as exc:
         signals.settle()
         argument = "--" + exc.argument.replace("_", "-") if exc.argument else ""
         message = exc.describe(argument, _as_flag(exc.remedy) if exc.remedy else "")
-        code = fail(_taken_back(message, placed), exc.exit_code, exc.code, exc.path, json, screen)
+        code = fail(_kept(message, placed), exc.exit_code, exc.code, exc.path, json, screen)
     except (KeyboardInterrupt, Stopped) as exc:  # KeyboardInterrupt: the app run without the console's handler
         signals.settle()
         signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
         kind, words = signals.ENDING[signum]
-        message = _taken_back(words, placed) if placed else f"{words}; nothing was written"
+        message = _kept(words, placed) if placed else f"{words}; nothing was written"
         code = fail(message, 128 + signum, kind, None, json, screen)
     except Exception as exc:  # a bug, not an input problem: one line, its own exit code
         signals.settle()
         message = f"internal error ({type(exc).__name__}: {exc}); please report it"
-        code = fail(_taken_back(message, placed), ExitCode.INTERNAL, "internal", None, json, screen)
+        code = fail(_kept(message, placed), ExitCode.INTERNAL, "internal", None, json, screen)
     raise typer.Exit(code)
 
 
-def _taken_back(message: str, placed: list[Path]) -> str:
-    """``message``, saying that the copy this run had already moved into place was removed again."""
-    return f"{message}; {placed[0]} was already written and verified, and was removed again" if placed else message
+def _kept(message: str, placed: list[Path]) -> str:
+    """``message``, saying that the copy this run had already moved into place is finished and kept."""
+    return f"{message}; {placed[0]} was already written and verified, and is kept" if placed else message
 
 
 def fail(message: str, code: int, kind: str, path: str | None, json: bool, screen: render.Screen) -> int:

@@ -6,9 +6,9 @@ its whole life; a later run that finds a temporary nobody holds (its run was kil
 says so. Without ``force`` the rename refuses to replace anything (``renameat2(RENAME_NOREPLACE)``),
 so that of two runs racing to one ``--out`` the later fails instead of silently replacing the other.
 
-Within ``taken_back_on_failure`` (the command line's whole run), a copy moved into place is taken back
-again if the run fails after all (its result could not be printed, a signal came), so that a failed run
-never leaves a copy behind.
+Within ``recorded_placements`` (the command line's whole run), each copy moved into place is recorded, so
+that a run that fails after all (its result could not be printed, a signal came) can say that its copy is
+finished and kept: a copy once verified and in place is never removed again.
 """
 
 from __future__ import annotations
@@ -145,38 +145,32 @@ def _rename_no_replace(tmp: Path, out: Path) -> None:
         os.unlink(tmp)
 
 
-_provisional: list[list[Path]] = []
-"""The copies moved into place within each open ``taken_back_on_failure``, innermost last."""
+_recording: list[list[Path]] = []
+"""The copies moved into place within each open ``recorded_placements``, innermost last."""
 
 
 @contextlib.contextmanager
-def taken_back_on_failure() -> Iterator[list[Path]]:
-    """Within the block, a copy moved into place is provisional: if the block raises (a signal's ``Stopped``
-    included), each copy it moved into place is removed again. Yields the list of those copies.
+def recorded_placements() -> Iterator[list[Path]]:
+    """Within the block, each copy moved into place is recorded in the list it yields (by the innermost such
+    block only), and stays where it is whatever the block raises afterwards.
 
     The command line runs a whole command in one, its output included, so that a run that cannot print its
-    result, or that a signal stops after the rename, does not exit with an error and leave a copy behind.
-    Outside one, as for ``optim_repair.fix``, a copy moved into place stays."""
+    result, or that a signal stops after the rename, can say that its copy was written, verified and kept."""
     placed: list[Path] = []
-    _provisional.append(placed)
+    _recording.append(placed)
     try:
         yield placed
-    except BaseException:
-        with held():
-            for path in placed:
-                remove(path)
-        raise
     finally:
-        _provisional.remove(placed)
+        _recording.remove(placed)
 
 
 def move_into_place(tmp: Path, out: Path, *, force: bool, sync: bool = True) -> None:
     """Make ``tmp`` be ``out``: without ``force`` only if nothing is there; with it, replacing what is.
     With ``sync``, the directory holding ``out`` is synced after, so that the rename survives a crash."""
-    with held():  # renamed and recorded together, or neither: a copy is taken back only when recorded
+    with held():  # renamed and recorded together, or neither: a failure after the rename can say it is kept
         _rename(tmp, out, force=force)
-        if _provisional:
-            _provisional[-1].append(out)
+        if _recording:
+            _recording[-1].append(out)
     if sync:
         descriptor = os.open(Path(os.path.abspath(out)).parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:

@@ -95,11 +95,13 @@ def test_a_signal_at_any_moment_is_its_exit_code_and_leaves_nothing_behind(
         return
     assert process.returncode == 128 + signum, stderr
     words = ENDING[signum][1]
-    assert stderr in (
-        f"optim-repair: error: {words}; nothing was written\n",
-        f"optim-repair: error: {words}; {out} was already written and verified, and was removed again\n",
-    )
-    assert not out.exists()
+    kept = f"optim-repair: error: {words}; {out} was already written and verified, and is kept\n"
+    assert stderr in (f"optim-repair: error: {words}; nothing was written\n", kept)
+    if stderr == kept:  # a finished copy is never undone
+        assert filecmp.cmp(large.path / "big.bin", out / "big.bin", shallow=False)
+        assert optim_repair.inspect(out).verdict == "healthy"
+    else:
+        assert not out.exists()
 
 
 def _full_pipe() -> tuple[int, int]:
@@ -116,8 +118,9 @@ def _full_pipe() -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("signum", SIGNALS, ids=lambda value: value.name)
-def test_a_signal_after_the_rename_takes_the_copy_back(large: Checkpoint, tmp_path: Path, signum: int) -> None:
-    """The copy is in place but its summary is not out (stdout is a pipe nobody reads): a failed run keeps no copy."""
+def test_a_signal_after_the_rename_keeps_the_copy(large: Checkpoint, tmp_path: Path, signum: int) -> None:
+    """The copy is in place but its summary is not out (stdout is a pipe nobody reads): the signal ends the run,
+    and the finished copy stays, verified, where it was put."""
     out = tmp_path / "out"
     reader, writer = _full_pipe()
     process = _started(
@@ -133,8 +136,9 @@ def test_a_signal_after_the_rename_takes_the_copy_back(large: Checkpoint, tmp_pa
     os.close(reader)
     assert process.returncode == 128 + signum
     words = ENDING[signum][1]
-    assert stderr == f"optim-repair: error: {words}; {out} was already written and verified, and was removed again\n"
-    assert not out.exists() and leftovers(out) == []
+    assert stderr == f"optim-repair: error: {words}; {out} was already written and verified, and is kept\n"
+    assert filecmp.cmp(large.path / "big.bin", out / "big.bin", shallow=False) and leftovers(out) == []
+    assert optim_repair.inspect(out).verdict == "healthy"
 
 
 def _run(args: list[str], **streams: object) -> subprocess.CompletedProcess[str]:
@@ -159,7 +163,7 @@ def test_a_closed_stdout_is_an_output_error(small: Path, tmp_path: Path, command
     assert not out.exists() and leftovers(out) == []
 
 
-def test_a_full_stdout_is_an_output_error_and_keeps_no_copy(small: Path, tmp_path: Path) -> None:
+def test_a_full_stdout_is_an_output_error_and_keeps_the_finished_copy(small: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     with open("/dev/full", "w") as full:
         inspected = _run(["inspect", str(small)], stdout=full, stderr=subprocess.PIPE)
@@ -171,10 +175,10 @@ def test_a_full_stdout_is_an_output_error_and_keeps_no_copy(small: Path, tmp_pat
     assert fixed.returncode == 5
     assert fixed.stderr == (
         f"optim-repair: error: cannot write to stdout (the disk is full); {out} was already written and verified, "
-        "and was removed again\n"
+        "and is kept\n"
     )
-    assert not out.exists() and leftovers(out) == []
-    assert _run(_fix(small, out), capture_output=True).returncode == 0  # the retry finds no --out in its way
+    assert optim_repair.inspect(out).verdict == "healthy" and leftovers(out) == []
+    assert _run(_fix(small, out, "--force"), capture_output=True).returncode == 0  # a retry replaces it
 
 
 @pytest.mark.parametrize("stderr", ["closed", "full"])
@@ -199,9 +203,9 @@ def test_a_closed_or_full_stderr_is_an_output_error_told_on_stdout_with_json(
 
 
 @pytest.mark.parametrize("command", ["inspect", "fix"])
-def test_a_pipe_closed_early_is_exit_141_and_keeps_no_copy(small: Path, tmp_path: Path, command: str) -> None:
+def test_a_pipe_closed_early_is_exit_141_silent_and_keeps_the_copy(small: Path, tmp_path: Path, command: str) -> None:
     """``optim-repair inspect ckpt | head -c 10``: the reader takes ten bytes and goes; as in cat and git, the
-    run ends with 141 and says nothing, but where a copy it had written is removed again."""
+    run ends with 141 and says nothing; a copy it had written and verified stays in place, never undone."""
     out = tmp_path / "out"
     args = ["inspect", str(small)] if command == "inspect" else _fix(small, out, "-q")
     reader, writer = os.pipe()
@@ -212,10 +216,10 @@ def test_a_pipe_closed_early_is_exit_141_and_keeps_no_copy(small: Path, tmp_path
     os.close(reader)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 141, stderr
-    closed = "optim-repair: error: cannot write to stdout (its reader closed the pipe)"
-    removed = f"{closed}; {out} was already written and verified, and was removed again\n"
-    assert stderr == (removed if command == "fix" else "")
-    assert not out.exists() and leftovers(out) == []
+    assert stderr == ""
+    assert leftovers(out) == []
+    if command == "fix":
+        assert optim_repair.inspect(out).verdict == "healthy"
 
 
 def test_a_closed_pipe_while_the_help_is_printed_is_exit_141() -> None:

@@ -33,22 +33,22 @@ def test_without_force_an_out_that_appears_meanwhile_is_never_replaced(tmp_path:
     assert not list(tmp_path.glob(".out.optim-repair-*"))
 
 
-def test_a_copy_moved_into_place_is_taken_back_when_its_run_fails_after(tmp_path: Path) -> None:
-    """What the command line runs each command in: a copy renamed into place, and then the summary cannot be
-    printed (or a signal comes), is removed again; outside it, and when the run ends well, the copy stays."""
+def test_a_copy_moved_into_place_is_recorded_and_kept_when_its_run_fails_after(tmp_path: Path) -> None:
+    """What the command line runs each command in: a copy renamed into place is recorded, and stays where it is
+    when the run then fails (the summary cannot be printed, a signal comes); outside one, nothing is recorded."""
     built = defects.healthy(tmp_path / "in")
-    taken_back, kept, library = tmp_path / "taken-back.pt", tmp_path / "kept.pt", tmp_path / "library.pt"
-    with pytest.raises(BrokenPipeError), staging.taken_back_on_failure() as placed:
-        fix(built.path, taken_back)
-        assert taken_back.is_file() and placed == [taken_back]
+    failed, ended, library = tmp_path / "failed.pt", tmp_path / "ended.pt", tmp_path / "library.pt"
+    with pytest.raises(BrokenPipeError), staging.recorded_placements() as placed:
+        fix(built.path, failed)
+        assert failed.is_file() and placed == [failed]
         raise BrokenPipeError
-    assert not taken_back.exists() and leftovers(taken_back) == []
-    with staging.taken_back_on_failure() as placed:
-        fix(built.path, kept)
-    assert kept.is_file() and placed == [kept]
+    assert failed.is_file() and leftovers(failed) == []
+    with staging.recorded_placements() as placed:
+        fix(built.path, ended)
+    assert ended.is_file() and placed == [ended]
     fix(built.path, library)
     assert library.is_file()
-    assert staging._provisional == []
+    assert staging._recording == []
 
 
 def test_force_replaces_a_dangling_link_beside_it_not_at_its_target(tmp_path: Path) -> None:
