@@ -11,7 +11,10 @@ import re
 from collections.abc import Collection
 from pathlib import PurePosixPath
 
-_STEP = re.compile(r"^(?:checkpoint-(\d+)|step-(\d+)|global_step(\d+)|iter_(\d+)|epoch=(\d+)-step=(\d+)\.ckpt)$")
+_STEP = re.compile(
+    r"^(?:checkpoint-([0-9]+)|step-([0-9]+)|global_step([0-9]+)|iter_([0-9]+)|epoch=([0-9]+)-step=([0-9]+)\.ckpt)\Z"
+)
+"""Step names, in ASCII digits only: ``int`` reads other scripts' digits too (``checkpoint-٣٠٠`` as 300)."""
 
 
 def step_number(name: str) -> tuple[int, int] | None:
@@ -57,5 +60,5 @@ def tracked_step(tracker: str, text: str) -> str | None:
     """The step a tracker's text names (``global_step100``; Megatron's ``100``: ``iter_0000100``), or None."""
     text = text.strip()
     if tracker == TRACKERS[1]:
-        return f"iter_{int(text):07d}" if text.isdigit() else None
+        return f"iter_{int(text):07d}" if text.isascii() and text.isdigit() else None
     return text if step_number(text) is not None else None

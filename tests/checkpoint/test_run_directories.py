@@ -62,6 +62,30 @@ def test_every_library_s_step_names_are_ordered(tmp_path: Path, names: list[str]
     assert optim_repair.latest_checkpoint(tmp_path) == tmp_path / newest
 
 
+@pytest.mark.parametrize(
+    "other",
+    [
+        "checkpoint-\u0663\u0660\u0660",  # Arabic-Indic digits, which int() reads as 300
+        "step-\uff13\uff10\uff10",  # fullwidth digits
+        "global_step\u00b3",  # a superscript: isdigit() but not int()
+        "checkpoint-300\n",  # a name ending in a newline, which a regular expression's $ lets through
+    ],
+)
+def test_a_step_s_number_is_in_ascii_digits(tmp_path: Path, other: str) -> None:
+    _step(tmp_path / "checkpoint-100", (3, 4, 2))
+    _step(tmp_path / other, (3, 4, 2))
+    assert optim_repair.latest_checkpoint(tmp_path) == tmp_path / "checkpoint-100"
+
+
+def test_a_megatron_tracker_in_other_digits_names_no_step(tmp_path: Path) -> None:
+    _step(tmp_path / "iter_0000100", (3, 4, 2))
+    for text in ("\u0662\u0660\u0660", "\u00b2"):  # 200 in Arabic-Indic digits; a superscript two
+        (tmp_path / "latest_checkpointed_iteration.txt").write_text(text)
+        notices: list[str] = []
+        assert optim_repair.latest_checkpoint(tmp_path, notice=notices.append) == tmp_path / "iter_0000100"
+        assert notices == []
+
+
 def test_an_hf_trainer_step_without_its_trainer_state_is_still_being_saved(tmp_path: Path) -> None:
     """The HF Trainer writes ``training_args.bin`` with the model first and ``trainer_state.json`` last."""
     from tests.factories import trainers
