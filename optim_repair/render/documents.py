@@ -5,6 +5,7 @@ JSON never passes through rich. Fields are only added within a schema version; d
 
 from __future__ import annotations
 
+import base64
 import json
 import sys
 from collections.abc import Iterable, Mapping
@@ -330,8 +331,75 @@ def dry_run_document(planned: DryRun) -> DryRunDoc:
 
 
 def print_json(document: Mapping[str, object]) -> None:
-    # ASCII with escapes (a name may hold a lone surrogate), and never NaN, which JSON does not have.
-    sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
+    # ASCII, every string UTF-8 text (``_text``), and never NaN, which JSON does not have.
+    sys.stdout.write(json.dumps(_as_text(document, top=True), indent=2, allow_nan=False) + "\n")
+
+
+FILE_NAMES = frozenset({"path", "file", "out", "file_a", "file_b", "sources", "linked", "older_forms"})
+"""The fields that hold a file name, or a list of them: each gets its bytes beside it where one is no UTF-8 text
+(``<field>_bytes``). At a document's top, the diff's ``a`` and ``b`` are file names too."""
+_TOP_FILE_NAMES = FILE_NAMES | {"a", "b"}
+
+
+def _as_text(value: object, *, top: bool = False) -> object:
+    """``value`` with every string made UTF-8 text (``_text``), and beside each file name that is not (a name on
+    disk whose bytes do not decode, which Python holds as lone surrogates) its bytes, base64, as ``<field>_bytes``."""
+    if isinstance(value, str):
+        return _text(value)
+    if isinstance(value, list):
+        return [_as_text(item) for item in value]
+    if not isinstance(value, Mapping):
+        return value
+    names = _TOP_FILE_NAMES if top else FILE_NAMES
+    shown: dict[str, object] = {}
+    for key, item in value.items():
+        shown[key] = _as_text(item)
+        exact = _name_bytes(item) if key in names else None
+        if exact is not None:
+            shown[f"{key}_bytes"] = exact
+    return shown
+
+
+def _text(value: str) -> str:
+    r"""``value`` where it is UTF-8 text; else each byte of a name that is no UTF-8 (Python's surrogate escape,
+    U+DC80 to U+DCFF) written ``\xNN``, and any other lone surrogate ``\uNNNN``, so that every JSON reader takes it."""
+    if value.isascii() or _is_text(value):
+        return value
+    return "".join(map(_escaped_surrogate, value))
+
+
+def _escaped_surrogate(character: str) -> str:
+    code = ord(character)
+    if 0xDC80 <= code <= 0xDCFF:
+        return f"\\x{code - 0xDC00:02x}"
+    return f"\\u{code:04x}" if 0xD800 <= code <= 0xDFFF else character
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _name_bytes(value: object) -> object:
+    """A file name's bytes, base64, where it is no UTF-8 text (a list of names: each one's, ``None`` for those
+    that are), or ``None`` where every name is."""
+    if isinstance(value, str):
+        return None if value.isascii() or _is_text(value) else base64.b64encode(_encoded(value)).decode("ascii")
+    if isinstance(value, list) and any(isinstance(name, str) and not _is_text(name) for name in value):
+        return [_name_bytes(name) for name in value]
+    return None
+
+
+def _encoded(name: str) -> bytes:
+    """The bytes a name stands for: a file name's undecodable bytes are surrogate escapes; anything else (a lone
+    surrogate a pickle spelled) its UTF-8 form as Python's ``surrogatepass`` writes it."""
+    try:
+        return name.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return name.encode("utf-8", "surrogatepass")
 
 
 def error_document(code: str, exit_code: int, message: str, path: str | None) -> ErrorDoc:

@@ -3,6 +3,7 @@ file names, dict keys and --model paths are shown escaped, as ``repr`` writes th
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pickle
@@ -96,6 +97,43 @@ def test_json_keeps_hostile_names_exact(tmp_path: Path) -> None:
     document = json.loads(_run("inspect", path, "--json", code=1).stdout)
     [optimizer] = document["optimizers"]
     assert (optimizer["file"], optimizer["missing"]) == (CHECKPOINT, [TITLE, FORGED])
+
+
+def _utf8_only(value: object) -> None:
+    """Every string in a parsed JSON document is UTF-8 text: no lone surrogate, which strict readers refuse."""
+    if isinstance(value, str):
+        value.encode("utf-8")
+    elif isinstance(value, list):
+        for item in value:
+            _utf8_only(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _utf8_only(key)
+            _utf8_only(item)
+
+
+def test_json_gives_a_file_name_that_is_no_utf8_escaped_with_its_bytes(tmp_path: Path) -> None:
+    """``b'\\xff.pt'`` is ``"\\\\xff.pt"`` (every JSON reader takes it) with ``file_bytes``, its bytes in base64; a
+    name that is UTF-8 text has no such field."""
+    root = tmp_path / "run"
+    root.mkdir()
+    r = models.run(optimizer="adamw", steps=2)
+    name = os.fsdecode(b"\xff\xfe.pt")
+    torch.save({"optimizer": get_optimizer_state_dict(r.model, r.optimizer)}, root / name)
+    out = tmp_path / os.fsdecode(b"fixed-\xff")
+    for args, code in ((("inspect", root), 1), (("fix", root, "--out", out, "--no-sync"), 0)):
+        document = json.loads(_run(*args, "--json", code=code).stdout)
+        _utf8_only(document)
+        [optimizer] = document["optimizers"]
+        assert optimizer["file"] == "\\xff\\xfe.pt"
+        assert base64.b64decode(optimizer["file_bytes"]) == b"\xff\xfe.pt"
+        assert "path_bytes" not in document
+    assert base64.b64decode(document["out_bytes"]) == os.fsencode(out)
+    assert [added["file"] for added in document["added"]] == ["\\xff\\xfe.pt"] * len(document["added"])
+    gone = tmp_path / os.fsdecode(b"gone-\x80")
+    error = json.loads(_run("inspect", gone, "--json", code=4).stdout)["error"]
+    _utf8_only(error)
+    assert base64.b64decode(error["path_bytes"]) == os.fsencode(gone)
 
 
 def test_a_model_path_with_a_newline_is_shown_escaped(tmp_path: Path) -> None:
