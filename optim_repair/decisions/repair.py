@@ -7,7 +7,12 @@ from dataclasses import replace
 
 from optim_repair.decisions.comparison import model_of, weights_beside
 from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis, diagnose_optimizer
-from optim_repair.decisions.identify import Identification, identify_optimizer, named_by_options
+from optim_repair.decisions.identify import (
+    Identification,
+    identify_optimizer,
+    named_by_options,
+    refuse_non_floating_state,
+)
 from optim_repair.decisions.operations import apply_operations
 from optim_repair.decisions.optimizers import (
     LATEST_RELEASE,
@@ -179,7 +184,13 @@ def _fresh_additions(
     reset: tuple[ParamKey, ...],
 ) -> tuple[str, list[Addition]]:
     optimizer = opt.optimizer
-    found = Identification(kind, kind) if kind else identify_optimizer(optimizer.groups, optimizer.entries, where=where)
+    instead = Remedy("fill", "empty") if stores_empty else None
+    if kind:
+        named = f"{where}: its state is not torch's {OPTIMIZERS[kind].torch_class}'s"
+        refuse_non_floating_state(optimizer.entries, named, instead)
+        found = Identification(kind, kind)
+    else:
+        found = identify_optimizer(optimizer.groups, optimizer.entries, where=where, instead=instead)
     shapes = _missing_shapes(opt, weights, where) if opt.missing else {}
     shapes.update({param: _own_shape(opt, param) for param in reset})
     additions = []

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from optim_repair.decisions.repair import plan_repair
 from optim_repair.errors import RepairRefused, UsageError
 from optim_repair.records.repair_plan import FreshTensor
 from tests.factories import models, trainers
+from tests.factories.built import Built
 from tests.factories.support import read_checkpoint
 
 
@@ -246,3 +249,57 @@ def test_fresh_moments_take_the_dtype_the_optimizer_keeps_its_moments_in(tmp_pat
     optim_repair.fix(path, tmp_path / "follows.pt")
     added = torch.load(tmp_path / "follows.pt", weights_only=True)["optimizer"]["state"]["head_unused.weight"]
     assert added["exp_avg"].dtype == torch.float32
+
+
+_EMPTY_RESUMES = (
+    "{} resumes exactly through optimizer.load_state_dict and set_optimizer_state_dict(full_state_dict=False), not "
+    "through full_state_dict=True, which gives those parameters a phantom step=1"
+)
+
+
+def _edited_state(built: Built, edit: Callable[[list[dict[str, Any]]], None]) -> None:
+    """A real run's UniRL checkpoint, its optimizer's existing entries (in state order) edited in place by ``edit``."""
+    path = built.path / "checkpoint.pt"
+    original = torch.load(path, weights_only=True)
+    edit(list(original["optimizer_state_dict"]["state"].values()))
+    torch.save(original, path)
+
+
+def _uint8_moments(entries: list[dict[str, Any]]) -> None:
+    for entry in entries:
+        for key in ("exp_avg", "exp_avg_sq"):
+            entry[key] = entry[key].to(torch.uint8)
+
+
+def test_moments_no_torch_optimizer_keeps_get_empty_entries_saying_why(root: Path, tmp_path: Path) -> None:
+    """AdamW's option keys with uint8 moments: no torch optimizer keeps integer moments (they are another library's
+    quantized state), so the default gives {} saying why, in the summary and the JSON, and fresh state is refused,
+    for the optimizer its keys name too."""
+    from tests.conftest import run_cli
+    from tests.faces.test_cli import fix_cli, one_error_line
+
+    built = trainers.unirl_torch(root)
+    _edited_state(built, _uint8_moments)
+    reason = (
+        "cannot identify the optimizer that wrote checkpoint.pt:optimizer_state_dict exactly, so fresh state is not "
+        "given: the state of 'trunk.weight' keeps exp_avg as uint8, and no torch optimizer keeps a tensor that is "
+        "not floating point"
+    )
+    note = f"checkpoint.pt:optimizer_state_dict: {{}} for 2 parameter(s), as fresh state cannot be built ({reason}); "
+    document = json.loads(fix_cli(built.path, tmp_path / "fixed", "--json", code=0).stdout)
+    assert document["fill"] == "empty" and document["fill_notes"] == [note + _EMPTY_RESUMES]
+    assert [(a["param"], a["keys"], a["dtypes"]) for a in document["added"]] == [
+        ("head_unused.weight", [], {}),
+        ("head_unused.bias", [], {}),
+    ]
+    summary = run_cli(["fix", built.path, "--out", tmp_path / "again"], code=0).stdout
+    assert note + _EMPTY_RESUMES in summary.splitlines()
+    refused = fix_cli(built.path, tmp_path / "fresh", "--fill", "fresh", code=3)
+    assert one_error_line(refused) == f"optim-repair: error: {reason}; pass --fill empty"
+    named = fix_cli(built.path, tmp_path / "named", "--optimizer", "adamw", code=3)
+    assert one_error_line(named) == (
+        "optim-repair: error: checkpoint.pt:optimizer_state_dict: its state is not torch's AdamW's, so fresh state "
+        "is not given: the state of 'trunk.weight' keeps exp_avg as uint8, and no torch optimizer keeps a tensor "
+        "that is not floating point; pass --fill empty"
+    )
+    assert not (tmp_path / "fresh").exists() and not (tmp_path / "named").exists()
