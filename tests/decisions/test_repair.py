@@ -303,3 +303,75 @@ def test_moments_no_torch_optimizer_keeps_get_empty_entries_saying_why(root: Pat
         "that is not floating point; pass --fill empty"
     )
     assert not (tmp_path / "fresh").exists() and not (tmp_path / "named").exists()
+
+
+def _python_float(step: torch.Tensor) -> object:
+    return float(step)
+
+
+def _float32(step: torch.Tensor) -> object:
+    return step.float()
+
+
+@pytest.mark.parametrize(
+    ("second", "found"),
+    [
+        (_python_float, "a float64 tensor in 'trunk.weight', a Python float in 'trunk.bias', a float32 tensor in "
+         "'head_used.weight'"),
+        (_float32, "a float64 tensor in 'trunk.weight', a float32 tensor in 'trunk.bias'"),
+    ],
+    ids=["python-float", "float32-tensor"],
+)  # fmt: skip
+def test_steps_of_disagreeing_dtypes_give_no_fresh_state(
+    root: Path, tmp_path: Path, second: Callable[[torch.Tensor], object], found: str
+) -> None:
+    """A float64 step in the first entry and a Python float (or a float32 tensor) in the second, float32 in the rest:
+    the step of fresh state would be whichever comes first. The default gives {} saying why; fresh is refused."""
+    from tests.faces.test_cli import fix_cli, one_error_line
+
+    def edit(entries: list[dict[str, Any]]) -> None:
+        entries[0]["step"] = entries[0]["step"].double()
+        entries[1]["step"] = second(entries[1]["step"])
+
+    built = trainers.unirl_torch(root)
+    _edited_state(built, edit)
+    reason = (
+        f"checkpoint.pt:optimizer_state_dict: the existing entries' steps disagree ({found}), so fresh state has no "
+        "one dtype for its step: torch keeps every step in one scalar dtype"
+    )
+    document = json.loads(fix_cli(built.path, tmp_path / "fixed", "--json", code=0).stdout)
+    assert document["fill"] == "empty"
+    assert document["fill_notes"] == [
+        f"checkpoint.pt:optimizer_state_dict: {{}} for 2 parameter(s), as fresh state cannot be built "
+        f"({reason.removeprefix('checkpoint.pt:optimizer_state_dict: ')}); {_EMPTY_RESUMES}"
+    ]
+    refused = fix_cli(built.path, tmp_path / "fresh", "--fill", "fresh", code=3)
+    assert one_error_line(refused) == f"optim-repair: error: {reason}; pass --fill empty"
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_a_fused_groups_float32_steps_do_not_set_the_scalar_dtype(tmp_path: Path) -> None:
+    """A run in float64 with a fused AdamW group: fused Adam keeps a float32 step whatever the scalar dtype, the
+    other groups float64. The entries of the fused group, first in the state, say nothing of the scalar dtype: the
+    fresh step of a parameter of the other group is float64, as its own first step would make it."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = models.TwoHeadNet()
+        rest = [*model.head_used.parameters(), *model.head_unused.parameters()]
+        opt = torch.optim.AdamW([{"params": list(model.trunk.parameters()), "fused": True}, {"params": rest}], lr=1e-2)
+        models.train(model, opt, 2)
+        probe = torch.nn.Parameter(torch.zeros(2))
+        probe.grad = torch.zeros(2)
+        first = torch.optim.AdamW([probe], lr=1e-2)
+        first.step()  # what a parameter's first step creates in this run
+    finally:
+        torch.set_default_dtype(default)
+    state = get_optimizer_state_dict(model, opt)
+    assert [entry["step"].dtype for entry in state["state"].values()] == [torch.float32] * 2 + [torch.float64] * 2
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"policy_state_dict": model.state_dict(), "optimizer_state_dict": state}, path)
+    result = optim_repair.fix(path, tmp_path / "fixed.pt")
+    assert result.plan.fill == "fresh"
+    added = torch.load(tmp_path / "fixed.pt", weights_only=True)["optimizer_state_dict"]["state"]["head_unused.weight"]
+    assert added["step"].dtype == first.state[probe]["step"].dtype == torch.float64
