@@ -375,3 +375,36 @@ def test_a_fused_groups_float32_steps_do_not_set_the_scalar_dtype(tmp_path: Path
     assert result.plan.fill == "fresh"
     added = torch.load(tmp_path / "fixed.pt", weights_only=True)["optimizer_state_dict"]["state"]["head_unused.weight"]
     assert added["step"].dtype == first.state[probe]["step"].dtype == torch.float64
+
+
+@pytest.mark.parametrize("defect", ["uint8-moments", "disagreeing-steps"])
+def test_where_fresh_state_is_not_given_a_dcp_checkpoint_is_refused_by_default(tmp_path: Path, defect: str) -> None:
+    """DCP cannot store {}: where fresh state is not given (moments no torch optimizer keeps, steps that disagree)
+    the default fill is refused, exit 3, with the reason and without naming --fill empty, which DCP refuses too."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from tests.faces.test_cli import fix_cli, one_error_line
+    from tests.factories import dcp as dk
+
+    run = dk.trained()
+    optim = copy.deepcopy(get_optimizer_state_dict(run.model, run.optimizer))
+    entries, names = list(optim["state"].values()), list(optim["state"])
+    if defect == "uint8-moments":
+        _uint8_moments(entries)
+        reason = (
+            f"cannot identify the optimizer that wrote {tmp_path / 'checkpoint'}:optim exactly, so fresh state is not "
+            f"given: the state of {names[0]!r} keeps exp_avg as uint8, and no torch optimizer keeps a tensor that is "
+            "not floating point"
+        )
+    else:
+        entries[0]["step"] = entries[0]["step"].double()
+        reason = (
+            f"{tmp_path / 'checkpoint'}:optim: the existing entries' steps disagree (a float64 tensor in {names[0]!r}, "
+            f"a float32 tensor in {names[1]!r}), so fresh state has no one dtype for its step: torch keeps every step "
+            "in one scalar dtype"
+        )
+    save({"model": get_model_state_dict(run.model), "optim": optim}, checkpoint_id=tmp_path / "checkpoint")
+    refused = fix_cli(tmp_path / "checkpoint", tmp_path / "fixed", code=3)
+    assert one_error_line(refused) == f"optim-repair: error: {reason}"
+    assert not (tmp_path / "fixed").exists()
