@@ -138,7 +138,7 @@ def _scalar_dtype(opt: OptimizerDiagnosis, where: str, instead: Remedy | None) -
     whichever entry comes first.
     """
     fused = {param for group in opt.optimizer.groups if group.option("fused") for param in group.params}
-    seen: dict[tuple[bool, str], ParamKey] = {}  # (a tensor?, its dtype or Python type): the first entry so
+    seen: dict[tuple[bool, str], ParamKey] = {}  # each kind of step (a tensor's dtype, a Python type): its first entry
     for entry in opt.optimizer.entries:
         step = entry.get("step")
         if entry.param in fused or isinstance(step, bool):
@@ -210,7 +210,8 @@ def _fresh_additions(
     instead = Remedy("fill", "empty") if stores_empty else None
     if kind:
         named = f"{where}: its state is not torch's {OPTIMIZERS[kind].torch_class}'s"
-        refuse_non_floating_state(optimizer.entries, named, instead)
+        unnamed = replace(instead, note=" instead of naming the optimizer") if instead else None
+        refuse_non_floating_state(optimizer.entries, named, unnamed)
         found = Identification(kind, kind)
     else:
         found = identify_optimizer(optimizer.groups, optimizer.entries, where=where, instead=instead)

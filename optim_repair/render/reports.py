@@ -174,7 +174,7 @@ def _print_additions(console: Console, diagnosis: Diagnosis, plan: RepairPlan) -
         kind = kinds.get((inv.file, inv.location))
         label = _optimizer_label(opt) + (f" ({kind})" if kind else "")
         parts = []
-        names = index_names(inv, diagnosis.inventory)  # an index keyed entry named by its model
+        names = index_names(inv, diagnosis.inventory) if mine else {}  # an index keyed entry named by its model
         for replacing, verb in ((False, ""), (True, "in place of phantom step=1 entries: ")):
             alike: dict[str, list[Addition]] = {}  # the entries of one content, said once
             for addition in mine:

@@ -300,7 +300,7 @@ def test_moments_no_torch_optimizer_keeps_get_empty_entries_saying_why(root: Pat
     assert one_error_line(named) == (
         "optim-repair: error: checkpoint.pt:optimizer_state_dict: its state is not torch's AdamW's, so fresh state "
         "is not given: the state of 'trunk.weight' keeps exp_avg as uint8, and no torch optimizer keeps a tensor "
-        "that is not floating point; pass --fill empty"
+        "that is not floating point; pass --fill empty instead of naming the optimizer"
     )
     assert not (tmp_path / "fresh").exists() and not (tmp_path / "named").exists()
 
