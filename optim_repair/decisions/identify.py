@@ -5,7 +5,8 @@ keys some torch version writes for it (keys torch's LR schedulers add aside), an
 explains the keys of every populated state entry. An optimizer from another library that keeps a
 lookalike subset of torch's keys (torchao's ``AdamW8bit``: ``lr, betas, eps, weight_decay, amsgrad``)
 or adds its own (pytorch-optimizer's ``LARS``: ``trust_coefficient``, a group ``step``) is not guessed
-at: its fresh state differs from torch's.
+at: its fresh state differs from torch's. Nor is state that keeps a tensor no torch optimizer keeps: one
+that does not hold floating-point numbers (``exp_avg`` as ``uint8``) under torch's own keys.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from optim_repair.decisions.optimizers import (
     OptimizerSpec,
 )
 from optim_repair.errors import Remedy, RepairRefused
-from optim_repair.records.inventory import ParamGroup, StateEntry
+from optim_repair.records.dtypes import is_floating
+from optim_repair.records.inventory import ParamGroup, StateEntry, TensorMeta
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,35 @@ def state_key_sets_by_options(groups: Sequence[ParamGroup]) -> frozenset[frozens
     return frozenset().union(*(spec.state_key_sets for spec in specs)) if specs else None
 
 
+def non_floating_state(entries: Sequence[StateEntry]) -> str | None:
+    """Why no torch optimizer wrote ``entries``, where one keeps a tensor other than ``step`` that does not hold
+    floating-point numbers (``exp_avg`` as ``uint8``); None where none does.
+
+    Every tensor torch's optimizers keep is floating point: moments in their parameter's dtype, or in another one
+    (torchtitan's bf16 moments on fp32 parameters), and their one-element scalars. An integer moment is another
+    library's quantized state, whose first step is not zeros. (``step`` is judged apart, as the scalar dtype.)
+    """
+    for entry in _populated(entries):
+        for key, value in entry.values or ():
+            if key != "step" and isinstance(value, TensorMeta) and not is_floating(value.dtype):
+                return (
+                    f"the state of {entry.param!r} keeps {key} as {value.dtype}, and no torch optimizer keeps a "
+                    "tensor that is not floating point"
+                )
+    return None
+
+
+def refuse_non_floating_state(entries: Sequence[StateEntry], refused: str, remedy: Remedy | None) -> None:
+    """Raise ``RepairRefused`` (``refused``, then why) where ``entries`` keep a tensor no torch optimizer keeps."""
+    reason = non_floating_state(entries)
+    if reason is not None:
+        raise RepairRefused(f"{refused}, so fresh state is not given: {reason}", remedy=remedy)
+
+
 def guess_optimizer(groups: Sequence[ParamGroup], entries: Sequence[StateEntry]) -> Identification | None:
     """The optimizer that wrote ``groups`` and ``entries`` when it is identified exactly, else None."""
+    if non_floating_state(entries) is not None:
+        return None
     return _one_candidate(_candidates(groups, entries), groups)
 
 
@@ -146,17 +175,21 @@ def identify_optimizer(
     entries: Sequence[StateEntry],
     *,
     where: str = "this optimizer state",
+    instead: Remedy | None = None,
 ) -> Identification:
     """The optimizer that wrote ``groups`` and ``entries``, identified exactly.
 
     A candidate must (1) find in every group exactly the option keys some torch version writes for
     it (``initial_lr`` and the other keys torch's LR schedulers add are set aside; any other key, a
     trainer's own or another library's, rules every candidate out), and (2) explain the key set of
-    every populated state entry. ``where`` names the state in messages.
+    every populated state entry. State that keeps a tensor no torch optimizer keeps (``non_floating_state``)
+    rules out every candidate. ``where`` names the state in messages.
 
     Raises ``RepairRefused`` with the reason otherwise, naming ``optimizer`` as the remedy: a user
-    who knows which registry optimizer's fresh state fits can say so.
+    who knows which registry optimizer's fresh state fits can say so; for state no torch optimizer keeps,
+    naming one does not help, and the remedy is ``instead`` (None: none).
     """
+    refuse_non_floating_state(entries, f"cannot identify the optimizer that wrote {where} exactly", instead)
     chosen = guess_optimizer(groups, entries)
     if chosen is not None:
         return chosen

@@ -7,7 +7,12 @@ from dataclasses import replace
 
 from optim_repair.decisions.comparison import model_of, weights_beside
 from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis, diagnose_optimizer
-from optim_repair.decisions.identify import Identification, identify_optimizer, named_by_options
+from optim_repair.decisions.identify import (
+    Identification,
+    identify_optimizer,
+    named_by_options,
+    refuse_non_floating_state,
+)
 from optim_repair.decisions.operations import apply_operations
 from optim_repair.decisions.optimizers import (
     LATEST_RELEASE,
@@ -124,12 +129,35 @@ def _missing_shapes(opt: OptimizerDiagnosis, weights: Sequence[WeightMap], where
     )
 
 
-def _scalar_dtype(opt: OptimizerDiagnosis) -> str:
+def _scalar_dtype(opt: OptimizerDiagnosis, where: str, instead: Remedy | None) -> str:
+    """torch's scalar dtype in the run, as the existing entries' ``step`` tensors give it (float32 where none is a
+    tensor). Entries of a fused group are set aside: fused Adam keeps a float32 ``step`` whatever the scalar dtype.
+
+    torch keeps every other ``step`` in that one dtype, and turns a Python number into it as it loads; steps that
+    disagree (a float64 tensor beside a float32 one, or beside a Python float) are refused, not resolved by
+    whichever entry comes first.
+    """
+    fused = {param for group in opt.optimizer.groups if group.option("fused") for param in group.params}
+    seen: dict[tuple[bool, str], ParamKey] = {}  # each kind of step (a tensor's dtype, a Python type): its first entry
     for entry in opt.optimizer.entries:
         step = entry.get("step")
+        if entry.param in fused or isinstance(step, bool):
+            continue
         if isinstance(step, TensorMeta):
-            return step.dtype
-    return "float32"
+            seen.setdefault((True, step.dtype), entry.param)
+        elif isinstance(step, (int, float)):
+            seen.setdefault((False, type(step).__name__), entry.param)
+    if len(seen) > 1:
+        found = ", ".join(
+            f"{f'a {name} tensor' if tensor else f'a Python {name}'} in {shown(param)}"
+            for (tensor, name), param in seen.items()
+        )
+        raise RepairRefused(
+            f"{where}: the existing entries' steps disagree ({found}), so fresh state has no one dtype for its "
+            "step: torch keeps every step in one scalar dtype",
+            remedy=instead,
+        )
+    return next((name for tensor, name in seen if tensor), "float32")
 
 
 def _moment_dtype(opt: OptimizerDiagnosis, weights: Sequence[WeightMap]) -> str | None:
@@ -179,12 +207,20 @@ def _fresh_additions(
     reset: tuple[ParamKey, ...],
 ) -> tuple[str, list[Addition]]:
     optimizer = opt.optimizer
-    found = Identification(kind, kind) if kind else identify_optimizer(optimizer.groups, optimizer.entries, where=where)
+    instead = Remedy("fill", "empty") if stores_empty else None
+    if kind:
+        named = f"{where}: its state is not torch's {OPTIMIZERS[kind].torch_class}'s"
+        unnamed = replace(instead, note=" instead of naming the optimizer") if instead else None
+        refuse_non_floating_state(optimizer.entries, named, unnamed)
+        found = Identification(kind, kind)
+    else:
+        found = identify_optimizer(optimizer.groups, optimizer.entries, where=where, instead=instead)
+    scalar_dtype = _scalar_dtype(opt, where, instead)
     shapes = _missing_shapes(opt, weights, where) if opt.missing else {}
     shapes.update({param: _own_shape(opt, param) for param in reset})
     additions = []
     groups = {param: group for group in optimizer.groups for param in group.params}
-    scalar_dtype, moments = _scalar_dtype(opt), _moment_dtype(opt, weights)
+    moments = _moment_dtype(opt, weights)
     for param in (*opt.missing, *reset):
         meta = shapes[param]
         spec = ParamSpec(moments or meta.dtype, meta.shape)

@@ -77,6 +77,12 @@ SAFETENSORS_NAMES: Mapping[str, str] = MappingProxyType(
 """Dtype names of safetensors headers (``F32``), and the torch dtype each stands for."""
 
 
+def is_floating(dtype: str) -> bool:
+    """Whether ``dtype`` holds floating-point numbers, real or complex, as every tensor torch's optimizers keep
+    does (``uint8`` does not: bitsandbytes' quantized state)."""
+    return dtype.startswith(("float", "bfloat", "complex")) and dtype in DTYPES
+
+
 def itemsize(dtype: str) -> int:
     """Bytes per element of ``dtype``; 1 for a name outside the table."""
     known = DTYPES.get(dtype)

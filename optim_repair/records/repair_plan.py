@@ -77,6 +77,11 @@ class Addition:
     def keys(self) -> tuple[str, ...]:
         return tuple(key for key, _ in self.state)
 
+    @property
+    def dtypes(self) -> tuple[tuple[str, str], ...]:
+        """Each tensor it creates, by its key: the tensor's dtype (a plain value, SGD's ``None``, has none)."""
+        return tuple((key, value.dtype) for key, value in self.state if isinstance(value, FreshTensor))
+
 
 @dataclass(frozen=True)
 class ParamChange:

@@ -129,6 +129,7 @@ class AddedDoc(TypedDict):
     location: str
     param: ParamKey
     keys: list[str]
+    dtypes: dict[str, str]
     replaced: bool
     group: int | None
 
@@ -264,8 +265,8 @@ def _remote_doc(traffic: Traffic | None) -> RemoteDoc | None:
 
 def _added_docs(result: FixResult | DryRun) -> list[AddedDoc]:
     return [
-        {"file": a.file, "location": a.location, "param": a.param, "keys": list(a.keys), "replaced": a.replaces,
-         "group": a.group}
+        {"file": a.file, "location": a.location, "param": a.param, "keys": list(a.keys), "dtypes": dict(a.dtypes),
+         "replaced": a.replaces, "group": a.group}
         for a in result.plan.additions
     ]  # fmt: skip
 

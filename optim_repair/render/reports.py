@@ -15,7 +15,7 @@ from optim_repair.decisions.diagnose import Diagnosis, OptimizerDiagnosis
 from optim_repair.decisions.difference import index_names
 from optim_repair.decisions.notices import Notice, fsdp1_after_fill
 from optim_repair.demo import DemoReport
-from optim_repair.records.repair_plan import RepairPlan
+from optim_repair.records.repair_plan import Addition, RepairPlan
 from optim_repair.records.traffic import Traffic
 from optim_repair.render.differences import file_lines, files_total
 from optim_repair.render.documents import proof
@@ -154,6 +154,13 @@ def _fix_command(diagnosis: Diagnosis, carried: tuple[str, ...]) -> list[str]:
     ]
 
 
+def _contents(addition: Addition) -> str:
+    """An added entry's keys, sorted, each tensor's with its dtype (``exp_avg (bfloat16), step (float32)``), or
+    ``{}``."""
+    dtypes = dict(addition.dtypes)
+    return ", ".join(f"{key} ({dtypes[key]})" if key in dtypes else key for key in sorted(addition.keys)) or "{}"
+
+
 def _print_additions(console: Console, diagnosis: Diagnosis, plan: RepairPlan) -> None:
     table = new_table(console)
     table.add_column("optimizer")
@@ -167,12 +174,13 @@ def _print_additions(console: Console, diagnosis: Diagnosis, plan: RepairPlan) -
         kind = kinds.get((inv.file, inv.location))
         label = _optimizer_label(opt) + (f" ({kind})" if kind else "")
         parts = []
+        names = index_names(inv, diagnosis.inventory) if mine else {}  # an index keyed entry named by its model
         for replacing, verb in ((False, ""), (True, "in place of phantom step=1 entries: ")):
-            group = [a for a in mine if a.replaces is replacing]
-            if group:
-                keys = sorted({key for a in group for key in a.keys})
-                what = ", ".join(keys) if keys else "{}"
-                names = index_names(inv, diagnosis.inventory)  # an index keyed entry named by its model
+            alike: dict[str, list[Addition]] = {}  # the entries of one content, said once
+            for addition in mine:
+                if addition.replaces is replacing:
+                    alike.setdefault(_contents(addition), []).append(addition)
+            for what, group in alike.items():
                 params = [f"{name(a.param)} ({name(names[a.param])})" if a.param in names else name(a.param)
                           for a in group]  # fmt: skip
                 parts.append(f"{verb}{what} for {listed(params[:SHOWN], len(params))}")

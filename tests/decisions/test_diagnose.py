@@ -344,8 +344,8 @@ def test_top_level_python_names_are_the_json_names(unirl_checkpoint: Built, tmp_
     result = optim_repair.fix(diagnosis, tmp_path / "fixed")
     fixed = render.fix_document(result)
     assert (str(result.out), result.fill) == (fixed["out"], fixed["fill"])
-    assert [(a.file, a.location, a.param, list(a.keys), a.replaces) for a in result.added] == [
-        (a["file"], a["location"], a["param"], a["keys"], a["replaced"]) for a in fixed["added"]
+    assert [(a.file, a.location, a.param, list(a.keys), dict(a.dtypes), a.replaces) for a in result.added] == [
+        (a["file"], a["location"], a["param"], a["keys"], a["dtypes"], a["replaced"]) for a in fixed["added"]
     ]
 
 

@@ -9,7 +9,12 @@ from typing import Any
 import pytest
 import torch
 
-from optim_repair.decisions.identify import Identification, identify_optimizer, keeps_whole_optimizer_state
+from optim_repair.decisions.identify import (
+    Identification,
+    guess_optimizer,
+    identify_optimizer,
+    keeps_whole_optimizer_state,
+)
 from optim_repair.decisions.optimizers import OPTIMIZERS, SPECS, ParamSpec, fresh_state
 from optim_repair.errors import RepairRefused
 from optim_repair.records.inventory import ParamGroup, StateEntry, TensorMeta
@@ -200,3 +205,24 @@ def test_lbfgs_keeps_whole_optimizer_state() -> None:
     assert [entry.param for entry in entries] == [0]
     assert keeps_whole_optimizer_state(groups)
     assert not keeps_whole_optimizer_state(inventory(next(state_dicts("sgd", steps=1)))[0])
+
+
+def test_state_that_keeps_a_tensor_no_torch_optimizer_keeps_is_not_identified() -> None:
+    """Every moment torch's optimizers keep is floating point (bf16 and fp16 ones, fp64, complex for complex
+    parameters); AdamW's keys holding integer or bool moments are another library's quantized state."""
+    (sd,) = state_dicts("adamw", steps=1)
+    for dtype in (torch.bfloat16, torch.float16, torch.float64, torch.complex64, torch.uint8, torch.int32, torch.bool):
+        cast = copy.deepcopy(sd)
+        for entry in cast["state"].values():
+            entry["exp_avg"] = entry["exp_avg"].to(dtype)
+        groups, entries = inventory(cast)
+        if dtype.is_floating_point or dtype.is_complex:
+            assert identify_optimizer(groups, entries) == Identification("adamw", "adamw"), dtype
+            continue
+        assert guess_optimizer(groups, entries) is None
+        with pytest.raises(RepairRefused) as raised:
+            identify_optimizer(groups, entries, where="optimizer.pt")
+        assert str(raised.value) == (
+            "cannot identify the optimizer that wrote optimizer.pt exactly, so fresh state is not given: the state "
+            f"of 0 keeps exp_avg as {str(dtype)[6:]}, and no torch optimizer keeps a tensor that is not floating point"
+        )

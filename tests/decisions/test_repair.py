@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from optim_repair.decisions.repair import plan_repair
 from optim_repair.errors import RepairRefused, UsageError
 from optim_repair.records.repair_plan import FreshTensor
 from tests.factories import models, trainers
+from tests.factories.built import Built
 from tests.factories.support import read_checkpoint
 
 
@@ -246,3 +249,162 @@ def test_fresh_moments_take_the_dtype_the_optimizer_keeps_its_moments_in(tmp_pat
     optim_repair.fix(path, tmp_path / "follows.pt")
     added = torch.load(tmp_path / "follows.pt", weights_only=True)["optimizer"]["state"]["head_unused.weight"]
     assert added["exp_avg"].dtype == torch.float32
+
+
+_EMPTY_RESUMES = (
+    "{} resumes exactly through optimizer.load_state_dict and set_optimizer_state_dict(full_state_dict=False), not "
+    "through full_state_dict=True, which gives those parameters a phantom step=1"
+)
+
+
+def _edited_state(built: Built, edit: Callable[[list[dict[str, Any]]], None]) -> None:
+    """A real run's UniRL checkpoint, its optimizer's existing entries (in state order) edited in place by ``edit``."""
+    path = built.path / "checkpoint.pt"
+    original = torch.load(path, weights_only=True)
+    edit(list(original["optimizer_state_dict"]["state"].values()))
+    torch.save(original, path)
+
+
+def _uint8_moments(entries: list[dict[str, Any]]) -> None:
+    for entry in entries:
+        for key in ("exp_avg", "exp_avg_sq"):
+            entry[key] = entry[key].to(torch.uint8)
+
+
+def test_moments_no_torch_optimizer_keeps_get_empty_entries_saying_why(root: Path, tmp_path: Path) -> None:
+    """AdamW's option keys with uint8 moments: no torch optimizer keeps integer moments (they are another library's
+    quantized state), so the default gives {} saying why, in the summary and the JSON, and fresh state is refused,
+    for the optimizer its keys name too."""
+    from tests.conftest import run_cli
+    from tests.faces.test_cli import fix_cli, one_error_line
+
+    built = trainers.unirl_torch(root)
+    _edited_state(built, _uint8_moments)
+    reason = (
+        "cannot identify the optimizer that wrote checkpoint.pt:optimizer_state_dict exactly, so fresh state is not "
+        "given: the state of 'trunk.weight' keeps exp_avg as uint8, and no torch optimizer keeps a tensor that is "
+        "not floating point"
+    )
+    note = f"checkpoint.pt:optimizer_state_dict: {{}} for 2 parameter(s), as fresh state cannot be built ({reason}); "
+    document = json.loads(fix_cli(built.path, tmp_path / "fixed", "--json", code=0).stdout)
+    assert document["fill"] == "empty" and document["fill_notes"] == [note + _EMPTY_RESUMES]
+    assert [(a["param"], a["keys"], a["dtypes"]) for a in document["added"]] == [
+        ("head_unused.weight", [], {}),
+        ("head_unused.bias", [], {}),
+    ]
+    summary = run_cli(["fix", built.path, "--out", tmp_path / "again"], code=0).stdout
+    assert note + _EMPTY_RESUMES in summary.splitlines()
+    refused = fix_cli(built.path, tmp_path / "fresh", "--fill", "fresh", code=3)
+    assert one_error_line(refused) == f"optim-repair: error: {reason}; pass --fill empty"
+    named = fix_cli(built.path, tmp_path / "named", "--optimizer", "adamw", code=3)
+    assert one_error_line(named) == (
+        "optim-repair: error: checkpoint.pt:optimizer_state_dict: its state is not torch's AdamW's, so fresh state "
+        "is not given: the state of 'trunk.weight' keeps exp_avg as uint8, and no torch optimizer keeps a tensor "
+        "that is not floating point; pass --fill empty instead of naming the optimizer"
+    )
+    assert not (tmp_path / "fresh").exists() and not (tmp_path / "named").exists()
+
+
+def _python_float(step: torch.Tensor) -> object:
+    return float(step)
+
+
+def _float32(step: torch.Tensor) -> object:
+    return step.float()
+
+
+@pytest.mark.parametrize(
+    ("second", "found"),
+    [
+        (_python_float, "a float64 tensor in 'trunk.weight', a Python float in 'trunk.bias', a float32 tensor in "
+         "'head_used.weight'"),
+        (_float32, "a float64 tensor in 'trunk.weight', a float32 tensor in 'trunk.bias'"),
+    ],
+    ids=["python-float", "float32-tensor"],
+)  # fmt: skip
+def test_steps_of_disagreeing_dtypes_give_no_fresh_state(
+    root: Path, tmp_path: Path, second: Callable[[torch.Tensor], object], found: str
+) -> None:
+    """A float64 step in the first entry and a Python float (or a float32 tensor) in the second, float32 in the rest:
+    the step of fresh state would be whichever comes first. The default gives {} saying why; fresh is refused."""
+    from tests.faces.test_cli import fix_cli, one_error_line
+
+    def edit(entries: list[dict[str, Any]]) -> None:
+        entries[0]["step"] = entries[0]["step"].double()
+        entries[1]["step"] = second(entries[1]["step"])
+
+    built = trainers.unirl_torch(root)
+    _edited_state(built, edit)
+    reason = (
+        f"checkpoint.pt:optimizer_state_dict: the existing entries' steps disagree ({found}), so fresh state has no "
+        "one dtype for its step: torch keeps every step in one scalar dtype"
+    )
+    document = json.loads(fix_cli(built.path, tmp_path / "fixed", "--json", code=0).stdout)
+    assert document["fill"] == "empty"
+    assert document["fill_notes"] == [
+        f"checkpoint.pt:optimizer_state_dict: {{}} for 2 parameter(s), as fresh state cannot be built "
+        f"({reason.removeprefix('checkpoint.pt:optimizer_state_dict: ')}); {_EMPTY_RESUMES}"
+    ]
+    refused = fix_cli(built.path, tmp_path / "fresh", "--fill", "fresh", code=3)
+    assert one_error_line(refused) == f"optim-repair: error: {reason}; pass --fill empty"
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_a_fused_groups_float32_steps_do_not_set_the_scalar_dtype(tmp_path: Path) -> None:
+    """A run in float64 with a fused AdamW group: fused Adam keeps a float32 step whatever the scalar dtype, the
+    other groups float64. The entries of the fused group, first in the state, say nothing of the scalar dtype: the
+    fresh step of a parameter of the other group is float64, as its own first step would make it."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = models.TwoHeadNet()
+        rest = [*model.head_used.parameters(), *model.head_unused.parameters()]
+        opt = torch.optim.AdamW([{"params": list(model.trunk.parameters()), "fused": True}, {"params": rest}], lr=1e-2)
+        models.train(model, opt, 2)
+        probe = torch.nn.Parameter(torch.zeros(2))
+        probe.grad = torch.zeros(2)
+        first = torch.optim.AdamW([probe], lr=1e-2)
+        first.step()  # what a parameter's first step creates in this run
+    finally:
+        torch.set_default_dtype(default)
+    state = get_optimizer_state_dict(model, opt)
+    assert [entry["step"].dtype for entry in state["state"].values()] == [torch.float32] * 2 + [torch.float64] * 2
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"policy_state_dict": model.state_dict(), "optimizer_state_dict": state}, path)
+    result = optim_repair.fix(path, tmp_path / "fixed.pt")
+    assert result.plan.fill == "fresh"
+    added = torch.load(tmp_path / "fixed.pt", weights_only=True)["optimizer_state_dict"]["state"]["head_unused.weight"]
+    assert added["step"].dtype == first.state[probe]["step"].dtype == torch.float64
+
+
+@pytest.mark.parametrize("defect", ["uint8-moments", "disagreeing-steps"])
+def test_where_fresh_state_is_not_given_a_dcp_checkpoint_is_refused_by_default(tmp_path: Path, defect: str) -> None:
+    """DCP cannot store {}: where fresh state is not given (moments no torch optimizer keeps, steps that disagree)
+    the default fill is refused, exit 3, with the reason and without naming --fill empty, which DCP refuses too."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from tests.faces.test_cli import fix_cli, one_error_line
+    from tests.factories import dcp as dk
+
+    run = dk.trained()
+    optim = copy.deepcopy(get_optimizer_state_dict(run.model, run.optimizer))
+    entries, names = list(optim["state"].values()), list(optim["state"])
+    if defect == "uint8-moments":
+        _uint8_moments(entries)
+        reason = (
+            f"cannot identify the optimizer that wrote {tmp_path / 'checkpoint'}:optim exactly, so fresh state is not "
+            f"given: the state of {names[0]!r} keeps exp_avg as uint8, and no torch optimizer keeps a tensor that is "
+            "not floating point"
+        )
+    else:
+        entries[0]["step"] = entries[0]["step"].double()
+        reason = (
+            f"{tmp_path / 'checkpoint'}:optim: the existing entries' steps disagree (a float64 tensor in {names[0]!r}, "
+            f"a float32 tensor in {names[1]!r}), so fresh state has no one dtype for its step: torch keeps every step "
+            "in one scalar dtype"
+        )
+    save({"model": get_model_state_dict(run.model), "optim": optim}, checkpoint_id=tmp_path / "checkpoint")
+    refused = fix_cli(tmp_path / "checkpoint", tmp_path / "fixed", code=3)
+    assert one_error_line(refused) == f"optim-repair: error: {reason}"
+    assert not (tmp_path / "fixed").exists()

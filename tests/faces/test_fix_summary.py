@@ -9,11 +9,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from optim_repair import api
 from tests.conftest import run_cli
 from tests.factories import dcp as dk
 from tests.factories import trainers
+from tests.factories.models import BranchNet, branch_inputs, train_branches
 from tests.factories.terminal import run_in_terminal
 
 
@@ -75,3 +77,31 @@ def test_the_json_diff_is_what_diff_finds_between_the_original_and_the_copy(tmp_
         (planned,), (seen,) = document["diff"]["optimizers"], found.optimizers
         assert sorted(planned["appeared"]) == sorted(seen.appeared)
         assert document["diff"]["leaves"]["tensors"] == document["verification"]["tensors"]
+
+
+def test_the_summary_and_the_json_say_the_dtype_of_every_tensor_added(tmp_path: Path) -> None:
+    """A real AdamW run whose unused branch has a bf16 weight and an fp32 bias: each added entry's tensors take their
+    parameter's dtype, their step the run's scalar dtype, and both the summary and ``added[].dtypes`` say which."""
+    torch.manual_seed(0)
+    model = BranchNet()
+    model.extra.weight = nn.Parameter(model.extra.weight.detach().bfloat16())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_branches(model, optimizer, branch_inputs(2, seed=1), use_extra=False)
+    path = tmp_path / "checkpoint.pt"
+    state_dict = get_optimizer_state_dict(model, optimizer)
+    torch.save({"policy_state_dict": model.state_dict(), "optimizer_state_dict": state_dict}, path)
+    wide = {"COLUMNS": "1000"}
+    summary = run_cli(["fix", path, "--out", tmp_path / "fixed.pt"], code=0, env=wide).stdout
+    assert (
+        "exp_avg (bfloat16), exp_avg_sq (bfloat16), step (float32) for extra.weight; "
+        "exp_avg (float32), exp_avg_sq (float32), step (float32) for extra.bias"
+    ) in summary
+    document = json.loads(run_cli(["fix", path, "--out", tmp_path / "again.pt", "--json"], code=0).stdout)
+    assert [(a["param"], a["dtypes"]) for a in document["added"]] == [
+        ("extra.weight", {"step": "float32", "exp_avg": "bfloat16", "exp_avg_sq": "bfloat16"}),
+        ("extra.bias", {"step": "float32", "exp_avg": "float32", "exp_avg_sq": "float32"}),
+    ]
+    state = torch.load(tmp_path / "again.pt", weights_only=True)["optimizer_state_dict"]["state"]
+    for added in document["added"]:
+        for key, dtype in added["dtypes"].items():
+            assert state[added["param"]][key].dtype == getattr(torch, dtype), (added["param"], key)
