@@ -14,6 +14,7 @@ from optim_repair.errors import InputError, UsageError
 
 NAME_LIMIT = 1024
 """The longest key S3 stores, in bytes: a longer name in a listing is a store's lie."""
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
 
 
@@ -47,9 +48,20 @@ def checked_name(name: str, where: Callable[[str], str]) -> str:
     """``name``, an object's key relative to the prefix listed, when it names a path inside that prefix: no empty,
     ``.`` or ``..`` segment, no leading ``/``, no longer than a key can be. A store may list ``run//home/u/x`` or
     ``run/../../x`` (S3 accepts both), which joined onto a local directory would name a path outside it: such a key
-    is refused (exit 4, naming it), wherever it was to go."""
+    is refused (exit 4, naming it), wherever it was to go. So is a name no file on a disk can have or no store can
+    hold: one holding a NUL or another control character, or one that is no UTF-8 text (a lone surrogate, which
+    GCS's JSON can spell)."""
+    try:
+        length = len(name.encode())
+    except UnicodeEncodeError:
+        length = -1
+    if length < 0 or _CONTROL.search(name):
+        raise InputError(
+            "is listed by a name holding a NUL or another control character, or no UTF-8 text; it is refused",
+            path=where(name),
+        )
     parts = name.split("/")
-    if not name or any(part in ("", ".", "..") for part in parts) or len(name.encode()) > NAME_LIMIT:
+    if not name or any(part in ("", ".", "..") for part in parts) or length > NAME_LIMIT:
         raise InputError(
             "names a path outside its prefix (an empty, '.' or '..' segment, or a leading '/'); it is refused",
             path=where(name),

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from optim_repair import api
-from optim_repair.errors import InputError, UsageError
+from optim_repair.errors import InputError, UsageError, shown_name
 from optim_repair.formats.dcp import METADATA_FILE
 from optim_repair.storage import answers
 from tests.conftest import run_cli
@@ -115,6 +115,27 @@ def test_a_listed_name_azure_encoded_is_decoded_then_checked(
     assert "names a path outside its prefix" in line and "%2F" not in line
     assert faulty.hits["hostile-names"] >= 1
     assert not (tmp_path / "out").exists() and not (tmp_path / "outside").exists()
+
+
+@pytest.mark.parametrize("name", ["a\x00.distcp", "a\x1b]0;x\x07.distcp", "a%FF.distcp"])
+def test_a_listed_name_no_file_can_have_is_refused_where_it_is_listed(
+    faulty: faulty_store.FaultyProxy, azure_stored: tuple[str, Built], tmp_path: Path, name: str
+) -> None:
+    """Azure writes a name XML cannot hold percent-encoded (``<Name Encoded="true">``): decoded, ``%00`` is a NUL,
+    which made the download of ``fix --out DIR`` fail ("embedded null byte", exit 70), and ``%FF`` no UTF-8 text
+    (it was decoded to U+FFFD, a name the container does not hold). Each is refused where it is listed, before
+    anything is downloaded, and shown escaped."""
+    container, _ = azure_stored
+    listed = urllib.parse.unquote(name, errors="surrogateescape")
+    faulty.arm(Fault("hostile-names", names=(f"{PREFIX}{listed}",), encoded=True))
+    before = set(tmp_path.rglob("*"))
+    for args in (["inspect", f"az://{container}/{PREFIX}"],
+                 ["fix", f"az://{container}/{PREFIX}", "--out", tmp_path / "out"]):  # fmt: skip
+        result = run_cli([*args, "--endpoint-url", _endpoint(faulty)], code=4)
+        line = _one_line(result.stderr)
+        assert f"{shown_name(f'az://{container}/{PREFIX}{listed}')}: is listed by a name holding a NUL" in line
+        assert "downloading" not in result.stderr
+    assert faulty.hits["hostile-names"] == 2 and set(tmp_path.rglob("*")) == before
 
 
 def test_a_listing_whose_marker_repeats_is_exit_4(

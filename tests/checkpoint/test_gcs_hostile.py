@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from optim_repair import api
-from optim_repair.errors import InputError, UsageError
+from optim_repair.errors import InputError, UsageError, shown_name
 from optim_repair.formats.dcp import METADATA_FILE
 from optim_repair.storage import answers
 from tests.conftest import run_cli
@@ -70,6 +70,24 @@ def test_a_listed_name_outside_the_prefix_is_refused_where_it_is_listed(
     )
     assert "names a path outside its prefix" in _one_line(result.stderr)
     assert not (tmp_path / "out").exists() and not (tmp_path / "outside").exists()
+
+
+@pytest.mark.parametrize("name", ["a\x00.distcp", "a\udc80.distcp", "a\x1b]0;x\x07.distcp"])
+def test_a_listed_name_no_file_can_have_is_refused_where_it_is_listed(
+    faulty: faulty_store.FaultyProxy, gcs_stored: tuple[str, Built], tmp_path: Path, name: str
+) -> None:
+    """GCS's JSON can spell a NUL, a lone surrogate (no UTF-8 text) or an escape in a name: the first made the
+    download of ``fix --out DIR`` fail ("embedded null byte"), the second could not be encoded (both exit 70).
+    Each is refused where it is listed, before anything is downloaded, and shown escaped."""
+    bucket, _ = gcs_stored
+    faulty.arm(Fault("hostile-names", names=(f"{PREFIX}{name}",)))
+    before = set(tmp_path.rglob("*"))
+    for args in (["inspect", f"gs://{bucket}/{PREFIX}"], ["fix", f"gs://{bucket}/{PREFIX}", "--out", tmp_path / "out"]):
+        result = run_cli([*args, "--endpoint-url", faulty.endpoint], code=4)
+        line = _one_line(result.stderr)
+        assert f"{shown_name(f'gs://{bucket}/{PREFIX}{name}')}: is listed by a name holding a NUL" in line
+        assert "downloading" not in result.stderr
+    assert faulty.hits["hostile-names"] == 2 and set(tmp_path.rglob("*")) == before
 
 
 def test_a_listing_whose_page_token_repeats_is_exit_4(

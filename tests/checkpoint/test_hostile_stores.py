@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from optim_repair import api
-from optim_repair.errors import InputError
+from optim_repair.errors import InputError, shown_name
 from optim_repair.formats.dcp import METADATA_FILE
 from optim_repair.storage import answers, claim
 from optim_repair.storage.s3 import S3Store
@@ -87,6 +87,24 @@ def test_a_listed_name_outside_the_prefix_is_refused_where_it_is_listed(
     assert faulty.hits["hostile-names"] >= len(commands)
     assert _files(tmp_path) == before and not outside.exists()
     assert s3server.keys(server, bucket, "fixed/") == set()
+
+
+@pytest.mark.parametrize("name", ["a\x00.distcp", "a\x1b]0;x\x07.distcp"])
+def test_a_listed_name_no_file_can_have_is_refused_where_it_is_listed(
+    faulty: faulty_store.FaultyProxy, stored: tuple[str, Built], tmp_path: Path, name: str
+) -> None:
+    """A listing asked with ``encoding-type=url`` (as botocore asks) can spell a NUL as ``%00``: it made the download
+    of ``fix --out DIR`` fail ("embedded null byte", exit 70). It is refused where it is listed, before anything
+    is downloaded, and shown escaped."""
+    bucket, _ = stored
+    faulty.arm(Fault("hostile-names", names=(f"{PREFIX}{name}",)))
+    before = _files(tmp_path)
+    for args in (["inspect", f"s3://{bucket}/{PREFIX}"], ["fix", f"s3://{bucket}/{PREFIX}", "--out", tmp_path / "out"]):
+        result = run_cli([*args, "--endpoint-url", faulty.endpoint], code=4)
+        line = _one_line(result.stderr)
+        assert f"{shown_name(f's3://{bucket}/{PREFIX}{name}')}: is listed by a name holding a NUL" in line
+        assert "downloading" not in result.stderr
+    assert faulty.hits["hostile-names"] == 2 and _files(tmp_path) == before
 
 
 def test_a_listing_whose_token_repeats_is_exit_4(faulty: faulty_store.FaultyProxy, stored: tuple[str, Built]) -> None:

@@ -75,8 +75,8 @@ class Fault:
       the answer, which is why S3 offers ``encoding-type=url``). An Azure listing (``GET
       /ACCOUNT/CONTAINER?restype=container&comp=list``) gains a ``<Blob>`` (Name, and Properties with Content-Length,
       Etag, Last-Modified) for each after Azurite's own, its Name XML-escaped as above, or, where ``encoded``, as
-      Azure writes a name XML cannot hold: percent-encoded (every character but letters, digits and ``_.-~``),
-      ``<Name Encoded="true">``.
+      Azure writes a name XML cannot hold: percent-encoded (every character but letters, digits and ``_.-~``; a
+      lone surrogate as the byte it stands for, as ``surrogateescape`` decoded it), ``<Name Encoded="true">``.
     - ``ignore-range``: a request with a Range header (Azure's ``x-ms-range`` too) goes to moto without it; the client
       gets the 200 and the whole body.
     - ``drip``: status and headers as usual, then the body one byte every ``delay`` seconds.
@@ -493,12 +493,12 @@ def _with_blobs(listing: bytes, names: tuple[str, ...], encoded: bool) -> bytes:
     """An Azure listing (XML) with a ``<Blob>`` for each of ``names`` after Azurite's own."""
     entries = "".join(
         (
-            f'<Blob><Name Encoded="true">{quote(name, safe="")}</Name>'
+            f'<Blob><Name Encoded="true">{quote(name.encode(errors="surrogateescape"), safe="")}</Name>'
             if encoded
             else f"<Blob><Name>{_xml_text(name)}</Name>"
         )
         + "<Properties><Last-Modified>Mon, 01 Jan 2024 00:00:00 GMT</Last-Modified>"
-        f"<Etag>0x{hashlib.md5(name.encode()).hexdigest()[:15].upper()}</Etag>"
+        f"<Etag>0x{hashlib.md5(name.encode(errors='surrogateescape')).hexdigest()[:15].upper()}</Etag>"
         "<Content-Length>1</Content-Length><BlobType>BlockBlob</BlobType></Properties></Blob>"
         for name in names
     )

@@ -187,7 +187,7 @@ class AzureReader(HttpReads):
         name_element = item.find("Name")
         key = None if name_element is None else name_element.text or ""
         if key is not None and name_element is not None and name_element.get("Encoded") == "true":
-            key = urllib.parse.unquote(key)
+            key = urllib.parse.unquote(key, errors="surrogateescape")  # bytes of no UTF-8: refused by checked_name
         if not (isinstance(key, str) and key.startswith(prefix)):
             raise InputError(f"listed {shown_name(str(key))}, which is not under it", path=self.where(prefix))
         size, etag = text_of(item, "Properties/Content-Length"), text_of(item, "Properties/Etag")
