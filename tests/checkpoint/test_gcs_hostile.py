@@ -100,6 +100,22 @@ def test_a_listing_whose_page_token_repeats_is_exit_4(
     assert faulty.hits["repeat-token"] == 2
 
 
+def test_a_listing_nested_deeper_than_any_answer_is_refused_unparsed(
+    faulty: faulty_store.FaultyProxy, gcs_stored: tuple[str, Built], tmp_path: Path
+) -> None:
+    """A listing's page of 200,000 nested arrays (400 KB, under a page's cap) made Python's JSON parser recurse
+    past its limit (RecursionError, exit 70): it is refused before it is parsed."""
+    bucket, _ = gcs_stored
+    body = b'{"items": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    faulty.arm(Fault("answer-body", method="GET", match="prefix=", body=body))
+    before = set(tmp_path.rglob("*"))
+    result = run_cli(
+        ["fix", f"gs://{bucket}/{PREFIX}", "--out", tmp_path / "out", "--endpoint-url", faulty.endpoint], code=4
+    )
+    assert f"gs://{bucket}/{PREFIX}: answered with JSON nested deeper than 32 levels" in _one_line(result.stderr)
+    assert faulty.hits["answer-body"] == 1 and set(tmp_path.rglob("*")) == before
+
+
 def test_a_store_that_ignores_range_is_refused_before_its_body_is_read(
     faulty: faulty_store.FaultyProxy, gcs_stored: tuple[str, Built]
 ) -> None:
