@@ -189,6 +189,22 @@ def test_a_store_that_ignores_range_is_refused_before_its_body_is_read(
     assert faulty.hits["ignore-range"] >= 1
 
 
+def test_a_content_range_of_more_digits_than_a_size_has_is_refused_unread(
+    faulty: faulty_store.FaultyProxy, azure_stored: tuple[str, Built], tmp_path: Path
+) -> None:
+    """A Content-Range whose total has 5,000 digits went to int(), past Python's limit on the digits it converts
+    (ValueError, exit 70)."""
+    container, _ = azure_stored
+    given = f"bytes 0-9/{'9' * 5000}"
+    faulty.arm(Fault("answer-headers", method="GET", header="x-ms-range", headers=(("Content-Range", given),)))
+    before = set(tmp_path.rglob("*"))
+    result = run_cli(
+        ["fix", f"az://{container}/{PREFIX}", "--out", tmp_path / "out", "--endpoint-url", _endpoint(faulty)], code=4
+    )
+    assert f"answered a read of another range than was asked ({given[:100]})" in _one_line(result.stderr)
+    assert faulty.hits["answer-headers"] >= 1 and set(tmp_path.rglob("*")) == before
+
+
 def test_a_store_that_drips_is_given_up_past_the_grace(
     faulty: faulty_store.FaultyProxy, azure_stored: tuple[str, Built], monkeypatch: pytest.MonkeyPatch
 ) -> None:

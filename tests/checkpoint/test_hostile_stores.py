@@ -127,6 +127,22 @@ def test_a_store_that_ignores_range_is_refused_before_its_body_is_read(
     assert faulty.hits["ignore-range"] >= 1
 
 
+def test_a_content_range_of_more_digits_than_a_size_has_is_refused_unread(
+    faulty: faulty_store.FaultyProxy, stored: tuple[str, Built], tmp_path: Path
+) -> None:
+    """A Content-Range whose total has 5,000 digits went to int(), past Python's limit on the digits it converts
+    (ValueError, exit 70)."""
+    bucket, _ = stored
+    given = f"bytes 0-9/{'9' * 5000}"
+    faulty.arm(Fault("answer-headers", method="GET", header="range", headers=(("Content-Range", given),)))
+    before = _files(tmp_path)
+    result = run_cli(
+        ["fix", f"s3://{bucket}/{PREFIX}", "--out", tmp_path / "out", "--endpoint-url", faulty.endpoint], code=4
+    )
+    assert f"answered a read by range with a Content-Range of no range ({given[:100]})" in _one_line(result.stderr)
+    assert faulty.hits["answer-headers"] >= 1 and _files(tmp_path) == before
+
+
 def test_a_store_that_drips_is_given_up_past_the_grace(
     faulty: faulty_store.FaultyProxy, stored: tuple[str, Built], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -46,7 +46,7 @@ from xml.sax.saxutils import escape
 
 Kind = Literal[
     "hostile-names", "ignore-range", "drip", "cut", "repeat-token", "lose-answer", "fail", "slow-headers",
-    "copies-ranges", "meanwhile", "answer-body",
+    "copies-ranges", "meanwhile", "answer-body", "answer-headers",
 ]  # fmt: skip
 """What a fault does to the requests it hits (see ``Fault``)."""
 KINDS: tuple[Kind, ...] = get_args(Kind)
@@ -92,6 +92,8 @@ class Fault:
     - ``copies-ranges``: the proxy serves a Put Block From URL itself, as the module says, where Azurite cannot.
     - ``meanwhile``: ``action`` runs (another writer's request, say) just before the request goes on.
     - ``answer-body``: the answer's body is ``body`` instead (its status and other headers as they were).
+    - ``answer-headers``: the answer's headers that ``headers`` names carry the values it gives instead (added where
+      the answer had none; its status, other headers and body as they were).
 
     ``message``, where given, is the message of the error answer of fail and lose-answer, ``{target}`` in it
     replaced by the request's path and query (a store that echoes the request). A fault hits the requests of
@@ -115,6 +117,7 @@ class Fault:
     header: str = ""
     action: Callable[[], object] | None = None
     body: bytes = b""
+    headers: tuple[tuple[str, str], ...] = ()
     message: str = ""
 
     def __post_init__(self) -> None:
@@ -279,6 +282,8 @@ class _Handler(BaseHTTPRequestHandler):
                 )
             if "answer-body" in hit:
                 answer.body = hit["answer-body"].body
+            if "answer-headers" in hit:
+                answer.headers = _with_headers(answer.headers, hit["answer-headers"].headers)
             if "lose-answer" in hit:
                 answer = _error(hit["lose-answer"].status, azure, _message(hit["lose-answer"], self.path))
         if "slow-headers" in hit:
@@ -426,6 +431,12 @@ def _azure_error(status: int, code: str, message: str) -> _Answer:
     headers = [("Content-Type", "application/xml"), ("x-ms-request-id", request_id), ("x-ms-error-code", code),
                ("x-ms-version", "2023-11-03"), ("Date", formatdate(usegmt=True))]  # fmt: skip
     return _Answer(status, _phrase(status), headers, body)
+
+
+def _with_headers(headers: list[tuple[str, str]], given: tuple[tuple[str, str], ...]) -> list[tuple[str, str]]:
+    """``headers`` with those ``given`` names (in any case) carrying the values given instead, added where absent."""
+    replaced = {name.lower() for name, _ in given}
+    return [*((name, value) for name, value in headers if name.lower() not in replaced), *given]
 
 
 def _without_token(target: str) -> str:

@@ -36,7 +36,7 @@ READ_SECONDS = 60
 """What the transport waits for a connection, and for each read of a socket (a store that answers nothing)."""
 RUN_METADATA = "optimrepairrun"
 """The metadata (``x-ms-meta-optimrepairrun``) every object a run writes carries: the run's id."""
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+_CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,20})-([0-9]{1,20})/([0-9]{1,20})")
 _DIGITS = re.compile(r"[0-9]{1,20}")
 _ETAG = re.compile(r'"?[\x21\x23-\x7e]{1,200}"?')
 _SMALL_ATTEMPTS = 5

@@ -39,7 +39,7 @@ READ_SECONDS = 60
 """What the transport waits for a connection, and for each read of a socket (a store that answers nothing)."""
 RUN_METADATA = "optim-repair-run"
 """The custom metadata every object a run writes carries: the run's id."""
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+_CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,20})-([0-9]{1,20})/([0-9]{1,20})")
 _DIGITS = re.compile(r"[0-9]{1,20}")
 _SMALL_ATTEMPTS = 5
 
