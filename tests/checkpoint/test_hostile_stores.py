@@ -115,6 +115,37 @@ def test_a_listing_whose_token_repeats_is_exit_4(faulty: faulty_store.FaultyProx
     assert faulty.hits["repeat-token"] == 2  # the first page, and its repetition
 
 
+@pytest.mark.parametrize(
+    "contents",
+    [
+        "<Size>1</Size><Size>2</Size>",
+        f"<Size>{'9' * 5000}</Size>",
+        "<Size>1</Size><LastModified>no time</LastModified>",
+    ],
+    ids=["two sizes", "a size of 5,000 digits", "a time of no time"],
+)
+def test_a_listing_botocore_cannot_read_is_exit_4(
+    faulty: faulty_store.FaultyProxy, stored: tuple[str, Built], tmp_path: Path, contents: str
+) -> None:
+    """botocore reads a ``<Contents>`` element by its model: two ``<Size>`` elements went to int() as a list
+    (TypeError), a size of 5,000 digits past Python's digit limit and a time of no time raised ValueError, all exit
+    70. Each is an answer the store got wrong."""
+    bucket, _ = stored
+    body = (
+        '<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+        f"<Name>{bucket}</Name><Prefix>{PREFIX}</Prefix><KeyCount>1</KeyCount><MaxKeys>1000</MaxKeys>"
+        f'<IsTruncated>false</IsTruncated><Contents><Key>{PREFIX}{METADATA_FILE}</Key><ETag>"0"</ETag>{contents}'
+        "</Contents></ListBucketResult>"
+    ).encode()
+    faulty.arm(Fault("answer-body", method="GET", match="list-type=2", body=body))
+    before = _files(tmp_path)
+    result = run_cli(
+        ["fix", f"s3://{bucket}/{PREFIX}", "--out", tmp_path / "out", "--endpoint-url", faulty.endpoint], code=4
+    )
+    assert f"s3://{bucket}/{PREFIX}: answered with what botocore cannot read" in _one_line(result.stderr)
+    assert faulty.hits["answer-body"] >= 1 and _files(tmp_path) == before
+
+
 def test_a_store_that_ignores_range_is_refused_before_its_body_is_read(
     faulty: faulty_store.FaultyProxy, stored: tuple[str, Built]
 ) -> None:

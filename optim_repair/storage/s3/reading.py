@@ -15,13 +15,14 @@ import email.utils
 import functools
 import http.client
 import importlib
+import traceback
 import uuid
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from optim_repair.errors import InputError, OptimRepairError, UsageError, shown_name
+from optim_repair.errors import InputError, OptimRepairError, OutputError, UsageError, shown_name
 from optim_repair.storage.answers import check_range, cut, failure, receive, within
 from optim_repair.storage.batched import WORKERS, BatchedReads, Counter
 from optim_repair.storage.names import checked_endpoint, checked_name, redacted
@@ -39,6 +40,14 @@ _WHOLE_ANSWERS = frozenset({"list_objects_v2", "list_multipart_uploads", "head_o
 """The requests whose answers the client reads whole, each bounded by ``answers.within``. Object bodies are read
 against the floor as they come (``answers.receive``); a write's answer may rightly take long (a server-side copy of
 gigabytes), and is bounded by botocore's read timeout alone."""
+
+
+def _parsing(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while botocore's parser read an answer its model does not fit: an element twice
+    where one is modelled (a list given to int()), a number past Python's digit limit, a time of no time."""
+    return any(
+        frame.f_globals.get("__name__") == "botocore.parsers" for frame, _ in traceback.walk_tb(exc.__traceback__)
+    )
 
 
 class S3Reader(BatchedReads):
@@ -97,6 +106,12 @@ class S3Reader(BatchedReads):
             raise InputError("no AWS credentials found (environment, ~/.aws profile, or SSO login)") from exc
         except self._transport as exc:
             raise self._lost(exc, key) from exc
+        except (TypeError, ValueError) as exc:
+            if not _parsing(exc):
+                raise
+            kind = OutputError if writing else InputError
+            detail = shown_name(f"{type(exc).__name__}: {exc}"[:120])
+            raise kind(f"answered with what botocore cannot read ({detail})", path=self.where(key)) from exc
 
     def _lost(self, exc: BaseException, key: str) -> InputError:
         """A transport failure (a connection refused, reset or cut mid-answer, a timeout) as exit 4 naming ``key``."""
