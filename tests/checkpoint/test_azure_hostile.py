@@ -22,7 +22,7 @@ import torch
 from optim_repair import api
 from optim_repair.errors import InputError, UsageError, shown_name
 from optim_repair.formats.dcp import METADATA_FILE
-from optim_repair.storage import answers
+from optim_repair.storage import answers, names
 from tests.conftest import run_cli
 from tests.factories import azurite, faulty_store
 from tests.factories import dcp as dk
@@ -176,6 +176,21 @@ def test_an_xml_answer_that_declares_entities_is_refused_unexpanded(
     result = run_cli(["inspect", f"az://{container}/{PREFIX}", "--endpoint-url", _endpoint(faulty)], code=4)
     assert f"az://{container}/{PREFIX}: answered with XML that declares a document type" in _one_line(result.stderr)
     assert faulty.hits["answer-body"] == 1 and time.monotonic() - started < 10
+
+
+def test_a_listing_past_its_memory_budget_is_exit_4(
+    azure_stored: tuple[str, Built], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The names a listing keeps are bounded by the memory they take, not by their count alone: 4.4 million tiny
+    objects under the count's limit took over 1 GiB. With a budget of three names, the three objects of this
+    checkpoint are refused at the third."""
+    container, _ = azure_stored
+    monkeypatch.setattr(names, "LISTED_BYTES", 3 * names.NAME_OVERHEAD)
+    before = set(tmp_path.rglob("*"))
+    result = run_cli(["fix", f"az://{container}/{PREFIX}", "--out", tmp_path / "out"], code=4)
+    line = _one_line(result.stderr)
+    assert f"az://{container}/{PREFIX}: lists more names than {3 * names.NAME_OVERHEAD:,} bytes of memory hold" in line
+    assert set(tmp_path.rglob("*")) == before
 
 
 def test_a_store_that_ignores_range_is_refused_before_its_body_is_read(

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from optim_repair import api
 from optim_repair.errors import InputError, shown_name
 from optim_repair.formats.dcp import METADATA_FILE
-from optim_repair.storage import answers, claim
+from optim_repair.storage import answers, claim, names
 from optim_repair.storage.s3 import S3Store
 from tests.conftest import run_cli
 from tests.factories import dcp as dk
@@ -144,6 +144,21 @@ def test_a_listing_botocore_cannot_read_is_exit_4(
     )
     assert f"s3://{bucket}/{PREFIX}: answered with what botocore cannot read" in _one_line(result.stderr)
     assert faulty.hits["answer-body"] >= 1 and _files(tmp_path) == before
+
+
+def test_a_listing_past_its_memory_budget_is_exit_4(
+    stored: tuple[str, Built], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The names a listing keeps are bounded by the memory they take, not by their count alone: 4.4 million tiny
+    objects under the count's limit took over 1 GiB. With a budget of three names, the three objects of this
+    checkpoint are refused at the third."""
+    bucket, _ = stored
+    monkeypatch.setattr(names, "LISTED_BYTES", 3 * names.NAME_OVERHEAD)
+    before = _files(tmp_path)
+    result = run_cli(["fix", f"s3://{bucket}/{PREFIX}", "--out", tmp_path / "out"], code=4)
+    line = _one_line(result.stderr)
+    assert f"s3://{bucket}/{PREFIX}: lists more names than {3 * names.NAME_OVERHEAD:,} bytes of memory hold" in line
+    assert _files(tmp_path) == before
 
 
 def test_a_store_that_ignores_range_is_refused_before_its_body_is_read(

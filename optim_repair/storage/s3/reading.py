@@ -25,11 +25,9 @@ from typing import Any, BinaryIO
 from optim_repair.errors import InputError, OptimRepairError, OutputError, UsageError, shown_name
 from optim_repair.storage.answers import check_range, cut, failure, receive, within
 from optim_repair.storage.batched import WORKERS, BatchedReads, Counter
-from optim_repair.storage.names import checked_endpoint, checked_name, redacted
+from optim_repair.storage.names import ListingBudget, checked_endpoint, checked_name, redacted
 from optim_repair.storage.objects import Copied, Small, StoredObject, crc32_of, encoded_crc32
 
-LISTED_LIMIT = 10_000_000
-"""The most objects one listing may give: a store that never ends its listing is refused past it."""
 CONNECT_SECONDS = 10
 READ_SECONDS = 60
 """What botocore waits for a connection, and for each read of a socket (a store that answers nothing)."""
@@ -122,8 +120,10 @@ class S3Reader(BatchedReads):
     def listing(self, prefix: str, *, children: bool = False) -> dict[str, StoredObject]:
         """Every object under ``prefix`` (``children``: only those directly in it, as ``ls`` lists a directory), by
         its key relative to it (``checked_name``). A listing that repeats a page (its continuation token, or a
-        key), lists a key outside ``prefix``, or never ends is refused."""
+        key), lists a key outside ``prefix``, or holds more than its budget (``ListingBudget``: one that never
+        ends) is refused."""
         found: dict[str, StoredObject] = {}
+        budget = ListingBudget(self.where(prefix))
         tokens: set[str] = set()
         token: dict[str, Any] = {"Delimiter": "/"} if children else {}
         while True:
@@ -139,9 +139,8 @@ class S3Reader(BatchedReads):
                 name = checked_name(key[len(prefix) :], lambda relative: self.where(f"{prefix}{relative}"))
                 if name in found:
                     raise InputError("was listed twice (the store repeats its listing)", path=self.where(key))
+                budget.hold(name, etag)
                 found[name] = StoredObject(size, etag)
-            if len(found) > LISTED_LIMIT:
-                raise InputError(f"lists more than {LISTED_LIMIT:,} objects", path=self.where(prefix))
             if not page.get("IsTruncated"):
                 return found
             following = page.get("NextContinuationToken")
@@ -150,6 +149,7 @@ class S3Reader(BatchedReads):
                     "the store repeats its listing (a continuation token came twice)", path=self.where(prefix)
                 )
             tokens.add(following)
+            budget.hold(following, following)
             token = {**token, "ContinuationToken": following}
 
     def _receive(self, answer: dict[str, Any], key: str, length: int, sink: Callable[[bytes], None]) -> int:
