@@ -4,6 +4,7 @@ really hold, and runs that race or are stopped. What the emulator does not check
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -224,6 +225,24 @@ def test_a_failing_store_leaves_nothing_at_the_output(
     assert "the store refused the request (HTTP 503" in _one_line(result.stderr)
     assert faulty.hits["fail"] >= 2  # retried by the transport before it gave up
     assert gcsserver.keys(gcs, bucket, "fixed/") == set()  # no object, no marker
+
+
+@pytest.mark.parametrize("done", ["9" * 5000, "\u0663"], ids=["5,000 digits", "an Arabic-Indic digit"])
+def test_a_rewrite_whose_progress_is_no_count_is_exit_5_and_leaves_nothing(
+    faulty: faulty_store.FaultyProxy, gcs: gcsserver.Server, gcs_stored: tuple[str, Built], done: str
+) -> None:
+    """A rewrite's answer gives its bytes done as a string of digits: 5,000 of them went to int() past Python's
+    digit limit, and a digit ``str.isdigit`` takes (Arabic-Indic three) was read as a number (exit 70 either way,
+    or 3 bytes done). Either is refused as no progress, and what the run wrote is removed."""
+    bucket, built = gcs_stored
+    size = str((built.path / "__0_0.distcp").stat().st_size)
+    body = json.dumps({"kind": "storage#rewriteResponse", "totalBytesRewritten": done, "objectSize": size}).encode()
+    faulty.arm(Fault("answer-body", method="POST", match="__0_0.distcp/rewriteTo", body=body))
+    result = run_cli(
+        ["fix", f"gs://{bucket}/{PREFIX}", "--out", f"gs://{bucket}/fixed/", "--endpoint-url", faulty.endpoint], code=5
+    )
+    assert "answered a rewrite without its progress and the object's size" in _one_line(result.stderr)
+    assert faulty.hits["answer-body"] >= 1 and gcsserver.keys(gcs, bucket, "fixed/") == set()
 
 
 def test_credentials_in_the_endpoint_are_never_shown(gcs_stored: tuple[str, Built], gcs: gcsserver.Server) -> None:

@@ -11,7 +11,7 @@ import itertools
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from optim_repair.errors import InputError
 
@@ -19,6 +19,7 @@ JSON_DEPTH = 32
 """The deepest JSON answer read: GCS's nest a few levels (a listing's items, an object's metadata, an error's
 errors); deeper is refused before it is parsed, since Python's parser recurses once a level."""
 _STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"')
+_COUNT = re.compile("[0-9]{1,20}")
 _NOT_BRACKET = re.compile(rb"[^\[\]{}]++")
 _STEP = [1 if byte in b"[{" else -1 if byte in b"]}" else 0 for byte in range(256)]
 
@@ -54,6 +55,12 @@ def as_json(data: bytes, where: str) -> dict[str, Any]:
     if not isinstance(found, dict):
         raise InputError("answered with JSON that is not an object", path=where)
     return found
+
+
+def is_count(value: object) -> TypeGuard[str]:
+    """Whether ``value`` is a number as the JSON API writes one (a size, a generation, bytes done): a string of at
+    most 20 ASCII digits (``str.isdigit`` takes other digits too, which ``int()`` reads or refuses)."""
+    return isinstance(value, str) and _COUNT.fullmatch(value) is not None
 
 
 def is_crc(text: str) -> bool:
