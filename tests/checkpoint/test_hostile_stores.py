@@ -471,6 +471,27 @@ def test_a_stopped_runs_marker_cannot_name_keys_outside_what_it_claimed(
     assert "b" in s3server.keys(server, bucket, "elsewhere/") and "a" not in s3server.keys(server, bucket, "fixed/")
 
 
+def test_an_answer_without_the_objects_etag_is_exit_4_or_5_and_leaves_nothing(
+    faulty: faulty_store.FaultyProxy, server: s3server.Server, stored: tuple[str, Built], tmp_path: Path
+) -> None:
+    """botocore leaves out what an answer lacks: a read of a torch file's end, or a write's answer, without an ETag
+    was a KeyError (exit 70). A read is exit 4; a write exit 5, and the run removes what it wrote."""
+    built = trainers.hf_trainer(tmp_path / "in")
+    bucket = s3server.new_bucket(server)
+    s3server.upload(server, built.path, bucket, "run/")
+    faulty.arm(Fault("answer-headers", method="GET", headers=(("ETag", None),)))
+    result = run_cli(["inspect", f"s3://{bucket}/run/optimizer.pt", "--endpoint-url", faulty.endpoint], code=4)
+    assert f"s3://{bucket}/run/optimizer.pt: answered without the object's ETag" in _one_line(result.stderr)
+    source, _ = stored
+    faulty.arm(Fault("answer-headers", method="PUT", match="fixed/__optim_repair_0", headers=(("ETag", None),)))
+    command = ["fix", f"s3://{source}/{PREFIX}", "--out", f"s3://{source}/fixed/", "--endpoint-url", faulty.endpoint]
+    result = run_cli(command, code=5)
+    assert f"s3://{source}/fixed/__optim_repair_0.distcp: answered without the object's ETag" in _one_line(
+        result.stderr
+    )
+    assert faulty.hits["answer-headers"] == 1 and s3server.keys(server, source, "fixed/") == set()
+
+
 def test_a_whole_object_for_a_range_that_is_the_whole_object_is_accepted(
     faulty: faulty_store.FaultyProxy, server: s3server.Server, tmp_path: Path
 ) -> None:

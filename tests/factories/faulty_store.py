@@ -93,7 +93,7 @@ class Fault:
     - ``meanwhile``: ``action`` runs (another writer's request, say) just before the request goes on.
     - ``answer-body``: the answer's body is ``body`` instead (its status and other headers as they were).
     - ``answer-headers``: the answer's headers that ``headers`` names carry the values it gives instead (added where
-      the answer had none; its status, other headers and body as they were).
+      the answer had none; left out where the value is None; its status, other headers and body as they were).
 
     ``message``, where given, is the message of the error answer of fail and lose-answer, ``{target}`` in it
     replaced by the request's path and query (a store that echoes the request). A fault hits the requests of
@@ -117,7 +117,7 @@ class Fault:
     header: str = ""
     action: Callable[[], object] | None = None
     body: bytes = b""
-    headers: tuple[tuple[str, str], ...] = ()
+    headers: tuple[tuple[str, str | None], ...] = ()
     message: str = ""
 
     def __post_init__(self) -> None:
@@ -433,10 +433,12 @@ def _azure_error(status: int, code: str, message: str) -> _Answer:
     return _Answer(status, _phrase(status), headers, body)
 
 
-def _with_headers(headers: list[tuple[str, str]], given: tuple[tuple[str, str], ...]) -> list[tuple[str, str]]:
-    """``headers`` with those ``given`` names (in any case) carrying the values given instead, added where absent."""
+def _with_headers(headers: list[tuple[str, str]], given: tuple[tuple[str, str | None], ...]) -> list[tuple[str, str]]:
+    """``headers`` with those ``given`` names (in any case) carrying the values given instead, added where absent,
+    left out where the value given is None."""
     replaced = {name.lower() for name, _ in given}
-    return [*((name, value) for name, value in headers if name.lower() not in replaced), *given]
+    kept = [(name, value) for name, value in headers if name.lower() not in replaced]
+    return [*kept, *((name, value) for name, value in given if value is not None)]
 
 
 def _without_token(target: str) -> str:

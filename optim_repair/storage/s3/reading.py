@@ -111,6 +111,15 @@ class S3Reader(BatchedReads):
             detail = shown_name(f"{type(exc).__name__}: {exc}"[:120])
             raise kind(f"answered with what botocore cannot read ({detail})", path=self.where(key)) from exc
 
+    def etag(self, answer: dict[str, Any], key: str, *, writing: bool = False) -> str:
+        """The ETag ``answer`` gives of ``key``; one without it (botocore leaves out what an answer lacks) is exit 4,
+        exit 5 for a write's."""
+        etag = answer.get("ETag")
+        if not isinstance(etag, str) or not etag:
+            kind = OutputError if writing else InputError
+            raise kind("answered without the object's ETag", path=self.where(key))
+        return etag
+
     def _lost(self, exc: BaseException, key: str) -> InputError:
         """A transport failure (a connection refused, reset or cut mid-answer, a timeout) as exit 4 naming ``key``."""
         return InputError(
@@ -209,7 +218,7 @@ class S3Reader(BatchedReads):
         given = answer.get("ContentLength")
         whole = status == 200 and isinstance(given, int) and 0 <= given <= length  # all of it: what was asked
         total = given if whole else check_range(answer, None, self.where(key))
-        stored = StoredObject(total, answer["ETag"])
+        stored = StoredObject(total, self.etag(answer, key))
         expected = min(length, total)
         if answer.get("ContentLength") != expected:
             raise InputError(
@@ -223,13 +232,16 @@ class S3Reader(BatchedReads):
 
     def head(self, key: str) -> StoredObject:
         answer = self.request("head_object", key, Key=key)
-        return StoredObject(answer["ContentLength"], answer["ETag"])
+        size = answer.get("ContentLength")
+        if not (isinstance(size, int) and size >= 0):
+            raise InputError("was described without a size", path=self.where(key))
+        return StoredObject(size, self.etag(answer, key))
 
     def checksum(self, key: str) -> Copied:
         """The CRC32 the store keeps of the whole object ``key`` (None without one), and its ETag."""
         answer = self.request("head_object", key, Key=key, ChecksumMode="ENABLED")
         whole = answer.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT"
-        return Copied(answer.get("ChecksumCRC32") if whole else None, answer["ETag"])
+        return Copied(answer.get("ChecksumCRC32") if whole else None, self.etag(answer, key))
 
     def owner(self, key: str) -> tuple[str | None, Copied] | None:
         """The run that wrote ``key`` (None when no run of optim-repair did) and what the store says of it; None
@@ -242,7 +254,7 @@ class S3Reader(BatchedReads):
             raise
         whole = answer.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT"
         run = answer.get("Metadata", {}).get(RUN_METADATA)
-        return run, Copied(answer.get("ChecksumCRC32") if whole else None, answer["ETag"])
+        return run, Copied(answer.get("ChecksumCRC32") if whole else None, self.etag(answer, key))
 
     def read_small(self, key: str, limit: int) -> Small | None:
         """The object ``key`` whole when it holds at most ``limit`` bytes (a marker), with what the store says of
@@ -263,4 +275,4 @@ class S3Reader(BatchedReads):
         except (TypeError, ValueError):
             age = None
         run = answer.get("Metadata", {}).get(RUN_METADATA)
-        return Small(b"".join(parts), answer["ETag"], run, age)
+        return Small(b"".join(parts), self.etag(answer, key), run, age)
