@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from optim_repair import signals
-from optim_repair.errors import InputError, ObjectExists, OptimRepairError, OutputError
+from optim_repair.errors import InputError, ObjectExists, OptimRepairError, OutputError, shown_name
 from optim_repair.storage.names import redacted
 
 CHANGED = "changed while being read (is a run still saving it?)"
@@ -26,7 +26,7 @@ WHOLE_ANSWER_BYTES = 2 << 20
 given the grace and the time this takes at the floor's pace (``within``)."""
 _RECEIVE = 1 << 20
 _Answer = TypeVar("_Answer")
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+_CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,20})-([0-9]{1,20})/([0-9]{1,20})")
 
 
 def receive(body: Any, length: int, sink: Callable[[bytes], None], where: str) -> int:
@@ -85,7 +85,7 @@ def cut(received: int, expected: int) -> str:
 def check_range(answer: dict[str, Any], asked: tuple[int, int, int] | None, where: str) -> int:
     """The object's size, from the Content-Range of a 206 answer (or a 200 giving the whole object, where that is
     the range ``asked``); anything else than the range ``asked`` (first and last byte, and the size; None: a range
-    at the end) is refused before its body is read."""
+    at the end), or a number of more digits than a size has, is refused before its body is read."""
     status = answer.get("ResponseMetadata", {}).get("HTTPStatusCode")
     if (
         status == 200
@@ -94,10 +94,16 @@ def check_range(answer: dict[str, Any], asked: tuple[int, int, int] | None, wher
         and answer.get("ContentLength") == asked[2]
     ):
         return asked[2]  # the range asked was the whole object, and a 200 may give it so
-    matched = _CONTENT_RANGE.fullmatch(str(answer.get("ContentRange", "")))
+    given = str(answer.get("ContentRange", ""))
+    matched = _CONTENT_RANGE.fullmatch(given)
     if status != 206 or matched is None:
         answer["Body"].close()
-        raise InputError(f"answered a read by range with its whole body (HTTP {status}, not 206)", path=where)
+        reason = (
+            f"answered a read by range with its whole body (HTTP {status}, not 206)"
+            if status != 206
+            else f"answered a read by range with a Content-Range of no range ({shown_name(given[:100])})"
+        )
+        raise InputError(reason, path=where)
     first, last, size = (int(value) for value in matched.groups())
     if (asked is not None and (first, last, size) != asked) or last < first or last >= size:
         answer["Body"].close()

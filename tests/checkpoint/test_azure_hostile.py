@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from optim_repair import api
-from optim_repair.errors import InputError, UsageError
+from optim_repair.errors import InputError, UsageError, shown_name
 from optim_repair.formats.dcp import METADATA_FILE
-from optim_repair.storage import answers
+from optim_repair.storage import answers, names
 from tests.conftest import run_cli
 from tests.factories import azurite, faulty_store
 from tests.factories import dcp as dk
@@ -117,6 +117,27 @@ def test_a_listed_name_azure_encoded_is_decoded_then_checked(
     assert not (tmp_path / "out").exists() and not (tmp_path / "outside").exists()
 
 
+@pytest.mark.parametrize("name", ["a\x00.distcp", "a\x1b]0;x\x07.distcp", "a%FF.distcp"])
+def test_a_listed_name_no_file_can_have_is_refused_where_it_is_listed(
+    faulty: faulty_store.FaultyProxy, azure_stored: tuple[str, Built], tmp_path: Path, name: str
+) -> None:
+    """Azure writes a name XML cannot hold percent-encoded (``<Name Encoded="true">``): decoded, ``%00`` is a NUL,
+    which made the download of ``fix --out DIR`` fail ("embedded null byte", exit 70), and ``%FF`` no UTF-8 text
+    (it was decoded to U+FFFD, a name the container does not hold). Each is refused where it is listed, before
+    anything is downloaded, and shown escaped."""
+    container, _ = azure_stored
+    listed = urllib.parse.unquote(name, errors="surrogateescape")
+    faulty.arm(Fault("hostile-names", names=(f"{PREFIX}{listed}",), encoded=True))
+    before = set(tmp_path.rglob("*"))
+    for args in (["inspect", f"az://{container}/{PREFIX}"],
+                 ["fix", f"az://{container}/{PREFIX}", "--out", tmp_path / "out"]):  # fmt: skip
+        result = run_cli([*args, "--endpoint-url", _endpoint(faulty)], code=4)
+        line = _one_line(result.stderr)
+        assert f"{shown_name(f'az://{container}/{PREFIX}{listed}')}: is listed by a name holding a NUL" in line
+        assert "downloading" not in result.stderr
+    assert faulty.hits["hostile-names"] == 2 and set(tmp_path.rglob("*")) == before
+
+
 def test_a_listing_whose_marker_repeats_is_exit_4(
     faulty: faulty_store.FaultyProxy, azure_stored: tuple[str, Built]
 ) -> None:
@@ -157,6 +178,21 @@ def test_an_xml_answer_that_declares_entities_is_refused_unexpanded(
     assert faulty.hits["answer-body"] == 1 and time.monotonic() - started < 10
 
 
+def test_a_listing_past_its_memory_budget_is_exit_4(
+    azure_stored: tuple[str, Built], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The names a listing keeps are bounded by the memory they take, not by their count alone: 4.4 million tiny
+    objects under the count's limit took over 1 GiB. With a budget of three names, the three objects of this
+    checkpoint are refused at the third."""
+    container, _ = azure_stored
+    monkeypatch.setattr(names, "LISTED_BYTES", 3 * names.NAME_OVERHEAD)
+    before = set(tmp_path.rglob("*"))
+    result = run_cli(["fix", f"az://{container}/{PREFIX}", "--out", tmp_path / "out"], code=4)
+    line = _one_line(result.stderr)
+    assert f"az://{container}/{PREFIX}: lists more names than {3 * names.NAME_OVERHEAD:,} bytes of memory hold" in line
+    assert set(tmp_path.rglob("*")) == before
+
+
 def test_a_store_that_ignores_range_is_refused_before_its_body_is_read(
     faulty: faulty_store.FaultyProxy, azure_stored: tuple[str, Built]
 ) -> None:
@@ -166,6 +202,22 @@ def test_a_store_that_ignores_range_is_refused_before_its_body_is_read(
     with pytest.raises(InputError, match=r"answered a read of another range than was asked \(HTTP 200\)"):
         api.inspect(f"az://{container}/{PREFIX}", endpoint_url=_endpoint(faulty))
     assert faulty.hits["ignore-range"] >= 1
+
+
+def test_a_content_range_of_more_digits_than_a_size_has_is_refused_unread(
+    faulty: faulty_store.FaultyProxy, azure_stored: tuple[str, Built], tmp_path: Path
+) -> None:
+    """A Content-Range whose total has 5,000 digits went to int(), past Python's limit on the digits it converts
+    (ValueError, exit 70)."""
+    container, _ = azure_stored
+    given = f"bytes 0-9/{'9' * 5000}"
+    faulty.arm(Fault("answer-headers", method="GET", header="x-ms-range", headers=(("Content-Range", given),)))
+    before = set(tmp_path.rglob("*"))
+    result = run_cli(
+        ["fix", f"az://{container}/{PREFIX}", "--out", tmp_path / "out", "--endpoint-url", _endpoint(faulty)], code=4
+    )
+    assert f"answered a read of another range than was asked ({given[:100]})" in _one_line(result.stderr)
+    assert faulty.hits["answer-headers"] >= 1 and set(tmp_path.rglob("*")) == before
 
 
 def test_a_store_that_drips_is_given_up_past_the_grace(

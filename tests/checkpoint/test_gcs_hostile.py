@@ -4,6 +4,7 @@ really hold, and runs that race or are stopped. What the emulator does not check
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -14,9 +15,9 @@ import pytest
 import torch
 
 from optim_repair import api
-from optim_repair.errors import InputError, UsageError
+from optim_repair.errors import InputError, UsageError, shown_name
 from optim_repair.formats.dcp import METADATA_FILE
-from optim_repair.storage import answers
+from optim_repair.storage import answers, names
 from tests.conftest import run_cli
 from tests.factories import dcp as dk
 from tests.factories import faulty_store, gcsserver
@@ -72,6 +73,24 @@ def test_a_listed_name_outside_the_prefix_is_refused_where_it_is_listed(
     assert not (tmp_path / "out").exists() and not (tmp_path / "outside").exists()
 
 
+@pytest.mark.parametrize("name", ["a\x00.distcp", "a\udc80.distcp", "a\x1b]0;x\x07.distcp"])
+def test_a_listed_name_no_file_can_have_is_refused_where_it_is_listed(
+    faulty: faulty_store.FaultyProxy, gcs_stored: tuple[str, Built], tmp_path: Path, name: str
+) -> None:
+    """GCS's JSON can spell a NUL, a lone surrogate (no UTF-8 text) or an escape in a name: the first made the
+    download of ``fix --out DIR`` fail ("embedded null byte"), the second could not be encoded (both exit 70).
+    Each is refused where it is listed, before anything is downloaded, and shown escaped."""
+    bucket, _ = gcs_stored
+    faulty.arm(Fault("hostile-names", names=(f"{PREFIX}{name}",)))
+    before = set(tmp_path.rglob("*"))
+    for args in (["inspect", f"gs://{bucket}/{PREFIX}"], ["fix", f"gs://{bucket}/{PREFIX}", "--out", tmp_path / "out"]):
+        result = run_cli([*args, "--endpoint-url", faulty.endpoint], code=4)
+        line = _one_line(result.stderr)
+        assert f"{shown_name(f'gs://{bucket}/{PREFIX}{name}')}: is listed by a name holding a NUL" in line
+        assert "downloading" not in result.stderr
+    assert faulty.hits["hostile-names"] == 2 and set(tmp_path.rglob("*")) == before
+
+
 def test_a_listing_whose_page_token_repeats_is_exit_4(
     faulty: faulty_store.FaultyProxy, gcs_stored: tuple[str, Built]
 ) -> None:
@@ -82,6 +101,37 @@ def test_a_listing_whose_page_token_repeats_is_exit_4(
     assert faulty.hits["repeat-token"] == 2
 
 
+def test_a_listing_nested_deeper_than_any_answer_is_refused_unparsed(
+    faulty: faulty_store.FaultyProxy, gcs_stored: tuple[str, Built], tmp_path: Path
+) -> None:
+    """A listing's page of 200,000 nested arrays (400 KB, under a page's cap) made Python's JSON parser recurse
+    past its limit (RecursionError, exit 70): it is refused before it is parsed."""
+    bucket, _ = gcs_stored
+    body = b'{"items": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    faulty.arm(Fault("answer-body", method="GET", match="prefix=", body=body))
+    before = set(tmp_path.rglob("*"))
+    result = run_cli(
+        ["fix", f"gs://{bucket}/{PREFIX}", "--out", tmp_path / "out", "--endpoint-url", faulty.endpoint], code=4
+    )
+    assert f"gs://{bucket}/{PREFIX}: answered with JSON nested deeper than 32 levels" in _one_line(result.stderr)
+    assert faulty.hits["answer-body"] == 1 and set(tmp_path.rglob("*")) == before
+
+
+def test_a_listing_past_its_memory_budget_is_exit_4(
+    gcs_stored: tuple[str, Built], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The names a listing keeps are bounded by the memory they take, not by their count alone: 4.4 million tiny
+    objects under the count's limit took over 1 GiB. With a budget of three names, the three objects of this
+    checkpoint are refused at the third."""
+    bucket, _ = gcs_stored
+    monkeypatch.setattr(names, "LISTED_BYTES", 3 * names.NAME_OVERHEAD)
+    before = set(tmp_path.rglob("*"))
+    result = run_cli(["fix", f"gs://{bucket}/{PREFIX}", "--out", tmp_path / "out"], code=4)
+    line = _one_line(result.stderr)
+    assert f"gs://{bucket}/{PREFIX}: lists more names than {3 * names.NAME_OVERHEAD:,} bytes of memory hold" in line
+    assert set(tmp_path.rglob("*")) == before
+
+
 def test_a_store_that_ignores_range_is_refused_before_its_body_is_read(
     faulty: faulty_store.FaultyProxy, gcs_stored: tuple[str, Built]
 ) -> None:
@@ -90,6 +140,22 @@ def test_a_store_that_ignores_range_is_refused_before_its_body_is_read(
     with pytest.raises(InputError, match=r"answered a read by range with its whole body \(HTTP 200, not 206\)"):
         api.inspect(f"gs://{bucket}/{PREFIX}", endpoint_url=faulty.endpoint)
     assert faulty.hits["ignore-range"] >= 1
+
+
+def test_a_content_range_of_more_digits_than_a_size_has_is_refused_unread(
+    faulty: faulty_store.FaultyProxy, gcs_stored: tuple[str, Built], tmp_path: Path
+) -> None:
+    """A Content-Range whose total has 5,000 digits went to int(), past Python's limit on the digits it converts
+    (ValueError, exit 70)."""
+    bucket, _ = gcs_stored
+    given = f"bytes 0-9/{'9' * 5000}"
+    faulty.arm(Fault("answer-headers", method="GET", header="range", headers=(("Content-Range", given),)))
+    before = set(tmp_path.rglob("*"))
+    result = run_cli(
+        ["fix", f"gs://{bucket}/{PREFIX}", "--out", tmp_path / "out", "--endpoint-url", faulty.endpoint], code=4
+    )
+    assert f"answered a read by range with a Content-Range of no range ({given[:100]})" in _one_line(result.stderr)
+    assert faulty.hits["answer-headers"] >= 1 and set(tmp_path.rglob("*")) == before
 
 
 def test_a_store_that_drips_is_given_up_past_the_grace(
@@ -159,6 +225,24 @@ def test_a_failing_store_leaves_nothing_at_the_output(
     assert "the store refused the request (HTTP 503" in _one_line(result.stderr)
     assert faulty.hits["fail"] >= 2  # retried by the transport before it gave up
     assert gcsserver.keys(gcs, bucket, "fixed/") == set()  # no object, no marker
+
+
+@pytest.mark.parametrize("done", ["9" * 5000, "\u0663"], ids=["5,000 digits", "an Arabic-Indic digit"])
+def test_a_rewrite_whose_progress_is_no_count_is_exit_5_and_leaves_nothing(
+    faulty: faulty_store.FaultyProxy, gcs: gcsserver.Server, gcs_stored: tuple[str, Built], done: str
+) -> None:
+    """A rewrite's answer gives its bytes done as a string of digits: 5,000 of them went to int() past Python's
+    digit limit, and a digit ``str.isdigit`` takes (Arabic-Indic three) was read as a number (exit 70 either way,
+    or 3 bytes done). Either is refused as no progress, and what the run wrote is removed."""
+    bucket, built = gcs_stored
+    size = str((built.path / "__0_0.distcp").stat().st_size)
+    body = json.dumps({"kind": "storage#rewriteResponse", "totalBytesRewritten": done, "objectSize": size}).encode()
+    faulty.arm(Fault("answer-body", method="POST", match="__0_0.distcp/rewriteTo", body=body))
+    result = run_cli(
+        ["fix", f"gs://{bucket}/{PREFIX}", "--out", f"gs://{bucket}/fixed/", "--endpoint-url", faulty.endpoint], code=5
+    )
+    assert "answered a rewrite without its progress and the object's size" in _one_line(result.stderr)
+    assert faulty.hits["answer-body"] >= 1 and gcsserver.keys(gcs, bucket, "fixed/") == set()
 
 
 def test_credentials_in_the_endpoint_are_never_shown(gcs_stored: tuple[str, Built], gcs: gcsserver.Server) -> None:

@@ -18,9 +18,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from optim_repair import api
-from optim_repair.errors import InputError
+from optim_repair.errors import InputError, shown_name
 from optim_repair.formats.dcp import METADATA_FILE
-from optim_repair.storage import answers, claim
+from optim_repair.storage import answers, claim, names
 from optim_repair.storage.s3 import S3Store
 from tests.conftest import run_cli
 from tests.factories import dcp as dk
@@ -89,12 +89,76 @@ def test_a_listed_name_outside_the_prefix_is_refused_where_it_is_listed(
     assert s3server.keys(server, bucket, "fixed/") == set()
 
 
+@pytest.mark.parametrize("name", ["a\x00.distcp", "a\x1b]0;x\x07.distcp"])
+def test_a_listed_name_no_file_can_have_is_refused_where_it_is_listed(
+    faulty: faulty_store.FaultyProxy, stored: tuple[str, Built], tmp_path: Path, name: str
+) -> None:
+    """A listing asked with ``encoding-type=url`` (as botocore asks) can spell a NUL as ``%00``: it made the download
+    of ``fix --out DIR`` fail ("embedded null byte", exit 70). It is refused where it is listed, before anything
+    is downloaded, and shown escaped."""
+    bucket, _ = stored
+    faulty.arm(Fault("hostile-names", names=(f"{PREFIX}{name}",)))
+    before = _files(tmp_path)
+    for args in (["inspect", f"s3://{bucket}/{PREFIX}"], ["fix", f"s3://{bucket}/{PREFIX}", "--out", tmp_path / "out"]):
+        result = run_cli([*args, "--endpoint-url", faulty.endpoint], code=4)
+        line = _one_line(result.stderr)
+        assert f"{shown_name(f's3://{bucket}/{PREFIX}{name}')}: is listed by a name holding a NUL" in line
+        assert "downloading" not in result.stderr
+    assert faulty.hits["hostile-names"] == 2 and _files(tmp_path) == before
+
+
 def test_a_listing_whose_token_repeats_is_exit_4(faulty: faulty_store.FaultyProxy, stored: tuple[str, Built]) -> None:
     bucket, _ = stored
     faulty.arm(Fault("repeat-token"))
     result = run_cli(["inspect", f"s3://{bucket}/{PREFIX}", "--endpoint-url", faulty.endpoint], code=4)
     assert "repeats its listing" in _one_line(result.stderr)
     assert faulty.hits["repeat-token"] == 2  # the first page, and its repetition
+
+
+@pytest.mark.parametrize(
+    "contents",
+    [
+        "<Size>1</Size><Size>2</Size>",
+        f"<Size>{'9' * 5000}</Size>",
+        "<Size>1</Size><LastModified>no time</LastModified>",
+    ],
+    ids=["two sizes", "a size of 5,000 digits", "a time of no time"],
+)
+def test_a_listing_botocore_cannot_read_is_exit_4(
+    faulty: faulty_store.FaultyProxy, stored: tuple[str, Built], tmp_path: Path, contents: str
+) -> None:
+    """botocore reads a ``<Contents>`` element by its model: two ``<Size>`` elements went to int() as a list
+    (TypeError), a size of 5,000 digits past Python's digit limit and a time of no time raised ValueError, all exit
+    70. Each is an answer the store got wrong."""
+    bucket, _ = stored
+    body = (
+        '<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+        f"<Name>{bucket}</Name><Prefix>{PREFIX}</Prefix><KeyCount>1</KeyCount><MaxKeys>1000</MaxKeys>"
+        f'<IsTruncated>false</IsTruncated><Contents><Key>{PREFIX}{METADATA_FILE}</Key><ETag>"0"</ETag>{contents}'
+        "</Contents></ListBucketResult>"
+    ).encode()
+    faulty.arm(Fault("answer-body", method="GET", match="list-type=2", body=body))
+    before = _files(tmp_path)
+    result = run_cli(
+        ["fix", f"s3://{bucket}/{PREFIX}", "--out", tmp_path / "out", "--endpoint-url", faulty.endpoint], code=4
+    )
+    assert f"s3://{bucket}/{PREFIX}: answered with what botocore cannot read" in _one_line(result.stderr)
+    assert faulty.hits["answer-body"] >= 1 and _files(tmp_path) == before
+
+
+def test_a_listing_past_its_memory_budget_is_exit_4(
+    stored: tuple[str, Built], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The names a listing keeps are bounded by the memory they take, not by their count alone: 4.4 million tiny
+    objects under the count's limit took over 1 GiB. With a budget of three names, the three objects of this
+    checkpoint are refused at the third."""
+    bucket, _ = stored
+    monkeypatch.setattr(names, "LISTED_BYTES", 3 * names.NAME_OVERHEAD)
+    before = _files(tmp_path)
+    result = run_cli(["fix", f"s3://{bucket}/{PREFIX}", "--out", tmp_path / "out"], code=4)
+    line = _one_line(result.stderr)
+    assert f"s3://{bucket}/{PREFIX}: lists more names than {3 * names.NAME_OVERHEAD:,} bytes of memory hold" in line
+    assert _files(tmp_path) == before
 
 
 def test_a_store_that_ignores_range_is_refused_before_its_body_is_read(
@@ -107,6 +171,22 @@ def test_a_store_that_ignores_range_is_refused_before_its_body_is_read(
     result = run_cli(["inspect", f"s3://{bucket}/{PREFIX}", "--endpoint-url", faulty.endpoint], code=4)
     assert "not 206" in _one_line(result.stderr)
     assert faulty.hits["ignore-range"] >= 1
+
+
+def test_a_content_range_of_more_digits_than_a_size_has_is_refused_unread(
+    faulty: faulty_store.FaultyProxy, stored: tuple[str, Built], tmp_path: Path
+) -> None:
+    """A Content-Range whose total has 5,000 digits went to int(), past Python's limit on the digits it converts
+    (ValueError, exit 70)."""
+    bucket, _ = stored
+    given = f"bytes 0-9/{'9' * 5000}"
+    faulty.arm(Fault("answer-headers", method="GET", header="range", headers=(("Content-Range", given),)))
+    before = _files(tmp_path)
+    result = run_cli(
+        ["fix", f"s3://{bucket}/{PREFIX}", "--out", tmp_path / "out", "--endpoint-url", faulty.endpoint], code=4
+    )
+    assert f"answered a read by range with a Content-Range of no range ({given[:100]})" in _one_line(result.stderr)
+    assert faulty.hits["answer-headers"] >= 1 and _files(tmp_path) == before
 
 
 def test_a_store_that_drips_is_given_up_past_the_grace(
@@ -389,6 +469,27 @@ def test_a_stopped_runs_marker_cannot_name_keys_outside_what_it_claimed(
     time.sleep(2.1)
     run_cli(["fix", f"s3://{bucket}/{PREFIX}", "--out", f"s3://{bucket}/fixed/"])
     assert "b" in s3server.keys(server, bucket, "elsewhere/") and "a" not in s3server.keys(server, bucket, "fixed/")
+
+
+def test_an_answer_without_the_objects_etag_is_exit_4_or_5_and_leaves_nothing(
+    faulty: faulty_store.FaultyProxy, server: s3server.Server, stored: tuple[str, Built], tmp_path: Path
+) -> None:
+    """botocore leaves out what an answer lacks: a read of a torch file's end, or a write's answer, without an ETag
+    was a KeyError (exit 70). A read is exit 4; a write exit 5, and the run removes what it wrote."""
+    built = trainers.hf_trainer(tmp_path / "in")
+    bucket = s3server.new_bucket(server)
+    s3server.upload(server, built.path, bucket, "run/")
+    faulty.arm(Fault("answer-headers", method="GET", headers=(("ETag", None),)))
+    result = run_cli(["inspect", f"s3://{bucket}/run/optimizer.pt", "--endpoint-url", faulty.endpoint], code=4)
+    assert f"s3://{bucket}/run/optimizer.pt: answered without the object's ETag" in _one_line(result.stderr)
+    source, _ = stored
+    faulty.arm(Fault("answer-headers", method="PUT", match="fixed/__optim_repair_0", headers=(("ETag", None),)))
+    command = ["fix", f"s3://{source}/{PREFIX}", "--out", f"s3://{source}/fixed/", "--endpoint-url", faulty.endpoint]
+    result = run_cli(command, code=5)
+    assert f"s3://{source}/fixed/__optim_repair_0.distcp: answered without the object's ETag" in _one_line(
+        result.stderr
+    )
+    assert faulty.hits["answer-headers"] == 1 and s3server.keys(server, source, "fixed/") == set()
 
 
 def test_a_whole_object_for_a_range_that_is_the_whole_object_is_accepted(

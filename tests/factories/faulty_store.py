@@ -46,7 +46,7 @@ from xml.sax.saxutils import escape
 
 Kind = Literal[
     "hostile-names", "ignore-range", "drip", "cut", "repeat-token", "lose-answer", "fail", "slow-headers",
-    "copies-ranges", "meanwhile", "answer-body",
+    "copies-ranges", "meanwhile", "answer-body", "answer-headers",
 ]  # fmt: skip
 """What a fault does to the requests it hits (see ``Fault``)."""
 KINDS: tuple[Kind, ...] = get_args(Kind)
@@ -75,8 +75,8 @@ class Fault:
       the answer, which is why S3 offers ``encoding-type=url``). An Azure listing (``GET
       /ACCOUNT/CONTAINER?restype=container&comp=list``) gains a ``<Blob>`` (Name, and Properties with Content-Length,
       Etag, Last-Modified) for each after Azurite's own, its Name XML-escaped as above, or, where ``encoded``, as
-      Azure writes a name XML cannot hold: percent-encoded (every character but letters, digits and ``_.-~``),
-      ``<Name Encoded="true">``.
+      Azure writes a name XML cannot hold: percent-encoded (every character but letters, digits and ``_.-~``; a
+      lone surrogate as the byte it stands for, as ``surrogateescape`` decoded it), ``<Name Encoded="true">``.
     - ``ignore-range``: a request with a Range header (Azure's ``x-ms-range`` too) goes to moto without it; the client
       gets the 200 and the whole body.
     - ``drip``: status and headers as usual, then the body one byte every ``delay`` seconds.
@@ -92,6 +92,8 @@ class Fault:
     - ``copies-ranges``: the proxy serves a Put Block From URL itself, as the module says, where Azurite cannot.
     - ``meanwhile``: ``action`` runs (another writer's request, say) just before the request goes on.
     - ``answer-body``: the answer's body is ``body`` instead (its status and other headers as they were).
+    - ``answer-headers``: the answer's headers that ``headers`` names carry the values it gives instead (added where
+      the answer had none; left out where the value is None; its status, other headers and body as they were).
 
     ``message``, where given, is the message of the error answer of fail and lose-answer, ``{target}`` in it
     replaced by the request's path and query (a store that echoes the request). A fault hits the requests of
@@ -115,6 +117,7 @@ class Fault:
     header: str = ""
     action: Callable[[], object] | None = None
     body: bytes = b""
+    headers: tuple[tuple[str, str | None], ...] = ()
     message: str = ""
 
     def __post_init__(self) -> None:
@@ -279,6 +282,8 @@ class _Handler(BaseHTTPRequestHandler):
                 )
             if "answer-body" in hit:
                 answer.body = hit["answer-body"].body
+            if "answer-headers" in hit:
+                answer.headers = _with_headers(answer.headers, hit["answer-headers"].headers)
             if "lose-answer" in hit:
                 answer = _error(hit["lose-answer"].status, azure, _message(hit["lose-answer"], self.path))
         if "slow-headers" in hit:
@@ -428,6 +433,14 @@ def _azure_error(status: int, code: str, message: str) -> _Answer:
     return _Answer(status, _phrase(status), headers, body)
 
 
+def _with_headers(headers: list[tuple[str, str]], given: tuple[tuple[str, str | None], ...]) -> list[tuple[str, str]]:
+    """``headers`` with those ``given`` names (in any case) carrying the values given instead, added where absent,
+    left out where the value given is None."""
+    replaced = {name.lower() for name, _ in given}
+    kept = [(name, value) for name, value in headers if name.lower() not in replaced]
+    return [*kept, *((name, value) for name, value in given if value is not None)]
+
+
 def _without_token(target: str) -> str:
     """``target`` without the continuation token repeat-token hands out, which moto would not know."""
     path, _, query = target.partition("?")
@@ -493,12 +506,12 @@ def _with_blobs(listing: bytes, names: tuple[str, ...], encoded: bool) -> bytes:
     """An Azure listing (XML) with a ``<Blob>`` for each of ``names`` after Azurite's own."""
     entries = "".join(
         (
-            f'<Blob><Name Encoded="true">{quote(name, safe="")}</Name>'
+            f'<Blob><Name Encoded="true">{quote(name.encode(errors="surrogateescape"), safe="")}</Name>'
             if encoded
             else f"<Blob><Name>{_xml_text(name)}</Name>"
         )
         + "<Properties><Last-Modified>Mon, 01 Jan 2024 00:00:00 GMT</Last-Modified>"
-        f"<Etag>0x{hashlib.md5(name.encode()).hexdigest()[:15].upper()}</Etag>"
+        f"<Etag>0x{hashlib.md5(name.encode(errors='surrogateescape')).hexdigest()[:15].upper()}</Etag>"
         "<Content-Length>1</Content-Length><BlobType>BlockBlob</BlobType></Properties></Blob>"
         for name in names
     )

@@ -181,6 +181,16 @@ def test_ignore_range_answers_a_ranged_read_with_the_whole_object(proxy: FaultyP
     assert proxy.hits["ignore-range"] == 1
 
 
+def test_answer_headers_gives_the_headers_named_instead(proxy: FaultyProxy, bucket: str) -> None:
+    store = client(proxy)
+    store.put_object(Bucket=bucket, Key="a", Body=b"0123456789")
+    given = (("content-range", "bytes 0-1/99"), ("x-amz-meta-added", "yes"), ("ETag", None))
+    proxy.arm(Fault("answer-headers", method="GET", headers=given))
+    answer = store.get_object(Bucket=bucket, Key="a", Range="bytes=2-5")
+    assert (answer["ContentRange"], answer["Metadata"]) == ("bytes 0-1/99", {"added": "yes"}) and "ETag" not in answer
+    assert answer["Body"].read() == b"2345" and proxy.hits["answer-headers"] == 1
+
+
 def test_a_cut_body_raises_when_read_and_the_next_request_goes_through(proxy: FaultyProxy, bucket: str) -> None:
     store = client(proxy)
     store.put_object(Bucket=bucket, Key="a", Body=bytes(range(256)) * 4)

@@ -25,18 +25,16 @@ from optim_repair.storage.answers import CHANGED, WHOLE_ANSWER_BYTES, cut, withi
 from optim_repair.storage.azure.credentials import Access, access, without_queries
 from optim_repair.storage.azure.values import as_xml, encoded, is_md5, md5_of, text_of
 from optim_repair.storage.batched import HttpReads
-from optim_repair.storage.names import checked_name, redacted
+from optim_repair.storage.names import ListingBudget, checked_name, redacted
 from optim_repair.storage.objects import Copied, Small, StoredObject
 
 API_VERSION = "2023-11-03"
-LISTED_LIMIT = 10_000_000
-"""The most objects one listing may give: a store that never ends its listing is refused past it."""
 CONNECT_SECONDS = 10
 READ_SECONDS = 60
 """What the transport waits for a connection, and for each read of a socket (a store that answers nothing)."""
 RUN_METADATA = "optimrepairrun"
 """The metadata (``x-ms-meta-optimrepairrun``) every object a run writes carries: the run's id."""
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+_CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,20})-([0-9]{1,20})/([0-9]{1,20})")
 _DIGITS = re.compile(r"[0-9]{1,20}")
 _ETAG = re.compile(r'"?[\x21\x23-\x7e]{1,200}"?')
 _SMALL_ATTEMPTS = 5
@@ -156,9 +154,11 @@ class AzureReader(HttpReads):
 
     def listing(self, prefix: str, *, children: bool = False) -> dict[str, StoredObject]:
         """Every object under ``prefix`` (``children``: only those directly in it), by its checked name relative to
-        it. A listing that repeats a marker or a name, lists a name outside ``prefix``, or never ends is refused;
-        a directory of a hierarchical namespace (``hdi_isfolder``) holds nothing and is passed over."""
+        it. A listing that repeats a marker or a name, lists a name outside ``prefix``, or holds more than its
+        budget (``ListingBudget``: one that never ends) is refused; a directory of a hierarchical namespace
+        (``hdi_isfolder``) holds nothing and is passed over."""
         found: dict[str, StoredObject] = {}
+        budget = ListingBudget(self.where(prefix))
         markers: set[str] = set()
         params = {"restype": "container", "comp": "list", "prefix": prefix, "include": "metadata"}
         if children:
@@ -168,15 +168,17 @@ class AzureReader(HttpReads):
             page = as_xml(data, self.where(prefix))
             blobs = page.find("Blobs")
             for item in [] if blobs is None else blobs.findall("Blob"):
-                found.update([self._listed(item, prefix)] if self._is_object(item) else [])
-                if len(found) > LISTED_LIMIT:
-                    raise InputError(f"lists more than {LISTED_LIMIT:,} objects", path=self.where(prefix))
+                if self._is_object(item):
+                    name, stored = self._listed(item, prefix)
+                    budget.hold(name, stored.etag)
+                    found[name] = stored
             following = text_of(page, "NextMarker")
             if not following:
                 return found
             if following in markers:
                 raise InputError("the store repeats its listing (a marker came twice)", path=self.where(prefix))
             markers.add(following)
+            budget.hold(following, following)
             params = {**params, "marker": following}
 
     @staticmethod
@@ -187,7 +189,7 @@ class AzureReader(HttpReads):
         name_element = item.find("Name")
         key = None if name_element is None else name_element.text or ""
         if key is not None and name_element is not None and name_element.get("Encoded") == "true":
-            key = urllib.parse.unquote(key)
+            key = urllib.parse.unquote(key, errors="surrogateescape")  # bytes of no UTF-8: refused by checked_name
         if not (isinstance(key, str) and key.startswith(prefix)):
             raise InputError(f"listed {shown_name(str(key))}, which is not under it", path=self.where(prefix))
         size, etag = text_of(item, "Properties/Content-Length"), text_of(item, "Properties/Etag")

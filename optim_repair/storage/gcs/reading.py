@@ -27,19 +27,17 @@ from optim_repair.errors import InputError, ObjectExists, OptimRepairError, Outp
 from optim_repair.storage.answers import CHANGED, WHOLE_ANSWER_BYTES, cut, within
 from optim_repair.storage.batched import HttpReads
 from optim_repair.storage.gcs.values import as_json, crc32c_of, encoded, hashes, is_crc
-from optim_repair.storage.names import checked_endpoint, checked_name, redacted
+from optim_repair.storage.names import ListingBudget, checked_endpoint, checked_name, redacted
 from optim_repair.storage.objects import Copied, Small, StoredObject
 
 GOOGLE = "https://storage.googleapis.com"
 SCOPE = "https://www.googleapis.com/auth/devstorage.read_write"
-LISTED_LIMIT = 10_000_000
-"""The most objects one listing may give: a store that never ends its listing is refused past it."""
 CONNECT_SECONDS = 10
 READ_SECONDS = 60
 """What the transport waits for a connection, and for each read of a socket (a store that answers nothing)."""
 RUN_METADATA = "optim-repair-run"
 """The custom metadata every object a run writes carries: the run's id."""
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+_CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,20})-([0-9]{1,20})/([0-9]{1,20})")
 _DIGITS = re.compile(r"[0-9]{1,20}")
 _SMALL_ATTEMPTS = 5
 
@@ -165,9 +163,10 @@ class GcsReader(HttpReads):
 
     def listing(self, prefix: str, *, children: bool = False) -> dict[str, StoredObject]:
         """Every object under ``prefix`` (``children``: only those directly in it), by its checked name relative to
-        it. A listing that repeats a page token or a name, lists a name outside ``prefix``, or never ends is
-        refused."""
+        it. A listing that repeats a page token or a name, lists a name outside ``prefix``, or holds more than its
+        budget (``ListingBudget``: one that never ends) is refused."""
         found: dict[str, StoredObject] = {}
+        budget = ListingBudget(self.where(prefix))
         tokens: set[str] = set()
         params: dict[str, str] = {"prefix": prefix, "fields": "items(name,size,generation,crc32c),nextPageToken"}
         if children:
@@ -187,14 +186,14 @@ class GcsReader(HttpReads):
                 if name in found:
                     raise InputError("was listed twice (the store repeats its listing)", path=self.where(key))
                 found[name] = self.stored(item, key)[0]
-            if len(found) > LISTED_LIMIT:
-                raise InputError(f"lists more than {LISTED_LIMIT:,} objects", path=self.where(prefix))
+                budget.hold(name, found[name].etag)
             following = page.get("nextPageToken")
             if following is None:
                 return found
             if not isinstance(following, str) or not following or following in tokens:
                 raise InputError("the store repeats its listing (a page token came twice)", path=self.where(prefix))
             tokens.add(following)
+            budget.hold(following, following)
             params = {**params, "pageToken": following}
 
     def head(self, key: str) -> StoredObject:

@@ -27,7 +27,7 @@ from optim_repair.errors import InputError, ObjectExists, OutputError, shown_nam
 from optim_repair.storage import crc
 from optim_repair.storage.answers import CHANGED, WHOLE_ANSWER_BYTES
 from optim_repair.storage.gcs.reading import RUN_METADATA, GcsReader
-from optim_repair.storage.gcs.values import as_json, crc32c_of, decoded, encoded
+from optim_repair.storage.gcs.values import as_json, crc32c_of, decoded, encoded, is_count
 from optim_repair.storage.interface import Store
 from optim_repair.storage.objects import Composed, Copied, StoredObject
 
@@ -171,7 +171,7 @@ class GcsStore(GcsReader):
                 "POST", url, target, writing=True, params=params, json={"metadata": {RUN_METADATA: self.run}}
             )
             done, total = answer.get("totalBytesRewritten"), answer.get("objectSize")
-            if not (isinstance(done, str) and isinstance(total, str) and done.isdigit() and total == str(stored.size)):
+            if not (is_count(done) and total == str(stored.size)):
                 raise OutputError(
                     "answered a rewrite without its progress and the object's size", path=self.where(target)
                 )

@@ -7,11 +7,21 @@ from __future__ import annotations
 
 import base64
 import importlib
+import itertools
 import json
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from optim_repair.errors import InputError
+
+JSON_DEPTH = 32
+"""The deepest JSON answer read: GCS's nest a few levels (a listing's items, an object's metadata, an error's
+errors); deeper is refused before it is parsed, since Python's parser recurses once a level."""
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"')
+_COUNT = re.compile("[0-9]{1,20}")
+_NOT_BRACKET = re.compile(rb"[^\[\]{}]++")
+_STEP = [1 if byte in b"[{" else -1 if byte in b"]}" else 0 for byte in range(256)]
 
 
 def crc32c_of(path: Path) -> str:
@@ -33,6 +43,11 @@ def decoded(value: str) -> int:
 
 
 def as_json(data: bytes, where: str) -> dict[str, Any]:
+    """A JSON answer that is an object, nested no deeper than ``JSON_DEPTH``: its brackets outside its strings are
+    counted before it is parsed."""
+    brackets = _NOT_BRACKET.sub(b"", _STRING.sub(b"", data))
+    if max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0) > JSON_DEPTH:
+        raise InputError(f"answered with JSON nested deeper than {JSON_DEPTH} levels", path=where)
     try:
         found = json.loads(data) if data else {}
     except ValueError:
@@ -40,6 +55,12 @@ def as_json(data: bytes, where: str) -> dict[str, Any]:
     if not isinstance(found, dict):
         raise InputError("answered with JSON that is not an object", path=where)
     return found
+
+
+def is_count(value: object) -> TypeGuard[str]:
+    """Whether ``value`` is a number as the JSON API writes one (a size, a generation, bytes done): a string of at
+    most 20 ASCII digits (``str.isdigit`` takes other digits too, which ``int()`` reads or refuses)."""
+    return isinstance(value, str) and _COUNT.fullmatch(value) is not None
 
 
 def is_crc(text: str) -> bool:

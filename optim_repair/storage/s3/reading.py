@@ -15,20 +15,19 @@ import email.utils
 import functools
 import http.client
 import importlib
+import traceback
 import uuid
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from optim_repair.errors import InputError, OptimRepairError, UsageError, shown_name
+from optim_repair.errors import InputError, OptimRepairError, OutputError, UsageError, shown_name
 from optim_repair.storage.answers import check_range, cut, failure, receive, within
 from optim_repair.storage.batched import WORKERS, BatchedReads, Counter
-from optim_repair.storage.names import checked_endpoint, checked_name, redacted
+from optim_repair.storage.names import ListingBudget, checked_endpoint, checked_name, redacted
 from optim_repair.storage.objects import Copied, Small, StoredObject, crc32_of, encoded_crc32
 
-LISTED_LIMIT = 10_000_000
-"""The most objects one listing may give: a store that never ends its listing is refused past it."""
 CONNECT_SECONDS = 10
 READ_SECONDS = 60
 """What botocore waits for a connection, and for each read of a socket (a store that answers nothing)."""
@@ -39,6 +38,14 @@ _WHOLE_ANSWERS = frozenset({"list_objects_v2", "list_multipart_uploads", "head_o
 """The requests whose answers the client reads whole, each bounded by ``answers.within``. Object bodies are read
 against the floor as they come (``answers.receive``); a write's answer may rightly take long (a server-side copy of
 gigabytes), and is bounded by botocore's read timeout alone."""
+
+
+def _parsing(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while botocore's parser read an answer its model does not fit: an element twice
+    where one is modelled (a list given to int()), a number past Python's digit limit, a time of no time."""
+    return any(
+        frame.f_globals.get("__name__") == "botocore.parsers" for frame, _ in traceback.walk_tb(exc.__traceback__)
+    )
 
 
 class S3Reader(BatchedReads):
@@ -97,6 +104,21 @@ class S3Reader(BatchedReads):
             raise InputError("no AWS credentials found (environment, ~/.aws profile, or SSO login)") from exc
         except self._transport as exc:
             raise self._lost(exc, key) from exc
+        except (TypeError, ValueError) as exc:
+            if not _parsing(exc):
+                raise
+            kind = OutputError if writing else InputError
+            detail = shown_name(f"{type(exc).__name__}: {exc}"[:120])
+            raise kind(f"answered with what botocore cannot read ({detail})", path=self.where(key)) from exc
+
+    def etag(self, answer: dict[str, Any], key: str, *, writing: bool = False) -> str:
+        """The ETag ``answer`` gives of ``key``; one without it (botocore leaves out what an answer lacks) is exit 4,
+        exit 5 for a write's."""
+        etag = answer.get("ETag")
+        if not isinstance(etag, str) or not etag:
+            kind = OutputError if writing else InputError
+            raise kind("answered without the object's ETag", path=self.where(key))
+        return etag
 
     def _lost(self, exc: BaseException, key: str) -> InputError:
         """A transport failure (a connection refused, reset or cut mid-answer, a timeout) as exit 4 naming ``key``."""
@@ -107,8 +129,10 @@ class S3Reader(BatchedReads):
     def listing(self, prefix: str, *, children: bool = False) -> dict[str, StoredObject]:
         """Every object under ``prefix`` (``children``: only those directly in it, as ``ls`` lists a directory), by
         its key relative to it (``checked_name``). A listing that repeats a page (its continuation token, or a
-        key), lists a key outside ``prefix``, or never ends is refused."""
+        key), lists a key outside ``prefix``, or holds more than its budget (``ListingBudget``: one that never
+        ends) is refused."""
         found: dict[str, StoredObject] = {}
+        budget = ListingBudget(self.where(prefix))
         tokens: set[str] = set()
         token: dict[str, Any] = {"Delimiter": "/"} if children else {}
         while True:
@@ -124,9 +148,8 @@ class S3Reader(BatchedReads):
                 name = checked_name(key[len(prefix) :], lambda relative: self.where(f"{prefix}{relative}"))
                 if name in found:
                     raise InputError("was listed twice (the store repeats its listing)", path=self.where(key))
+                budget.hold(name, etag)
                 found[name] = StoredObject(size, etag)
-            if len(found) > LISTED_LIMIT:
-                raise InputError(f"lists more than {LISTED_LIMIT:,} objects", path=self.where(prefix))
             if not page.get("IsTruncated"):
                 return found
             following = page.get("NextContinuationToken")
@@ -135,6 +158,7 @@ class S3Reader(BatchedReads):
                     "the store repeats its listing (a continuation token came twice)", path=self.where(prefix)
                 )
             tokens.add(following)
+            budget.hold(following, following)
             token = {**token, "ContinuationToken": following}
 
     def _receive(self, answer: dict[str, Any], key: str, length: int, sink: Callable[[bytes], None]) -> int:
@@ -194,7 +218,7 @@ class S3Reader(BatchedReads):
         given = answer.get("ContentLength")
         whole = status == 200 and isinstance(given, int) and 0 <= given <= length  # all of it: what was asked
         total = given if whole else check_range(answer, None, self.where(key))
-        stored = StoredObject(total, answer["ETag"])
+        stored = StoredObject(total, self.etag(answer, key))
         expected = min(length, total)
         if answer.get("ContentLength") != expected:
             raise InputError(
@@ -208,13 +232,16 @@ class S3Reader(BatchedReads):
 
     def head(self, key: str) -> StoredObject:
         answer = self.request("head_object", key, Key=key)
-        return StoredObject(answer["ContentLength"], answer["ETag"])
+        size = answer.get("ContentLength")
+        if not (isinstance(size, int) and size >= 0):
+            raise InputError("was described without a size", path=self.where(key))
+        return StoredObject(size, self.etag(answer, key))
 
     def checksum(self, key: str) -> Copied:
         """The CRC32 the store keeps of the whole object ``key`` (None without one), and its ETag."""
         answer = self.request("head_object", key, Key=key, ChecksumMode="ENABLED")
         whole = answer.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT"
-        return Copied(answer.get("ChecksumCRC32") if whole else None, answer["ETag"])
+        return Copied(answer.get("ChecksumCRC32") if whole else None, self.etag(answer, key))
 
     def owner(self, key: str) -> tuple[str | None, Copied] | None:
         """The run that wrote ``key`` (None when no run of optim-repair did) and what the store says of it; None
@@ -227,7 +254,7 @@ class S3Reader(BatchedReads):
             raise
         whole = answer.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT"
         run = answer.get("Metadata", {}).get(RUN_METADATA)
-        return run, Copied(answer.get("ChecksumCRC32") if whole else None, answer["ETag"])
+        return run, Copied(answer.get("ChecksumCRC32") if whole else None, self.etag(answer, key))
 
     def read_small(self, key: str, limit: int) -> Small | None:
         """The object ``key`` whole when it holds at most ``limit`` bytes (a marker), with what the store says of
@@ -248,4 +275,4 @@ class S3Reader(BatchedReads):
         except (TypeError, ValueError):
             age = None
         run = answer.get("Metadata", {}).get(RUN_METADATA)
-        return Small(b"".join(parts), answer["ETag"], run, age)
+        return Small(b"".join(parts), self.etag(answer, key), run, age)

@@ -69,7 +69,7 @@ class S3Store(S3Reader):
             if found is None or found[0] != self.run:
                 raise ObjectExists("exists: another writer put an object there first", path=self.where(key)) from None
             return found[1]
-        return Copied(answer.get("ChecksumCRC32"), answer["ETag"])
+        return Copied(answer.get("ChecksumCRC32"), self.etag(answer, key, writing=True))
 
     def put_file(self, key: str, path: Path, size: int) -> Copied:
         """Write the file ``path`` as the new object ``key``, never over one that exists; the store checks the
@@ -114,7 +114,7 @@ class S3Store(S3Reader):
             Metadata={RUN_METADATA: self.run},
         )  # fmt: skip
         self.count(written=len(data))
-        return Copied(answer.get("ChecksumCRC32"), answer["ETag"])
+        return Copied(answer.get("ChecksumCRC32"), self.etag(answer, key, writing=True))
 
     def multipart(self, key: str, parts: Sequence[tuple[str, Any]], expected: str | None) -> Copied:
         """Write the new object ``key`` from ``parts``, ``WORKERS`` at a time: ``("bytes", data)``, ``("file",
@@ -142,7 +142,8 @@ class S3Store(S3Reader):
                 data = what if kind == "bytes" else _slice(*what)
                 answer = self.request("upload_part", key, writing=True, Body=data, ChecksumAlgorithm="CRC32", **common)
                 self.count(written=len(data))
-            found = {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32": answer.get("ChecksumCRC32")}
+            etag = self.etag(answer, key, writing=True)
+            found = {"PartNumber": number, "ETag": etag, "ChecksumCRC32": answer.get("ChecksumCRC32")}
             return {name: value for name, value in found.items() if value is not None}
 
         whole = {"ChecksumCRC32": expected} if expected is not None else {}
