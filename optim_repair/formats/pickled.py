@@ -17,7 +17,7 @@ import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, BinaryIO
+from typing import Any
 
 from optim_repair.errors import InputError, TorchRefuses, UnsafeInputError, shown
 from optim_repair.formats import safe_globals
@@ -248,7 +248,7 @@ def _allowed_global(module: str, name: str) -> Any:
 
 
 class _GraphUnpickler(AllowlistUnpickler):
-    def __init__(self, file: BinaryIO, source: str, *, legacy: bool) -> None:
+    def __init__(self, file: io.BytesIO, source: str, *, legacy: bool) -> None:
         super().__init__(file, source, _allowed_global)
         self.storages: dict[str, StorageRef] = {}
         self._pid_length = 6 if legacy else 5
@@ -323,11 +323,10 @@ def check_depth(root: Any, source: str) -> None:
             raise InputError(f"its containers nest more than {MAX_DEPTH} deep", path=source)
 
 
-def load_graph(data: bytes | BinaryIO, source: str, *, ours: bool = False, legacy: bool = False) -> PickleGraph:
+def load_graph(data: bytes, source: str, *, ours: bool = False, legacy: bool = False) -> PickleGraph:
     """Unpickle ``data`` safely into a graph of plain values and stand-ins; no tensor bytes are read. ``legacy``:
     a pickle of the legacy format, whose storages' persistent ids end in a view."""
-    stream = io.BytesIO(data) if isinstance(data, bytes) else data
-    unpickler = _GraphUnpickler(stream, source, legacy=legacy)
+    unpickler = _GraphUnpickler(io.BytesIO(data), source, legacy=legacy)
     root = unpickler.load_safely("torch pickle", ours=ours)
     if unpickler.depth_unchecked:
         check_depth(root, source)
