@@ -176,7 +176,7 @@ class StoredCheckpoint:
             if plan is not None:
                 cast(RangedObject, stream).prefetch(plan, gap=HEADER_GAP)
             stream.seek(0)
-            if stream.read(len(ZIP_MAGIC)) != ZIP_MAGIC:  # its pickle is bounded by mapping it, as on a disk
+            if stream.read(len(ZIP_MAGIC)) != ZIP_MAGIC:  # its pickles' ends are found only by reading each through
                 stream.seek(0)
                 if not has_legacy_magic(stream):
                     raise NotATorchFile("not a torch file (no zip archive, no legacy magic number)", path=name)

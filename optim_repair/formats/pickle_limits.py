@@ -25,11 +25,10 @@ The decoder is one loop over the bytes, handing the rarer opcodes to a method ea
 from __future__ import annotations
 
 import io
-import mmap
 import os
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any, BinaryIO
+from typing import Any
 
 from optim_repair.errors import InputError
 from optim_repair.formats import pickle_opcodes as opcodes
@@ -397,23 +396,21 @@ def scan(data: Any, pos: int = 0) -> tuple[int, bool]:
     return scan_compiled(data, pos) if SCANNER == "compiled" else scan_python(data, pos)
 
 
-def check_pickle(stream: BinaryIO, source: str, what: str = "pickle") -> bool:
+def check_pickle(stream: io.BytesIO, source: str, what: str = "pickle") -> bool:
     """Refuse, with ``InputError``, a pickle whose unpickling could crash, hang or exhaust memory.
 
-    Checks the one pickle that starts at ``stream``'s position, and leaves the position there.
+    Checks the one pickle that starts at ``stream``'s position, and leaves the position there: in memory, so that
+    what is checked is what is unpickled (a file's pickle is read first: ``pickle_reading``).
     Returns whether the depths it checked may be stale (see ``scan``).
     """
     start = stream.tell()
     try:
-        if isinstance(stream, io.BytesIO):
-            return scan(stream.getvalue(), start)[1]  # the bytes it was made from: no copy
-        with mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return scan(data, start)[1]
+        return scan(stream.getvalue(), start)[1]  # the bytes it was made from: no copy
     except _Refused as exc:
         raise InputError(f"not a readable {what} ({exc})", path=source) from None
     except IndexError:
         raise InputError(f"not a readable {what} (its stack underflows)", path=source) from None
-    except (ValueError, OverflowError, struct.error, OSError) as exc:
+    except (ValueError, OverflowError, struct.error) as exc:
         reason = " ".join(str(exc).split())
         raise InputError(f"not a readable {what} ({type(exc).__name__}: {reason})", path=source) from exc
     finally:

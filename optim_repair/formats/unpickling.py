@@ -11,12 +11,13 @@ from __future__ import annotations
 import _compat_pickle
 import contextlib
 import gc
+import io
 import pickle
 import struct
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO
+from typing import Any
 
 from optim_repair.errors import InputError
 from optim_repair.formats.pickle_limits import check_pickle
@@ -74,7 +75,7 @@ def collection_paused() -> Iterator[None]:
 class AllowlistUnpickler(pickle.Unpickler):
     """An unpickler that resolves every global through an allowlist, which refuses it or stands in."""
 
-    def __init__(self, file: BinaryIO, source: str, allowlist: Allowlist) -> None:
+    def __init__(self, file: io.BytesIO, source: str, allowlist: Allowlist) -> None:
         super().__init__(file)
         self.source = source
         self._file = file

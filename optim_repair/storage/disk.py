@@ -5,11 +5,18 @@ reader without end. Every reader opens its input here: ``stat`` must say a regul
 opened ``O_NONBLOCK`` and ``fstat`` of what was opened must say so too, so that a link is read through
 only when it reaches one, whatever it was a moment before. Byte ranges are moved by the kernel where it can
 (``kernel_copy``), and compared in bounded chunks (``same_range``).
+
+What a reader parses it reads through the file, never through a mapping: a mapped file that another process cuts
+short (``torch.save`` rewriting it in place, ``cp`` over it) ends the process with SIGBUS at the first page past
+its new end. Read, the same file is a read that gives fewer bytes than its size said (``read_within``; a walk
+over a large file reads it ahead into memory no file backs, ``ReadAhead``): exit 4, "changed while being read";
+``check_same`` tells a file written to meanwhile by its size and modification time.
 """
 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import stat
 from pathlib import Path, PurePosixPath
@@ -17,6 +24,7 @@ from typing import BinaryIO
 
 from optim_repair.errors import InputError, os_error_reason
 from optim_repair.records.dtypes import CHUNK
+from optim_repair.storage.answers import CHANGED
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -53,6 +61,67 @@ def open_regular(path: Path, source: str) -> BinaryIO:
 def size_of(stream: BinaryIO) -> int:
     """The size of an open regular file."""
     return os.fstat(stream.fileno()).st_size
+
+
+Status = tuple[int, int]
+"""An open file's size and modification time in nanoseconds: what tells that it was written to."""
+
+
+def status_of(stream: BinaryIO) -> Status:
+    found = os.fstat(stream.fileno())
+    return found.st_size, found.st_mtime_ns
+
+
+def check_same(stream: BinaryIO, before: Status, source: str) -> None:
+    """Raise ``InputError`` (changed while being read) where the open file is no longer as ``before`` said: what
+    was read of it may be of two versions."""
+    if status_of(stream) != before:
+        raise InputError(CHANGED, path=source)
+
+
+def read_within(stream: BinaryIO, length: int, size: int, source: str) -> bytes:
+    """Up to ``length`` bytes from the position of ``stream``, a file that held ``size`` bytes when it was opened:
+    fewer only where it ended there. A file that gives fewer was cut short since: ``InputError`` (changed while
+    being read)."""
+    held = max(0, min(length, size - stream.tell()))
+    data = stream.read(length)
+    if len(data) < held:
+        raise InputError(CHANGED, path=source)
+    return data
+
+
+def read_whole(stream: BinaryIO, source: str) -> bytes:
+    """Every byte of an open file, which must not change while it is read (``check_same``)."""
+    before = status_of(stream)
+    data = read_within(stream, before[0], before[0], source)
+    check_same(stream, before, source)
+    return data
+
+
+class ReadAhead:
+    """A file read, as a walk over its bytes comes to them, into memory of its size that no file backs (an anonymous
+    mapping, ``data``), whose pages behind the walk are let go: it holds at once what the walk reads ahead, and a
+    file cut short meanwhile is a read that ends early (changed while being read), where a mapping of the file
+    itself ended the process with SIGBUS."""
+
+    def __init__(self, stream: BinaryIO, size: int, source: str) -> None:
+        self.stream, self.size, self.source = stream, size, source
+        self.data = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.read = 0
+
+    def reach(self, end: int) -> int:
+        """Read the file up to ``end`` (at most its size); return how far it is read."""
+        end = min(end, self.size)
+        if end > self.read:
+            read = read_within(self.stream, end - self.read, self.size, self.source)
+            self.data[self.read : self.read + len(read)] = read
+            self.read += len(read)
+        return self.read
+
+    def release(self, end: int) -> None:
+        """Let go of the pages before ``end`` (a multiple of the page size), which the walk has passed."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self.data.madvise(mmap.MADV_DONTNEED, 0, end)
 
 
 def open_beneath(directory: Path, relative: str, source: str) -> BinaryIO:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from optim_repair.progress import Step
 from tests.conftest import run_cli
 from tests.factories import dcp as dk
 from tests.factories import trainers
+from tests.factories.chunked import build_chunked
 from tests.factories.support import assert_nothing_written, installed_command, leftovers, unprivileged
 
 
@@ -98,6 +100,64 @@ def test_a_second_process_saving_meanwhile_never_gets_a_mixed_copy(tmp_path: Pat
         saver.kill()
         saver.wait()
     assert outcomes
+
+
+def _cut_once_read(path: Path, command: list[str], scanner: str) -> tuple[int, str]:
+    """Run the installed command and, as soon as it has ``path`` open, cut the file to about half its size from
+    this process, as ``torch.save`` rewriting it in place or ``cp`` over it would; return its exit code and stderr.
+    Mapped, the file's pages past its new end (cut at a page's start: a partial page reads as zeros) killed the
+    reader with SIGBUS (exit 135, no message)."""
+    env = {**os.environ, "OPTIM_REPAIR_PURE_PYTHON": "1" if scanner == "pure-python" else "0"}
+    reader = subprocess.Popen([*installed_command(), *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    opened, cut = Path(f"/proc/{reader.pid}/fd"), False
+    target = str(path.resolve())
+    while not cut and reader.poll() is None:
+        try:
+            cut = any(os.readlink(descriptor) == target for descriptor in opened.iterdir())
+        except OSError:  # a descriptor closed while it was looked at
+            continue
+        if cut:
+            os.truncate(path, path.stat().st_size // 2 & ~0xFFFF)
+        else:
+            time.sleep(0.0005)
+    _, stderr = reader.communicate(timeout=300)
+    assert cut, "the reader never had the file open"
+    return reader.returncode, stderr.decode()
+
+
+def _changed_while_read(code: int, stderr: str, name: str) -> None:
+    assert code == 4, (code, stderr[-2000:])
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("optim-repair: error: "), stderr[-2000:]
+    assert f"{name}: changed while being read (is a run still saving it?)" in lines[0], lines[0]
+
+
+SCANNERS = ["compiled", "pure-python"]
+
+
+@pytest.mark.parametrize("scanner", SCANNERS)
+def test_a_legacy_torch_file_cut_short_while_it_is_read_is_changed_while_read(tmp_path: Path, scanner: str) -> None:
+    """A legacy torch file's pickles were scanned over a mapping of the whole file: cut meanwhile, SIGBUS."""
+    path = tmp_path / "legacy.pt"
+    state = {index: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2)} for index in range(20_000)}
+    payload = {"state": state, "param_groups": [{"params": list(state), "lr": 0.1}]}
+    torch.save(payload, path, _use_new_zipfile_serialization=False)  # a pickle of 3.4 MB
+    whole = path.read_bytes()
+    for _ in range(3):
+        path.write_bytes(whole)
+        _changed_while_read(*_cut_once_read(path, ["inspect", str(path)], scanner), "legacy.pt")
+
+
+@pytest.mark.parametrize("scanner", SCANNERS)
+def test_a_dcp_metadata_cut_short_while_it_is_walked_is_changed_while_read(tmp_path: Path, scanner: str) -> None:
+    """The summary walk of ``inspect`` mapped ``.metadata`` (letting its pages go behind it): cut meanwhile, SIGBUS."""
+    path = tmp_path / "ckpt"
+    build_chunked(path, 64, 160)  # 30,235 chunks: a .metadata of 5 MB
+    metadata = path / ".metadata"
+    whole = metadata.read_bytes()
+    for _ in range(3):
+        metadata.write_bytes(whole)
+        _changed_while_read(*_cut_once_read(metadata, ["inspect", str(path)], scanner), ".metadata")
 
 
 def test_an_unreadable_subdirectory_is_an_input_error(tmp_path: Path) -> None:

@@ -84,6 +84,23 @@ def billion_laughs_persistent_id() -> bytes:
     return PROTO2 + billion_laughs() + b"Q."
 
 
+def _text(value: str) -> bytes:
+    return b"X" + struct.pack("<I", len(value)) + value.encode()
+
+
+def deepened_and_shared(count: int) -> bytes:
+    """An optimizer state dict (torch's weights-only opcodes alone) with ``refs``: a dict of ``count`` keys, put in
+    the memo, made deeper once taken from it (a list set under one more key), then fetched ``count`` times more:
+    depths the pre-scan cannot know, in a graph of ``count`` references to one wide dict."""
+    keys = b"".join(b"J" + struct.pack("<i", key) + b"N" for key in range(count))
+    wide = b"}" + b"r" + struct.pack("<I", 0) + b"(" + keys
+    deepened = wide + b"u" + binget(0) + b"J" + struct.pack("<i", count) + b"]" + b"s"
+    return (
+        PROTO2 + b"}" + _text("state") + b"}" + b"s" + _text("param_groups") + b"]" + b"s"
+        + _text("refs") + b"]" + b"(" + deepened + binget(0) * count + b"e" + b"s."
+    )  # fmt: skip
+
+
 def _central_entry(data: bytes | bytearray, name: str) -> int:
     """Where the central directory entry of the record ``name`` starts in a zip archive's bytes."""
     return data.rindex(b"PK\x01\x02", 0, data.rindex(name.encode()))

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from optim_repair.errors import InputError
 from optim_repair.formats.safetensors import read_weights
@@ -86,6 +87,25 @@ def test_an_opcode_across_the_end_of_its_frame_is_refused(tmp_path: Path) -> Non
     nested = b"\x80\x04\x95" + struct.pack("<Q", 10) + b"\x95" + struct.pack("<Q", 1) + b"N."
     path = hostile.torch_zip(tmp_path / "nested.pt", nested)
     assert "it begins a frame inside another" in refused("inspect", path, codes=(4,))
+
+
+def test_a_wide_dict_shared_after_it_was_made_deeper_is_walked_once(tmp_path: Path) -> None:
+    """A dict of 100,000 keys, made deeper after a GET, then fetched 100,000 times (1.1 MB, a file torch loads): the
+    pre-scan cannot know its depths, so the graph's are measured; that walk once rebuilt the dict's items for every
+    reference to it (still running after 90 s). Each container is now expanded once."""
+    path = hostile.torch_zip(tmp_path / "shared.pt", hostile.deepened_and_shared(100_000))
+    loaded = torch.load(path, weights_only=True)
+    assert len(loaded["refs"]) == 100_002 and len(loaded["refs"][0]) == 100_001
+    del loaded
+    result = subprocess.run(
+        [*installed_command(), "inspect", "--json", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=_limits(TIGHT_LIMIT_BYTES),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout)["verdict"] == "healthy"
 
 
 def test_a_fifo_is_never_opened(tmp_path: Path) -> None:

@@ -15,11 +15,13 @@ import torch
 
 from optim_repair.errors import InputError, RepairRefused, UnsafeInputError
 from optim_repair.formats.addresses import walk
+from optim_repair.formats.pickle_limits import MAX_DEPTH
 from optim_repair.formats.pickle_writing import dump_graph, new_tensor, storage_for
 from optim_repair.formats.pickled import (
     GlobalRef,
     Reduced,
     StorageRef,
+    check_depth,
     is_tensor,
     load_graph,
     tensor_meta,
@@ -253,3 +255,28 @@ def test_a_legacy_storage_view_that_torch_cannot_unpack_is_refused() -> None:
     bad = StorageRef((*ref.pid[:5], ("v",)), "float32", "0", "cpu", 4)
     with pytest.raises(InputError, match=r"its view is no \(key, offset, size\)"):
         load_graph(dump_graph({"t": new_tensor(bad, (4,))}), "p", legacy=True)
+
+
+def _chain(levels: int, inner: Any = None) -> Any:
+    """``levels`` lists, each holding the next, the innermost holding ``inner``."""
+    node = inner
+    for _ in range(levels):
+        node = [node]
+    return node
+
+
+def test_check_depth_counts_shared_containers_on_every_path_and_cycles_once() -> None:
+    check_depth(_chain(MAX_DEPTH), "x.pkl")
+    with pytest.raises(InputError, match=f"x.pkl: its containers nest more than {MAX_DEPTH} deep"):
+        check_depth(_chain(MAX_DEPTH + 1), "x.pkl")
+    shared = _chain(60)
+    check_depth({"a": _chain(39, shared), "b": shared, "c": (shared, ())}, "x.pkl")  # 1 + 39 + 60 levels
+    with pytest.raises(InputError, match="more than"):
+        check_depth({"a": [shared], "b": _chain(41, shared)}, "x.pkl")  # shared met first one level down
+    with pytest.raises(InputError, match="more than"):
+        check_depth(Reduced(GlobalRef("m", "f"), (_chain(MAX_DEPTH),)), "x.pkl")  # the call, then its arguments
+    looped: list[Any] = [_chain(MAX_DEPTH - 1)]
+    looped.append(looped)  # a reference back to a container being walked adds nothing
+    check_depth(looped, "x.pkl")
+    check_depth([()] * MAX_DEPTH, "x.pkl")
+    check_depth(_chain(MAX_DEPTH, ()), "x.pkl")  # the empty tuple holds nothing: it adds no level

@@ -7,14 +7,12 @@ only the DCP metadata classes and plain data, so a crafted file is refused befor
 from __future__ import annotations
 
 import io
-import mmap
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from functools import partial
 from itertools import chain
 from pathlib import Path, PurePosixPath
-from typing import Any, ClassVar, cast
+from typing import Any, BinaryIO, ClassVar, cast
 
 from optim_repair.errors import InputError, UnsafeInputError, os_error_reason, shown
 from optim_repair.formats.dcp.metadata import (
@@ -44,7 +42,8 @@ from optim_repair.formats.dcp.metadata_summary import summarize
 from optim_repair.formats.pickle_limits import check_pickle
 from optim_repair.formats.unpickling import AllowlistUnpickler, collection_paused
 from optim_repair.records.dtypes import DTYPES, itemsize, numel
-from optim_repair.storage.disk import open_regular
+from optim_repair.storage.answers import CHANGED
+from optim_repair.storage.disk import ReadAhead, check_same, open_regular, read_whole, status_of
 
 
 class MetadataRecord:
@@ -342,17 +341,31 @@ def read_summary(path: Path, rel: str = "", name: str = METADATA_FILE) -> DcpMet
     one that its summary finds fault with, is read whole, for that read's own answer."""
     source = display_path(rel, name)
     try:
-        with (
-            open_regular(path / name, source) as stream,
-            mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as data,
-        ):
-            summary = summarize(data, partial(_release, data))
+        with open_regular(path / name, source) as stream:
+            summary = _summarized(stream, source)
         reading = unpickler(summary.data, source, summary)
         root = reading.load_safely("DCP metadata pickle")
         with collection_paused():
             return _parse_metadata(root, source, name != METADATA_FILE)[0]
-    except (NotSummarized, InputError, OSError, ValueError):
+    except InputError as exc:
+        if exc.reason == CHANGED:
+            raise
         return read_metadata(path, rel, name=name)
+    except (NotSummarized, OSError, ValueError):
+        return read_metadata(path, rel, name=name)
+
+
+def _summarized(stream: BinaryIO, source: str) -> Summary:
+    """The summary of the ``.metadata`` open as ``stream``, read as the walk goes; a file written to or cut short
+    meanwhile is ``InputError`` (changed while being read)."""
+    opened = status_of(stream)
+    if opened[0] == 0:
+        raise NotSummarized
+    ahead = ReadAhead(stream, opened[0], source)
+    with ahead.data:
+        summary = summarize(ahead.data, ahead.release, ahead.reach)
+    check_same(stream, opened, source)
+    return summary
 
 
 def _bounded(data: bytes, source: str) -> bool:
@@ -366,19 +379,13 @@ def _bounded(data: bytes, source: str) -> bool:
     return True
 
 
-def _release(data: mmap.mmap, end: int) -> None:
-    """Let go of the pages of ``data`` before ``end`` (a multiple of the page size), which the walk has passed."""
-    if hasattr(mmap, "MADV_DONTNEED"):
-        data.madvise(mmap.MADV_DONTNEED, 0, end)
-
-
 def read_metadata(path: Path, rel: str = "", *, ours: bool = False, name: str = METADATA_FILE) -> DcpMetadata:
     """Read the ``.metadata`` of the DCP directory ``path`` safely, without torch (``ours``: one this run
     wrote, read back for verification, which keeps no ``pickle`` to extend; ``name``: a rank's own)."""
     source = display_path(rel, name)
     try:
         with open_regular(path / name, source) as stream:
-            data = stream.read()
+            data = read_whole(stream, source)
     except OSError as exc:
         raise InputError(f"cannot read ({os_error_reason(exc)})", path=source) from exc
     reading = unpickler(data, source)

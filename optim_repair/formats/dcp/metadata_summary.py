@@ -47,6 +47,8 @@ from optim_repair.formats.dcp.metadata_records import (
 
 _RELEASE_EVERY = 1 << 22
 """How far the walk goes before it lets go of the pages behind it (4 MiB: the walk's own memory stays flat)."""
+_AHEAD, _OPCODE = 1 << 22, 1 << 10
+"""How far ahead the walk has its data read (``reach``); more than any opcode takes but a string (read to its end)."""
 _NOWHERE = (-1, "")
 _OPAQUE = object()
 """What the walk knows of a value it does not follow: that it is there."""
@@ -58,9 +60,11 @@ _SIGNED4 = struct.Struct("<i").unpack_from
 class _Walk:
     """One walk over a pickle: the stack it follows, its memo, what it copies and what it summarized."""
 
-    def __init__(self, data: Any, release: Callable[[int], None]) -> None:
+    def __init__(self, data: Any, release: Callable[[int], None], reach: Callable[[int], int]) -> None:
         self.data = data
         self.release = release
+        self.reach = reach
+        self.reached = 0  # how far ``data`` holds what was read: the walk touches nothing past it
         self.out = bytearray()
         self.stack: list[object] = []
         self.marks: list[int] = []
@@ -262,6 +266,7 @@ class _Walk:
         """Walk the pickle from its start; return where it ends (just past its STOP)."""
         data, out, stack, known = self.data, self.out, self.stack, self.known
         size = len(data)
+        self.reached = self.reach(_AHEAD)
         if size < 2 or data[0] != 0x80 or data[1] not in (4, 5):
             raise NotSummarized
         out += data[:2]
@@ -273,6 +278,8 @@ class _Walk:
             if pos - released > _RELEASE_EVERY:
                 released = pos & ~0xFFFF
                 self.release(released)
+            if pos + _OPCODE > self.reached:
+                self.reached = self.reach(pos + _AHEAD)
             op_start, op = pos, data[pos]
             pos += 1
             if op in (0x68, 0x6A):  # BINGET, LONG_BINGET
@@ -281,8 +288,9 @@ class _Walk:
                     raise NotSummarized
                 index = data[pos] if width == 1 else int(_U4(data, pos)[0])
                 value = known.get(index, _OPAQUE)
-                if value in (chunk_class, index_class):
-                    after = (self._chunks if value == chunk_class else self._pairs)(op_start, frame_end)
+                if value in (chunk_class, index_class):  # a run: matched no further than what was read
+                    runs = self._chunks if value == chunk_class else self._pairs
+                    after = runs(op_start, min(frame_end, self.reached))
                     if after != op_start:
                         pos = after
                         continue
@@ -308,6 +316,8 @@ class _Walk:
                 if length > size - pos:
                     raise NotSummarized
                 frame_end = pos + length
+                if frame_end > self.reached:
+                    self.reached = self.reach(frame_end)
                 continue
             else:
                 pos = self._general(op, pos)
@@ -332,6 +342,8 @@ class _Walk:
             start, pos = pos + width, pos + width + length
             if pos > len(data):
                 raise NotSummarized
+            if pos > self.reached:
+                self.reached = self.reach(pos)
             try:
                 stack.append(bytes(data[start:pos]).decode("utf-8", "surrogatepass"))
             except UnicodeDecodeError:
@@ -393,10 +405,13 @@ def _decoded(name: str | bytes) -> str:
         raise NotSummarized from None
 
 
-def summarize(data: Any, release: Callable[[int], None] = lambda _: None) -> Summary:
-    """Summarize the pickle at the start of ``data`` (bytes or an mmap); ``release`` is told, now and then, how
-    far the walk has read, so that an mmap's pages behind it can be let go. Raises ``NotSummarized``."""
-    walk = _Walk(data, release)
+def summarize(
+    data: Any, release: Callable[[int], None] = lambda _: None, reach: Callable[[int], int] | None = None
+) -> Summary:
+    """Summarize the pickle at the start of ``data`` (bytes, or memory a file is read into as the walk goes: ``reach``
+    has it read up to a place, and says how far it is read); ``release`` is told, now and then, how far the walk
+    has read, so that the pages behind it can be let go. Raises ``NotSummarized``."""
+    walk = _Walk(data, release, reach or (lambda _: len(data)))
     try:
         walk.run()
     except IndexError:

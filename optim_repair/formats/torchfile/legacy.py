@@ -2,6 +2,12 @@
 
 The file is five pickles (magic number, protocol version, system info, the object graph, the list
 of storage keys) followed, for each key in that list, by an 8-byte element count and the bytes.
+
+Nothing tells where a pickle ends but its ``STOP``, so each is read through the file up to it, by its opcodes'
+lengths (``pickle_reading``), and then checked and unpickled from those bytes: the storages after the
+last are never read, and memory grows with the pickles alone (a pickle that never stops is read to the file's
+end, which bounds it). The file is never mapped: another process cutting it short meanwhile made a mapped read
+end with SIGBUS; read, it is exit 4, "changed while being read", as is a file written to while it was parsed.
 """
 
 from __future__ import annotations
@@ -14,12 +20,17 @@ from pathlib import Path
 from typing import BinaryIO, ClassVar, Literal
 
 from optim_repair.errors import InputError, NotATorchFile, TorchRefuses, UnsafeInputError, shown
+from optim_repair.formats.pickle_reading import read_pickle
 from optim_repair.formats.pickled import PickleGraph, load_graph
-from optim_repair.storage.disk import size_of
+from optim_repair.storage.answers import CHANGED
+from optim_repair.storage.disk import check_same, read_within, status_of
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001
 """The one protocol version torch's legacy loader reads (``torch.serialization.PROTOCOL_VERSION``)."""
+MAGIC_BYTES = 1 << 12
+"""The most the pickle of the magic number may take (torch's takes a dozen bytes): a file whose first pickle does
+not end within it is no legacy torch file, and no more of it is read."""
 
 
 @dataclass(frozen=True)
@@ -56,34 +67,45 @@ def has_legacy_magic(stream: BinaryIO) -> bool:
     return any(head.startswith(magic) for magic in _MAGIC_PICKLES)
 
 
+def _next_graph(stream: BinaryIO, source: str, size: int, *, ours: bool = False, legacy: bool = False) -> PickleGraph:
+    """The pickle at the position of ``stream`` (in a file of ``size`` bytes) parsed; the stream left past it."""
+    start = stream.tell()
+    graph = load_graph(read_pickle(stream, source, size), source, ours=ours, legacy=legacy)
+    stream.seek(start + graph.end)
+    return graph
+
+
 def open_legacy(stream: BinaryIO, path: Path, source: str, *, ours: bool = False) -> LegacyTorchFile:
     """Parse a legacy-format torch file from its open ``stream``: its pickles and the element count
     before each storage."""
-    size = size_of(stream)
+    opened = status_of(stream)
+    size = opened[0]
     if size == 0:
         raise InputError("empty file", path=source)
     try:
-        magic = load_graph(stream, source).root
+        magic = _next_graph(stream, source, min(size, MAGIC_BYTES)).root
     except UnsafeInputError:
         raise
-    except InputError:
+    except InputError as exc:
+        if exc.reason == CHANGED:
+            raise
         magic = None
     if magic != LEGACY_MAGIC:
         raise NotATorchFile("not a torch file (no zip archive, no legacy magic number)", path=source)
-    protocol = load_graph(stream, source).root
+    protocol = _next_graph(stream, source, size).root
     if protocol != LEGACY_PROTOCOL:
         raise TorchRefuses(f"its protocol version is {shown(protocol)}, not {LEGACY_PROTOCOL}", path=source)
-    load_graph(stream, source)  # the system it was saved on, which torch reads and ignores
+    _next_graph(stream, source, size)  # the system it was saved on, which torch reads and ignores
     main_start = stream.tell()
-    graph = load_graph(stream, source, ours=ours, legacy=True)
-    keys = load_graph(stream, source).root
+    graph = _next_graph(stream, source, size, ours=ours, legacy=True)
+    keys = _next_graph(stream, source, size).root
     storage_start = stream.tell()
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise InputError("damaged legacy torch file (bad storage key list)", path=source)
     offsets = {}
     for key in keys:
         ref = graph.storages.get(key)
-        header = stream.read(8)
+        header = read_within(stream, 8, size, source)
         if ref is None or len(header) != 8:
             raise InputError(f"damaged legacy torch file (storage {shown(key)})", path=source)
         numel = struct.unpack("<q", header)[0]
@@ -95,4 +117,5 @@ def open_legacy(stream: BinaryIO, path: Path, source: str, *, ours: bool = False
     missing = set(graph.storages) - set(keys)
     if missing:
         raise InputError(f"damaged legacy torch file (no bytes for storage {shown(min(missing))})", path=source)
+    check_same(stream, opened, source)
     return LegacyTorchFile(path, graph, offsets, main_start, storage_start, stream.tell(), tuple(keys))

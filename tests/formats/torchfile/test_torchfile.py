@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import pickletools
 import random
 import struct
+import subprocess
 import zipfile
 from pathlib import Path
 
@@ -13,11 +15,15 @@ import torch
 
 import optim_repair
 from optim_repair.errors import InputError, OptimRepairError, UnsafeInputError
+from optim_repair.formats.pickle_reading import read_pickle
 from optim_repair.formats.torchfile import open_torch_file, read_inventory, write_torch_file
+from optim_repair.formats.torchfile.legacy import open_legacy
 from optim_repair.formats.torchfile.reader import PHANTOM_PROBE_BYTES, find_optimizers
 from optim_repair.formats.torchfile.zipwriter import ALIGNMENT
 from optim_repair.records.inventory import OtherValue, TensorMeta
 from optim_repair.records.repair_plan import Addition
+from optim_repair.storage.answers import CHANGED
+from optim_repair.storage.disk import open_regular, size_of
 from tests import factories
 from tests.factories import defects, hostile, models, trainers
 from tests.factories.built import Built
@@ -60,6 +66,29 @@ def garble(path: Path, keys: list[str]) -> int:
 
 
 # ---------------------------------------------------------------- reading
+
+
+def test_a_legacy_file_is_read_through_to_each_pickle_s_stop_and_a_cut_is_changed_while_read(root: Path) -> None:
+    """Each pickle of a legacy file is read up to its STOP (its storages are never read), then checked and
+    unpickled from those bytes; a file cut short by another process after its size was taken is exit 4."""
+    path = trainers.legacy_format(root).path
+    whole = path.read_bytes()
+    with open_regular(path, "legacy.pt") as stream:
+        size = size_of(stream)
+        parsed = open_legacy(stream, path, "legacy.pt")
+        stream.seek(parsed.main_start)
+        main = read_pickle(stream, "legacy.pt", size)
+        assert stream.tell() == parsed.main_start, "left where it was"
+        stop = max(pos for op, _, pos in pickletools.genops(whole[parsed.main_start :]) if op.name == "STOP")
+        assert main == whole[parsed.main_start : parsed.main_start + stop + 1]
+        assert read_pickle(stream, "legacy.pt", parsed.main_start + 100) == main[:100]  # past its size: not read
+    with open_regular(path, "legacy.pt") as stream:
+        size = size_of(stream)
+        subprocess.run(["truncate", "-s", str(parsed.main_start + len(main) // 2), str(path)], check=True)
+        stream.seek(parsed.main_start)
+        with pytest.raises(InputError) as refused:
+            read_pickle(stream, "legacy.pt", size)
+    assert (refused.value.reason, refused.value.path) == (CHANGED, "legacy.pt")
 
 
 def test_zip_and_legacy_are_both_read(root: Path) -> None:
