@@ -1,7 +1,7 @@
 """A store's answers, judged before they are believed.
 
-A body is read against its length and a deadline, a ranged answer against the range asked, and a refusal is
-turned into the error a user is shown.
+A body is read against its length and a deadline, a ranged answer against the range asked; a redirect is never
+followed, and a refusal is turned into the error a user is shown.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from optim_repair import signals
 from optim_repair.errors import InputError, ObjectExists, OptimRepairError, OutputError
-from optim_repair.storage.names import redacted
+from optim_repair.storage.names import origin, redacted
 
 CHANGED = "changed while being read (is a run still saving it?)"
 GRACE_SECONDS = 30.0
@@ -76,6 +76,15 @@ def within(call: Callable[[], _Answer], where: str) -> _Answer:
         raise value
     result: _Answer = value
     return result
+
+
+def redirected(status: int, location: str | None, sent_to: str, where: str, writing: bool) -> OptimRepairError:
+    """The error of a request to ``sent_to`` answered by a redirect (HTTP ``status``) to ``location``, which is
+    never followed: a read's bytes would be judged from, and a write's body sent to, a server the user never named
+    (exit 4, or 5 ``writing``, naming the host it pointed to)."""
+    kind = OutputError if writing else InputError
+    target = origin(location, sent_to) if location else "no address (no Location)"
+    return kind(f"answered with a redirect (HTTP {status}) to {target}, which is not followed", path=where)
 
 
 def cut(received: int, expected: int) -> str:

@@ -202,6 +202,49 @@ def test_a_listing_that_drips_is_given_up_at_its_deadline(
     assert faulty.hits[fault] == 1
 
 
+_REDIRECTED = [  # what a store's redirect hits, and the exit code of the command it fails
+    pytest.param(Fault("redirect", method="GET", header="x-ms-range"), 4, id="redirect-read"),
+    pytest.param(Fault("redirect", method="HEAD", match=METADATA_FILE), 4, id="redirect-head"),
+    pytest.param(Fault("redirect", method="GET", match="comp=list"), 4, id="redirect-listing"),
+    pytest.param(Fault("redirect", method="PUT", header="x-ms-blob-type"), 5, id="redirect-put-blob"),
+]
+
+
+@pytest.mark.parametrize(("fault", "code"), _REDIRECTED)
+def test_a_redirect_is_never_followed(
+    faulty: faulty_store.FaultyProxy,
+    elsewhere: faulty_store.Elsewhere,
+    azure: azurite.Server,
+    azure_stored: tuple[str, Built],
+    monkeypatch: pytest.MonkeyPatch,
+    fault: Fault,
+    code: int,
+) -> None:
+    """A 307 to another origin: requests would follow it for a read or a HEAD (its answer then judged as the
+    store's) and, for a Put Blob, send the body there."""
+    container, _ = azure_stored
+    monkeypatch.setattr(answers, "GRACE_SECONDS", 1.0)
+    monkeypatch.setattr(answers, "WHOLE_ANSWER_BYTES", answers.FLOOR_BYTES_PER_SECOND)
+    faulty.arm(
+        Fault(
+            fault.kind, method=fault.method, match=fault.match, header=fault.header, delay=fault.delay,
+            location=elsewhere.endpoint,
+        )
+    )  # fmt: skip
+    out = f"az://{container}/fixed-{fault.kind}/"
+    source = f"az://{container}/{PREFIX}"
+    command = ["inspect", source] if code == 4 else ["fix", source, "--out", out]
+    result = run_cli([*command, "--endpoint-url", _endpoint(faulty)], code=code)
+    line = _one_line(result.stderr)
+    assert faulty.hits[fault.kind] >= 1
+    if fault.kind == "redirect":
+        assert f"answered with a redirect (HTTP 307) to {elsewhere.endpoint}, which is not followed" in line
+    else:
+        assert f"did not answer in time (no answer from {faulty.endpoint} within 2 s)" in line
+    assert elsewhere.requests == []
+    assert _names(azure, container, f"fixed-{fault.kind}/") == set()
+
+
 def test_a_body_cut_off_is_exit_4_naming_the_key(
     faulty: faulty_store.FaultyProxy, azure_stored: tuple[str, Built]
 ) -> None:

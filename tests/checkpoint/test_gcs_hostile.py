@@ -117,6 +117,46 @@ def test_a_listing_that_drips_is_given_up_at_its_deadline(
     assert time.monotonic() - started < 8
 
 
+_REDIRECTED = [  # what a store's redirect hits, and the exit code of the command it fails
+    pytest.param(Fault("redirect", method="GET", match="alt=media"), 4, id="redirect-read"),
+    pytest.param(Fault("redirect", method="GET", match="prefix="), 4, id="redirect-listing"),
+    pytest.param(Fault("redirect", method="POST", match="uploadType=multipart"), 5, id="redirect-upload"),
+]
+
+
+@pytest.mark.parametrize(("fault", "code"), _REDIRECTED)
+def test_a_redirect_is_never_followed(
+    faulty: faulty_store.FaultyProxy,
+    elsewhere: faulty_store.Elsewhere,
+    gcs: gcsserver.Server,
+    gcs_stored: tuple[str, Built],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    fault: Fault,
+    code: int,
+) -> None:
+    """A 307 to another origin: requests would follow it for a read (its bytes then judged as the store's) and,
+    for an upload, send the body there."""
+    bucket, _ = gcs_stored
+    monkeypatch.setattr(answers, "GRACE_SECONDS", 1.0)
+    monkeypatch.setattr(answers, "WHOLE_ANSWER_BYTES", answers.FLOOR_BYTES_PER_SECOND)
+    faulty.arm(
+        Fault(fault.kind, method=fault.method, match=fault.match, delay=fault.delay, location=elsewhere.endpoint)
+    )
+    out = f"gs://{bucket}/fixed-{fault.kind}/"
+    command = ["inspect", f"gs://{bucket}/{PREFIX}"] if code == 4 else ["fix", f"gs://{bucket}/{PREFIX}", "--out", out]
+    result = run_cli([*command, "--endpoint-url", faulty.endpoint], code=code)
+    line = _one_line(result.stderr)
+    assert faulty.hits[fault.kind] >= 1
+    if fault.kind == "redirect":
+        assert f"answered with a redirect (HTTP 307) to {elsewhere.endpoint}, which is not followed" in line
+    else:
+        assert f"did not answer in time (no answer from {faulty.endpoint} within 2 s)" in line
+    assert elsewhere.requests == []
+    assert gcsserver.keys(gcs, bucket, f"fixed-{fault.kind}/") == set()
+    assert not any(tmp_path.joinpath("in").glob("**/*optim_repair*"))
+
+
 def test_a_body_cut_off_is_exit_4_naming_the_key(
     faulty: faulty_store.FaultyProxy, gcs_stored: tuple[str, Built]
 ) -> None:

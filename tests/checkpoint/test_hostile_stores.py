@@ -139,6 +139,23 @@ def test_a_listing_that_drips_is_given_up_at_its_deadline(
     assert faulty.hits["drip"] == 1
 
 
+def test_a_get_object_redirected_is_exit_4_naming_where_it_pointed(
+    faulty: faulty_store.FaultyProxy, elsewhere: faulty_store.Elsewhere, stored: tuple[str, Built]
+) -> None:
+    """botocore follows no redirect (a 307 was exit 4 already, as 'the store refused the request (307: Temporary
+    Redirect)'); the message names where it pointed now."""
+    bucket, _ = stored
+    faulty.arm(Fault("redirect", method="GET", match=METADATA_FILE, location=elsewhere.endpoint))
+    result = run_cli(["inspect", f"s3://{bucket}/{PREFIX}", "--endpoint-url", faulty.endpoint], code=4)
+    line = _one_line(result.stderr)
+    assert faulty.hits["redirect"] >= 1
+    assert line == (
+        f"optim-repair: error: s3://{bucket}/{PREFIX}{METADATA_FILE}: answered with a redirect (HTTP 307) to "
+        f"{elsewhere.endpoint}, which is not followed"
+    )
+    assert elsewhere.requests == []
+
+
 def test_a_body_cut_off_is_exit_4_naming_the_key(faulty: faulty_store.FaultyProxy, stored: tuple[str, Built]) -> None:
     bucket, _ = stored
     faulty.arm(Fault("cut", method="GET", match=METADATA_FILE, after=10))

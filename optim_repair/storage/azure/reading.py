@@ -79,18 +79,14 @@ class AzureReader(HttpReads):
         **kwargs: Any,
     ) -> Any:
         """One request (about ``key``, for messages), its body left unread, retried where transient unless not
-        ``retried``; a refusal (but the statuses ``accept`` names) or a transport failure raised as the error a
-        user is shown."""
+        ``retried``, not redirected (``answered``); a refusal (but the statuses ``accept`` names) or a transport
+        failure raised as the error a user is shown."""
         kwargs.setdefault("timeout", (CONNECT_SECONDS, READ_SECONDS))
         sent = {"x-ms-version": API_VERSION, "Accept-Encoding": "identity", **self.access.headers(), **(headers or {})}
-        try:
-            answer = (self._session if retried else self._once).request(
-                method, url, stream=True, headers=sent, params={**(params or {}), **self.access.query()}, **kwargs
-            )
-        except self._transport as exc:
-            raise self._lost(exc, key) from exc
-        history = getattr(getattr(answer.raw, "retries", None), "history", ())
-        self._count.add(requests=1 + len(history))
+        answer = self.answered(
+            self._session if retried else self._once, method, url, key, writing=writing, accept=accept, headers=sent,
+            params={**(params or {}), **self.access.query()}, **kwargs,
+        )  # fmt: skip
         if answer.status_code >= 400 and answer.status_code not in accept:
             raise self.failure(answer, key, writing, listing=(params or {}).get("comp") == "list")
         return answer

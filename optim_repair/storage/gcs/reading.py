@@ -101,16 +101,13 @@ class GcsReader(HttpReads):
     def send(
         self, method: str, url: str, key: str, *, writing: bool = False, accept: tuple[int, ...] = (), **kwargs: Any
     ) -> Any:
-        """One request (about ``key``, for messages), its body left unread; a refusal (but the statuses ``accept``
-        names) or a transport failure raised as the error a user is shown."""
+        """One request (about ``key``, for messages), its body left unread, not redirected (``answered``); a refusal
+        (but the statuses ``accept`` names) or a transport failure raised as the error a user is shown."""
         kwargs.setdefault("timeout", (CONNECT_SECONDS, READ_SECONDS))
         headers = {"Accept-Encoding": "identity", **kwargs.pop("headers", {})}
-        try:
-            answer = self._session.request(method, url, stream=True, headers=headers, **kwargs)
-        except self._transport as exc:
-            raise self._lost(exc, key) from exc
-        retried = getattr(getattr(answer.raw, "retries", None), "history", ())
-        self._count.add(requests=1 + len(retried))
+        answer = self.answered(
+            self._session, method, url, key, writing=writing, accept=accept, headers=headers, **kwargs
+        )
         if answer.status_code >= 400 and answer.status_code not in accept:
             raise self._failure(answer, key, writing, listing=urllib.parse.urlsplit(url).path.endswith("/o"))
         return answer

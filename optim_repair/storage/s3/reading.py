@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, OptimRepairError, UsageError, shown_name
-from optim_repair.storage.answers import check_range, cut, failure, receive, within
+from optim_repair.storage.answers import check_range, cut, failure, receive, redirected, within
 from optim_repair.storage.batched import WORKERS, BatchedReads, Counter
 from optim_repair.storage.names import checked_endpoint, checked_name, redacted
 from optim_repair.storage.objects import Copied, Small, StoredObject, crc32_of, encoded_crc32
@@ -87,11 +87,17 @@ class S3Reader(BatchedReads):
 
     def request(self, operation: str, key: str, *, writing: bool = False, **kwargs: Any) -> Any:
         """The client's ``operation`` on this bucket (about ``key``, for messages); every refusal and transport
-        failure raised as the error a user is shown."""
+        failure raised as the error a user is shown, a redirect (unfollowed) naming where it pointed."""
         call = functools.partial(getattr(self._client, operation), Bucket=self.bucket, **kwargs)
+        endpoint = self._client.meta.endpoint_url
         try:
             return within(call, self.where(key)) if operation in _WHOLE_ANSWERS else call()
         except self._botocore.ClientError as exc:
+            metadata = exc.response.get("ResponseMetadata", {})
+            status = metadata.get("HTTPStatusCode")
+            if isinstance(status, int) and 300 <= status < 400:  # botocore follows none, and says so in no words
+                location = metadata.get("HTTPHeaders", {}).get("location")
+                raise redirected(status, location, endpoint, self.where(key), writing) from exc
             raise failure(exc.response, self.where(key), writing) from exc
         except self._botocore.NoCredentialsError as exc:
             raise InputError("no AWS credentials found (environment, ~/.aws profile, or SSO login)") from exc
