@@ -157,6 +157,37 @@ def test_a_redirect_is_never_followed(
     assert not any(tmp_path.joinpath("in").glob("**/*optim_repair*"))
 
 
+_DRIPPED = [  # what a store's dripped headers hit, and the exit code of the command it fails
+    pytest.param(Fault("drip-headers", method="GET", match="alt=media", delay=0.05), 4, id="read"),
+    pytest.param(Fault("drip-headers", method="GET", match="prefix=", delay=0.05), 4, id="listing"),
+    pytest.param(Fault("drip-headers", method="POST", match="uploadType=multipart", delay=0.05), 5, id="upload"),
+]
+
+
+@pytest.mark.parametrize(("fault", "code"), _DRIPPED)
+def test_dripped_headers_are_given_up_at_the_requests_deadline(
+    faulty: faulty_store.FaultyProxy,
+    gcs: gcsserver.Server,
+    gcs_stored: tuple[str, Built],
+    monkeypatch: pytest.MonkeyPatch,
+    fault: Fault,
+    code: int,
+) -> None:
+    """A status line and headers one byte at a time, without end: the per-read timeout never trips; the request's
+    deadline, from its first byte sent (lowered here to two seconds), does."""
+    bucket, _ = gcs_stored
+    monkeypatch.setattr(answers, "GRACE_SECONDS", 1.0)
+    monkeypatch.setattr(answers, "WHOLE_ANSWER_BYTES", answers.FLOOR_BYTES_PER_SECOND)
+    faulty.arm(fault)
+    out = f"gs://{bucket}/fixed-dripped/"
+    command = ["inspect", f"gs://{bucket}/{PREFIX}"] if code == 4 else ["fix", f"gs://{bucket}/{PREFIX}", "--out", out]
+    result = run_cli([*command, "--endpoint-url", faulty.endpoint], code=code)
+    line = _one_line(result.stderr)
+    assert f"did not answer in time (no answer from {faulty.endpoint} within 2 s)" in line
+    assert faulty.hits["drip-headers"] >= 1
+    assert gcsserver.keys(gcs, bucket, "fixed-dripped/") == set()
+
+
 def test_a_body_cut_off_is_exit_4_naming_the_key(
     faulty: faulty_store.FaultyProxy, gcs_stored: tuple[str, Built]
 ) -> None:
