@@ -157,6 +157,20 @@ def test_a_redirect_is_never_followed(
     assert not any(tmp_path.joinpath("in").glob("**/*optim_repair*"))
 
 
+def test_a_redirect_is_shown_without_the_credentials_and_query_of_its_location(
+    faulty: faulty_store.FaultyProxy, elsewhere: faulty_store.Elsewhere, gcs_stored: tuple[str, Built]
+) -> None:
+    bucket, _ = gcs_stored
+    host = elsewhere.endpoint.removeprefix("http://")
+    faulty.arm(Fault("redirect", method="GET", match="alt=media", location=f"http://KEY:TOPSECRET@{host}"))
+    result = run_cli(["inspect", f"gs://{bucket}/{PREFIX}", "--endpoint-url", faulty.endpoint], code=4)
+    assert _one_line(result.stderr).endswith(
+        f": answered with a redirect (HTTP 307) to {elsewhere.endpoint}, which is not followed"
+    )
+    assert "TOPSECRET" not in result.stderr + result.stdout and "alt=media" not in result.stderr
+    assert elsewhere.requests == []
+
+
 _DRIPPED = [  # what a store's dripped headers hit, and the exit code of the command it fails
     pytest.param(Fault("drip-headers", method="GET", match="alt=media", delay=0.05), 4, id="read"),
     pytest.param(Fault("drip-headers", method="GET", match="prefix=", delay=0.05), 4, id="listing"),
