@@ -1,7 +1,7 @@
 """A store's answers, judged before they are believed.
 
-A body is read against its length and a deadline, a ranged answer against the range asked, and a refusal is
-turned into the error a user is shown.
+A request's answer is waited for within a deadline, a body read against its length and a pace, a ranged answer
+against the range asked; a redirect is never followed, and a refusal is turned into the error a user is shown.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from optim_repair import signals
 from optim_repair.errors import InputError, ObjectExists, OptimRepairError, OutputError, shown_name
-from optim_repair.storage.names import redacted
+from optim_repair.storage.names import origin, redacted
 
 CHANGED = "changed while being read (is a run still saving it?)"
 GRACE_SECONDS = 30.0
@@ -27,6 +27,8 @@ given the grace and the time this takes at the floor's pace (``within``)."""
 _RECEIVE = 1 << 20
 _Answer = TypeVar("_Answer")
 _CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,20})-([0-9]{1,20})/([0-9]{1,20})")
+_watched = threading.local()
+"""``deadline`` set in the thread of a request under ``within``."""
 
 
 def receive(body: Any, length: int, sink: Callable[[bytes], None], where: str) -> int:
@@ -50,16 +52,23 @@ def receive(body: Any, length: int, sink: Callable[[bytes], None], where: str) -
     return received
 
 
-def within(call: Callable[[], _Answer], where: str) -> _Answer:
-    """What ``call`` (a request whose answer the client reads whole) returns or raises, given the grace and the time
-    ``WHOLE_ANSWER_BYTES`` take at the floor's pace; past that, the store is given up (exit 4, naming ``where``).
-    The call runs in a thread of its own, left behind if it never ends: a daemon, which the process does not wait
-    for, holding one connection of the client's pool."""
-    seconds = GRACE_SECONDS + WHOLE_ANSWER_BYTES / FLOOR_BYTES_PER_SECOND
+def within(call: Callable[[], _Answer], where: str, host: str, *, writing: bool = False, sending: int = 0) -> _Answer:
+    """What ``call`` (one request to ``host``, from its first byte sent to the last of the answer the client reads:
+    a whole answer, or the status and headers of one whose body ``receive`` reads) returns or raises, given the
+    grace and the time ``WHOLE_ANSWER_BYTES`` and the ``sending`` bytes of its body take at the floor's pace; past
+    that, the store is given up (exit 4, or 5 ``writing``, naming ``where`` and ``host``): a status line and headers
+    that drip a byte a second never trip a per-read timeout, and would be waited for forever. A call made inside
+    another's deadline (a request whose whole answer is waited for) is under that one. The call runs in a thread of
+    its own, left behind if it never ends: a daemon, which the process does not wait for, holding one connection of
+    the client's pool."""
+    if getattr(_watched, "deadline", False):
+        return call()
+    seconds = GRACE_SECONDS + (WHOLE_ANSWER_BYTES + sending) / FLOOR_BYTES_PER_SECOND
     done = threading.Event()
     outcome: list[Any] = []
 
     def run() -> None:
+        _watched.deadline = True
         try:
             outcome.append((True, call()))
         except BaseException as exc:  # raised again in the caller's thread, whatever it was
@@ -70,12 +79,22 @@ def within(call: Callable[[], _Answer], where: str) -> _Answer:
     with signals.held():  # the thread inherits the mask: the ending signals reach the main thread alone
         threading.Thread(target=run, name="optim-repair-request", daemon=True).start()
     if not done.wait(seconds):
-        raise InputError(f"answers too slowly (no whole answer in {seconds:.0f} s)", path=where)
+        kind = OutputError if writing else InputError
+        raise kind(f"did not answer in time (no answer from {host} within {seconds:.0f} s)", path=where)
     answered, value = outcome[0]
     if not answered:
         raise value
     result: _Answer = value
     return result
+
+
+def redirected(status: int, location: str | None, sent_to: str, where: str, writing: bool) -> OptimRepairError:
+    """The error of a request to ``sent_to`` answered by a redirect (HTTP ``status``) to ``location``, which is
+    never followed: a read's bytes would be judged from, and a write's body sent to, a server the user never named
+    (exit 4, or 5 ``writing``, naming the host it pointed to)."""
+    kind = OutputError if writing else InputError
+    target = origin(location, sent_to) if location else "no address (no Location)"
+    return kind(f"answered with a redirect (HTTP {status}) to {target}, which is not followed", path=where)
 
 
 def cut(received: int, expected: int) -> str:

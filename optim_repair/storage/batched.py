@@ -6,7 +6,8 @@ back.
 A store's reader (``s3.reading.S3Reader``, ``gcs.reading.GcsReader``, ``azure.reading.AzureReader``) inherits
 ``BatchedReads`` and gives ``get_range`` and ``head`` (``_Reads``); ``sibling`` is the same reader for another
 bucket; what it sends and how it judges each answer stays its own. A reader over a requests session (GCS's,
-Azure's) inherits ``HttpReads``: the session's retries, and a body read against a length and a pace.
+Azure's) inherits ``HttpReads``: the session's retries, each request within a deadline and no redirect followed, and
+a body read against a length and a pace.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from typing import Any, Protocol, TypeVar
 from optim_repair import signals
 from optim_repair.errors import InputError, OptimRepairError
 from optim_repair.records.traffic import Traffic
-from optim_repair.storage.answers import receive
+from optim_repair.storage.answers import receive, redirected, within
 from optim_repair.storage.interface import Store
+from optim_repair.storage.names import origin
 from optim_repair.storage.objects import StoredObject
 
 COALESCE_GAP = 1 << 20
@@ -146,9 +148,10 @@ class BatchedReads:
 
 class HttpReads(BatchedReads):
     """What a reader over a requests session does alike: one session whose transport retries, its failures
-    named, a new run and its counter (``opened``), and each body read within a length and at the floor's pace
-    (``answers.receive``). The reader brings its session and the requests module (imported in its own package,
-    as its extra is) and how a lost transport is named (``_lost``)."""
+    named, a new run and its counter (``opened``), each request answered within a deadline and never redirected
+    (``answered``), and each body read within a length and at the floor's pace (``answers.receive``). The reader
+    brings its session and the requests module (imported in its own package, as its extra is) and how a lost
+    transport is named (``_lost``)."""
 
     _session: Any
     _transport: tuple[type[BaseException], ...]
@@ -171,6 +174,34 @@ class HttpReads(BatchedReads):
         self.run = uuid.uuid4().hex
         """This run's id, in the metadata of every object it writes."""
         self._count = Counter()
+
+    def answered(
+        self: _Answers,
+        session: Any,
+        method: str,
+        url: str,
+        key: str,
+        *,
+        writing: bool,
+        accept: tuple[int, ...],
+        **kwargs: Any,
+    ) -> Any:
+        """``session``'s answer to one request about ``key``, its body unread, counted with the transport's retries:
+        its body sent and its status and headers read within a deadline (``answers.within``); a redirect (a 3xx but
+        a status ``accept`` names) refused unfollowed, naming where it pointed; a transport failure named."""
+        try:
+            answer = within(
+                lambda: session.request(method, url, stream=True, allow_redirects=False, **kwargs),
+                self.where(key), origin(url), writing=writing, sending=sending(kwargs),
+            )  # fmt: skip
+        except self._transport as exc:
+            raise self._lost(exc, key) from exc
+        retried = getattr(getattr(answer.raw, "retries", None), "history", ())
+        self._count.add(requests=1 + len(retried))
+        if 300 <= answer.status_code < 400 and answer.status_code not in accept:
+            answer.close()
+            raise redirected(answer.status_code, answer.headers.get("Location"), url, self.where(key), writing)
+        return answer
 
     def body(
         self: _Answers,
@@ -199,6 +230,12 @@ class HttpReads(BatchedReads):
         finally:
             answer.close()
         return b"".join(parts)
+
+
+def sending(request: dict[str, Any]) -> int:
+    """How many bytes the body of a request (requests' keywords: ``data``) sends."""
+    data = request.get("data")
+    return len(data) if isinstance(data, bytes) else 0
 
 
 def _end(wanted: Sequence[tuple[int, int]], group: Sequence[int]) -> int:

@@ -10,7 +10,7 @@ import re
 import urllib.parse
 from collections.abc import Callable
 
-from optim_repair.errors import InputError, UsageError
+from optim_repair.errors import InputError, UsageError, shown_name
 
 NAME_LIMIT = 1024
 """The longest key S3 stores, in bytes: a longer name in a listing is a store's lie."""
@@ -27,6 +27,17 @@ _USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
 def redacted(text: str) -> str:
     """``text`` with the user information of every URL in it (``http://KEY:SECRET@host``) left out."""
     return _USERINFO.sub("", text)
+
+
+def origin(url: str, base: str = "") -> str:
+    """Where ``url`` (relative to ``base``, where given) points, as it is shown: its scheme, host and port, without
+    credentials, path or query."""
+    try:
+        parts = urllib.parse.urlsplit(urllib.parse.urljoin(base, url[:2048]))
+    except ValueError:  # a malformed address (an IPv6 host without its bracket)
+        return shown_name(url[:200])
+    host = parts.netloc.rpartition("@")[2][:255]
+    return shown_name(f"{parts.scheme}://{host}" if parts.scheme else host)
 
 
 def checked_endpoint(endpoint_url: str | None) -> str | None:

@@ -1,6 +1,6 @@
 """Fixtures of the store tests: a two-rank FSDP checkpoint uploaded to the real S3-compatible server (``server``
 and ``environment`` in ``tests/conftest.py``), and the GCS emulator and the Azure Blob emulator (Azurite) with one
-uploaded to each."""
+uploaded to each; another origin, where a faulty store's redirect points."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.factories import azurite, gcsserver, s3server
+from tests.factories import azurite, faulty_store, gcsserver, s3server
 from tests.factories import dcp as dk
 from tests.factories.built import Built
 from tests.factories.s3server import PREFIX
@@ -68,3 +68,11 @@ def azure_stored(azure: azurite.Server, tmp_path: Path) -> tuple[str, Built]:
     container = azurite.new_container(azure)
     azurite.upload(azure, built.path, container, PREFIX)
     return container, built
+
+
+@pytest.fixture(scope="module")
+def elsewhere() -> Iterator[faulty_store.Elsewhere]:
+    """Another origin on 127.0.0.1 (``faulty_store.Elsewhere``), recording every request that reaches it."""
+    started = faulty_store.elsewhere()
+    yield started
+    faulty_store.stop(started)

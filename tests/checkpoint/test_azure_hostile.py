@@ -247,11 +247,89 @@ def test_a_listing_that_drips_is_given_up_at_its_deadline(
     started = time.monotonic()
     result = run_cli(["inspect", f"az://{container}/{PREFIX}", "--endpoint-url", _endpoint(faulty)], code=4)
     line = _one_line(result.stderr)
-    assert f"az://{container}/{PREFIX}: answers too slowly (" in line
     if fault == "slow-headers":
-        assert line.endswith("answers too slowly (no whole answer in 2 s)")
+        assert line.endswith(
+            f"az://{container}/{PREFIX}: did not answer in time (no answer from {faulty.endpoint} within 2 s)"
+        )
+    else:
+        assert f"az://{container}/{PREFIX}: answers too slowly (" in line
     assert time.monotonic() - started < 4.5
     assert faulty.hits[fault] == 1
+
+
+_REDIRECTED = [  # what a store's redirect hits, and the exit code of the command it fails
+    pytest.param(Fault("redirect", method="GET", header="x-ms-range"), 4, id="redirect-read"),
+    pytest.param(Fault("redirect", method="HEAD", match=METADATA_FILE), 4, id="redirect-head"),
+    pytest.param(Fault("redirect", method="GET", match="comp=list"), 4, id="redirect-listing"),
+    pytest.param(Fault("redirect", method="PUT", header="x-ms-blob-type"), 5, id="redirect-put-blob"),
+]
+
+
+@pytest.mark.parametrize(("fault", "code"), _REDIRECTED)
+def test_a_redirect_is_never_followed(
+    faulty: faulty_store.FaultyProxy,
+    elsewhere: faulty_store.Elsewhere,
+    azure: azurite.Server,
+    azure_stored: tuple[str, Built],
+    monkeypatch: pytest.MonkeyPatch,
+    fault: Fault,
+    code: int,
+) -> None:
+    """A 307 to another origin: requests would follow it for a read or a HEAD (its answer then judged as the
+    store's) and, for a Put Blob, send the body there."""
+    container, _ = azure_stored
+    monkeypatch.setattr(answers, "GRACE_SECONDS", 1.0)
+    monkeypatch.setattr(answers, "WHOLE_ANSWER_BYTES", answers.FLOOR_BYTES_PER_SECOND)
+    faulty.arm(
+        Fault(
+            fault.kind, method=fault.method, match=fault.match, header=fault.header, delay=fault.delay,
+            location=elsewhere.endpoint,
+        )
+    )  # fmt: skip
+    out = f"az://{container}/fixed-{fault.kind}/"
+    source = f"az://{container}/{PREFIX}"
+    command = ["inspect", source] if code == 4 else ["fix", source, "--out", out]
+    result = run_cli([*command, "--endpoint-url", _endpoint(faulty)], code=code)
+    line = _one_line(result.stderr)
+    assert faulty.hits[fault.kind] >= 1
+    if fault.kind == "redirect":
+        assert f"answered with a redirect (HTTP 307) to {elsewhere.endpoint}, which is not followed" in line
+    else:
+        assert f"did not answer in time (no answer from {faulty.endpoint} within 2 s)" in line
+    assert elsewhere.requests == []
+    assert _names(azure, container, f"fixed-{fault.kind}/") == set()
+
+
+_DRIPPED = [  # what a store's dripped headers hit, and the exit code of the command it fails
+    pytest.param(Fault("drip-headers", method="GET", header="x-ms-range", delay=0.05), 4, id="read"),
+    pytest.param(Fault("drip-headers", method="HEAD", match=METADATA_FILE, delay=0.05), 4, id="head"),
+    pytest.param(Fault("drip-headers", method="GET", match="comp=list", delay=0.05), 4, id="listing"),
+    pytest.param(Fault("drip-headers", method="PUT", header="x-ms-blob-type", delay=0.05), 5, id="put-blob"),
+]
+
+
+@pytest.mark.parametrize(("fault", "code"), _DRIPPED)
+def test_dripped_headers_are_given_up_at_the_requests_deadline(
+    faulty: faulty_store.FaultyProxy,
+    azure: azurite.Server,
+    azure_stored: tuple[str, Built],
+    monkeypatch: pytest.MonkeyPatch,
+    fault: Fault,
+    code: int,
+) -> None:
+    """A status line and headers one byte at a time, without end: the per-read timeout never trips; the request's
+    deadline, from its first byte sent (lowered here to two seconds), does."""
+    container, _ = azure_stored
+    monkeypatch.setattr(answers, "GRACE_SECONDS", 1.0)
+    monkeypatch.setattr(answers, "WHOLE_ANSWER_BYTES", answers.FLOOR_BYTES_PER_SECOND)
+    faulty.arm(fault)
+    source = f"az://{container}/{PREFIX}"
+    command = ["inspect", source] if code == 4 else ["fix", source, "--out", f"az://{container}/fixed-dripped/"]
+    result = run_cli([*command, "--endpoint-url", _endpoint(faulty)], code=code)
+    line = _one_line(result.stderr)
+    assert f"did not answer in time (no answer from {faulty.endpoint} within 2 s)" in line
+    assert faulty.hits["drip-headers"] >= 1
+    assert _names(azure, container, "fixed-dripped/") == set()
 
 
 def test_a_body_cut_off_is_exit_4_naming_the_key(

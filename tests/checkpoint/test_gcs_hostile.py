@@ -183,6 +183,91 @@ def test_a_listing_that_drips_is_given_up_at_its_deadline(
     assert time.monotonic() - started < 8
 
 
+_REDIRECTED = [  # what a store's redirect hits, and the exit code of the command it fails
+    pytest.param(Fault("redirect", method="GET", match="alt=media"), 4, id="redirect-read"),
+    pytest.param(Fault("redirect", method="GET", match="prefix="), 4, id="redirect-listing"),
+    pytest.param(Fault("redirect", method="POST", match="uploadType=multipart"), 5, id="redirect-upload"),
+]
+
+
+@pytest.mark.parametrize(("fault", "code"), _REDIRECTED)
+def test_a_redirect_is_never_followed(
+    faulty: faulty_store.FaultyProxy,
+    elsewhere: faulty_store.Elsewhere,
+    gcs: gcsserver.Server,
+    gcs_stored: tuple[str, Built],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    fault: Fault,
+    code: int,
+) -> None:
+    """A 307 to another origin: requests would follow it for a read (its bytes then judged as the store's) and,
+    for an upload, send the body there."""
+    bucket, _ = gcs_stored
+    monkeypatch.setattr(answers, "GRACE_SECONDS", 1.0)
+    monkeypatch.setattr(answers, "WHOLE_ANSWER_BYTES", answers.FLOOR_BYTES_PER_SECOND)
+    faulty.arm(
+        Fault(fault.kind, method=fault.method, match=fault.match, delay=fault.delay, location=elsewhere.endpoint)
+    )
+    out = f"gs://{bucket}/fixed-{fault.kind}/"
+    command = ["inspect", f"gs://{bucket}/{PREFIX}"] if code == 4 else ["fix", f"gs://{bucket}/{PREFIX}", "--out", out]
+    result = run_cli([*command, "--endpoint-url", faulty.endpoint], code=code)
+    line = _one_line(result.stderr)
+    assert faulty.hits[fault.kind] >= 1
+    if fault.kind == "redirect":
+        assert f"answered with a redirect (HTTP 307) to {elsewhere.endpoint}, which is not followed" in line
+    else:
+        assert f"did not answer in time (no answer from {faulty.endpoint} within 2 s)" in line
+    assert elsewhere.requests == []
+    assert gcsserver.keys(gcs, bucket, f"fixed-{fault.kind}/") == set()
+    assert not any(tmp_path.joinpath("in").glob("**/*optim_repair*"))
+
+
+def test_a_redirect_is_shown_without_the_credentials_and_query_of_its_location(
+    faulty: faulty_store.FaultyProxy, elsewhere: faulty_store.Elsewhere, gcs_stored: tuple[str, Built]
+) -> None:
+    bucket, _ = gcs_stored
+    host = elsewhere.endpoint.removeprefix("http://")
+    faulty.arm(Fault("redirect", method="GET", match="alt=media", location=f"http://KEY:TOPSECRET@{host}"))
+    result = run_cli(["inspect", f"gs://{bucket}/{PREFIX}", "--endpoint-url", faulty.endpoint], code=4)
+    assert _one_line(result.stderr).endswith(
+        f": answered with a redirect (HTTP 307) to {elsewhere.endpoint}, which is not followed"
+    )
+    assert "TOPSECRET" not in result.stderr + result.stdout and "alt=media" not in result.stderr
+    assert elsewhere.requests == []
+
+
+_DRIPPED = [  # what a store's dripped headers hit, and the exit code of the command it fails
+    pytest.param(Fault("drip-headers", method="GET", match="alt=media", delay=0.05), 4, id="read"),
+    pytest.param(Fault("drip-headers", method="GET", match="prefix=", delay=0.05), 4, id="listing"),
+    pytest.param(Fault("drip-headers", method="POST", match="uploadType=multipart", delay=0.05), 5, id="upload"),
+]
+
+
+@pytest.mark.parametrize(("fault", "code"), _DRIPPED)
+def test_dripped_headers_are_given_up_at_the_requests_deadline(
+    faulty: faulty_store.FaultyProxy,
+    gcs: gcsserver.Server,
+    gcs_stored: tuple[str, Built],
+    monkeypatch: pytest.MonkeyPatch,
+    fault: Fault,
+    code: int,
+) -> None:
+    """A status line and headers one byte at a time, without end: the per-read timeout never trips; the request's
+    deadline, from its first byte sent (lowered here to two seconds), does."""
+    bucket, _ = gcs_stored
+    monkeypatch.setattr(answers, "GRACE_SECONDS", 1.0)
+    monkeypatch.setattr(answers, "WHOLE_ANSWER_BYTES", answers.FLOOR_BYTES_PER_SECOND)
+    faulty.arm(fault)
+    out = f"gs://{bucket}/fixed-dripped/"
+    command = ["inspect", f"gs://{bucket}/{PREFIX}"] if code == 4 else ["fix", f"gs://{bucket}/{PREFIX}", "--out", out]
+    result = run_cli([*command, "--endpoint-url", faulty.endpoint], code=code)
+    line = _one_line(result.stderr)
+    assert f"did not answer in time (no answer from {faulty.endpoint} within 2 s)" in line
+    assert faulty.hits["drip-headers"] >= 1
+    assert gcsserver.keys(gcs, bucket, "fixed-dripped/") == set()
+
+
 def test_a_body_cut_off_is_exit_4_naming_the_key(
     faulty: faulty_store.FaultyProxy, gcs_stored: tuple[str, Built]
 ) -> None:

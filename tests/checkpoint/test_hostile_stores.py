@@ -214,9 +214,44 @@ def test_a_listing_that_drips_is_given_up_at_its_deadline(
     faulty.arm(Fault("drip", method="GET", match="list-type=2", delay=0.01))
     started = time.monotonic()
     result = run_cli(["inspect", f"s3://{bucket}/{PREFIX}", "--endpoint-url", faulty.endpoint], code=4)
-    assert f"s3://{bucket}/{PREFIX}: answers too slowly (no whole answer in 2 s)" in _one_line(result.stderr)
+    line = _one_line(result.stderr)
+    assert f"s3://{bucket}/{PREFIX}: did not answer in time (no answer from {faulty.endpoint} within 2 s)" in line
     assert time.monotonic() - started < 8
     assert faulty.hits["drip"] == 1
+
+
+def test_a_get_object_redirected_is_exit_4_naming_where_it_pointed(
+    faulty: faulty_store.FaultyProxy, elsewhere: faulty_store.Elsewhere, stored: tuple[str, Built]
+) -> None:
+    """botocore follows no redirect (a 307 was exit 4 already, as 'the store refused the request (307: Temporary
+    Redirect)'); the message names where it pointed now."""
+    bucket, _ = stored
+    faulty.arm(Fault("redirect", method="GET", match=METADATA_FILE, location=elsewhere.endpoint))
+    result = run_cli(["inspect", f"s3://{bucket}/{PREFIX}", "--endpoint-url", faulty.endpoint], code=4)
+    line = _one_line(result.stderr)
+    assert faulty.hits["redirect"] >= 1
+    assert line == (
+        f"optim-repair: error: s3://{bucket}/{PREFIX}{METADATA_FILE}: answered with a redirect (HTTP 307) to "
+        f"{elsewhere.endpoint}, which is not followed"
+    )
+    assert elsewhere.requests == []
+
+
+def test_a_get_object_whose_headers_drip_is_given_up_at_its_deadline(
+    faulty: faulty_store.FaultyProxy, stored: tuple[str, Built], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GetObject's status line and headers one byte at a time, without end, never trip botocore's read timeout,
+    which is per socket read; the request's deadline (lowered here to two seconds) does."""
+    bucket, _ = stored
+    monkeypatch.setattr(answers, "GRACE_SECONDS", 1.0)
+    monkeypatch.setattr(answers, "WHOLE_ANSWER_BYTES", answers.FLOOR_BYTES_PER_SECOND)
+    faulty.arm(Fault("drip-headers", method="GET", match=METADATA_FILE, delay=0.05))
+    result = run_cli(["inspect", f"s3://{bucket}/{PREFIX}", "--endpoint-url", faulty.endpoint], code=4)
+    assert _one_line(result.stderr) == (
+        f"optim-repair: error: s3://{bucket}/{PREFIX}{METADATA_FILE}: did not answer in time (no answer from "
+        f"{faulty.endpoint} within 2 s)"
+    )
+    assert faulty.hits["drip-headers"] >= 1
 
 
 def test_a_body_cut_off_is_exit_4_naming_the_key(faulty: faulty_store.FaultyProxy, stored: tuple[str, Built]) -> None:

@@ -2,7 +2,8 @@
 the GCS emulator of ``gcsserver``, Azurite of ``azurite``), which passes every request and answer through unchanged
 until a fault is armed: then the store lies (names it does not hold, a whole object for a ranged read, a
 continuation token that never ends, an answer of its choosing), drips, cuts answers off, loses answers of requests
-that took effect, fails, or answers late; or another writer acts just before a request goes on.
+that took effect, fails, answers late or drips its very headers, or redirects to another origin (``Elsewhere``, a
+server that records what reaches it); or another writer acts just before a request goes on.
 
 Clients reach it as they reach a store, by its endpoint (``AWS_ENDPOINT_URL``, ``STORAGE_EMULATOR_HOST``, an
 ``--endpoint-url`` of ``http://127.0.0.1:PORT/devstoreaccount1`` for Azure). It forwards the request as it came:
@@ -46,7 +47,7 @@ from xml.sax.saxutils import escape
 
 Kind = Literal[
     "hostile-names", "ignore-range", "drip", "cut", "repeat-token", "lose-answer", "fail", "slow-headers",
-    "copies-ranges", "meanwhile", "answer-body", "answer-headers",
+    "copies-ranges", "meanwhile", "answer-body", "answer-headers", "redirect", "drip-headers",
 ]  # fmt: skip
 """What a fault does to the requests it hits (see ``Fault``)."""
 KINDS: tuple[Kind, ...] = get_args(Kind)
@@ -94,6 +95,12 @@ class Fault:
     - ``answer-body``: the answer's body is ``body`` instead (its status and other headers as they were).
     - ``answer-headers``: the answer's headers that ``headers`` names carry the values it gives instead (added where
       the answer had none; left out where the value is None; its status, other headers and body as they were).
+    - ``redirect``: moto never sees the request; the client gets ``307 Temporary Redirect`` to the same path and
+      query at ``location`` (``http://HOST:PORT``: an ``Elsewhere``'s endpoint).
+    - ``drip-headers``: moto never sees the request; the client gets a status line and headers one byte every
+      ``delay`` seconds, without end (a header whose value never ends), for as long as the fault is armed and the
+      client listens; once disarmed, the header ends and so does the answer (``400 Bad Request``, no body, the
+      connection closed), so that a request a client left waiting is refused, never carried out later.
 
     ``message``, where given, is the message of the error answer of fail and lose-answer, ``{target}`` in it
     replaced by the request's path and query (a store that echoes the request). A fault hits the requests of
@@ -119,6 +126,7 @@ class Fault:
     body: bytes = b""
     headers: tuple[tuple[str, str | None], ...] = ()
     message: str = ""
+    location: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -174,6 +182,11 @@ class FaultyProxy:
         """Pass everything through again (``hits`` keeps what the faults hit)."""
         with self._lock:
             self._armed = []
+
+    def armed(self, fault: Fault) -> bool:
+        """Whether ``fault`` is still armed."""
+        with self._lock:
+            return any(armed.fault is fault for armed in self._armed)
 
     def take(
         self,
@@ -254,10 +267,15 @@ class _Handler(BaseHTTPRequestHandler):
         ranged = "Range" in self.headers or "x-ms-range" in self.headers
         names = {name.lower() for name in self.headers}
         hit = proxy.take(self.command, self.path, listing=listing, ranged=ranged, from_url=from_url, headers=names)
+        if "drip-headers" in hit:
+            self._drip_headers(proxy, hit["drip-headers"])
+            return
         if "meanwhile" in hit and hit["meanwhile"].action is not None:
             hit["meanwhile"].action()
         if "fail" in hit:
             answer = _error(hit["fail"].status, azure, _message(hit["fail"], self.path))
+        elif "redirect" in hit:
+            answer = _Answer(307, "Temporary Redirect", [("Location", f"{hit['redirect'].location}{self.path}")], b"")
         else:
             if "copies-ranges" in hit:
                 answer = self._block_from_url(proxy, body)
@@ -391,6 +409,61 @@ class _Handler(BaseHTTPRequestHandler):
         if cut:
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
+
+    def _drip_headers(self, proxy: FaultyProxy, fault: Fault) -> None:
+        """A status line and headers one byte every ``delay`` seconds while ``fault`` is armed (a header without
+        end once those are sent), then a ``400`` with no body, the connection closed (or the client hung up)."""
+        self.close_connection = True
+        head = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nX-Drip: "
+        sent = 0
+        try:
+            while proxy.armed(fault):
+                time.sleep(fault.delay)
+                self.wfile.write(head[sent : sent + 1] if sent < len(head) else b"x")
+                sent += 1
+            self.wfile.write(head[sent:] + b"\r\n\r\n")
+        except OSError:
+            return
+
+
+class Elsewhere:
+    """Another origin on 127.0.0.1, where a ``redirect`` points: it records ``METHOD path?query`` and the length of
+    the body of every request that reaches it (``requests``), and answers each ``404`` with no body."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, int]] = []
+        self._server = _ElsewhereServer(self)
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="elsewhere", daemon=True)
+
+
+class _ElsewhereServer(ThreadingHTTPServer):
+    """An ``Elsewhere``'s HTTP server: a thread (daemonic) for each connection, on a free port of 127.0.0.1."""
+
+    def __init__(self, elsewhere: Elsewhere) -> None:
+        super().__init__(("127.0.0.1", 0), _Recording)
+        self.elsewhere = elsewhere
+
+
+class _Recording(BaseHTTPRequestHandler):
+    """One connection to an ``Elsewhere``: each request recorded, answered ``404``."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        """Every method is recorded alike."""
+        server = self.server
+        assert isinstance(server, _ElsewhereServer)
+        length = int(self.headers.get("Content-Length") or 0)
+        server.elsewhere.requests.append((f"{self.command} {self.path}", len(self.rfile.read(length))))
+        self.send_response_only(404, "Not Found")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_HEAD = do_PUT = do_POST = do_DELETE = do_GET
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Nothing: the test reads ``requests``."""
 
 
 def _phrase(status: int) -> str:
@@ -540,7 +613,14 @@ def start(upstream: str) -> FaultyProxy:
     return proxy
 
 
-def stop(proxy: FaultyProxy) -> None:
+def elsewhere() -> Elsewhere:
+    """Another origin, serving from a daemon thread: where a ``redirect`` points."""
+    other = Elsewhere()
+    other._thread.start()
+    return other
+
+
+def stop(proxy: FaultyProxy | Elsewhere) -> None:
     """Stop accepting and close the listening socket (connections still open end with the process)."""
     proxy._server.shutdown()
     proxy._server.server_close()

@@ -7,7 +7,9 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import time
+import urllib.error
 import urllib.request
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Iterator, Mapping
@@ -288,3 +290,40 @@ def test_slow_headers_answer_late_or_past_the_read_timeout(proxy: FaultyProxy, b
     with pytest.raises(ReadTimeoutError):
         store.get_object(Bucket=bucket, Key="a")
     assert proxy.hits["slow-headers"] == 1
+
+
+def test_redirect_answers_307_to_elsewhere_and_moto_never_sees_the_request(proxy: FaultyProxy, bucket: str) -> None:
+    other = faulty_store.elsewhere()
+    try:
+        store = client(proxy)
+        proxy.arm(Fault("redirect", method="PUT", location=other.endpoint))
+        with pytest.raises(ClientError) as raised:
+            store.put_object(Bucket=bucket, Key="a", Body=b"a")
+        metadata = raised.value.response["ResponseMetadata"]
+        assert metadata["HTTPStatusCode"] == 307
+        assert metadata["HTTPHeaders"]["location"] == f"{other.endpoint}/{bucket}/a"
+        proxy.disarm()
+        assert store.list_objects_v2(Bucket=bucket).get("KeyCount") == 0  # moto never saw the put
+        assert other.requests == []  # botocore follows no redirect
+        with pytest.raises(urllib.error.HTTPError, match="HTTP Error 404"):
+            urllib.request.urlopen(urllib.request.Request(f"{other.endpoint}/x?y", b"abc", method="PUT"))
+        assert other.requests == [("PUT /x?y", 3)]  # what reaches it is recorded
+    finally:
+        faulty_store.stop(other)
+
+
+def test_drip_headers_sends_the_status_line_a_byte_at_a_time_until_disarmed(proxy: FaultyProxy, bucket: str) -> None:
+    proxy.arm(Fault("drip-headers", method="GET", delay=0.05))
+    host, port = proxy.endpoint.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as connection:
+        connection.sendall(f"GET /{bucket}/a HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        started = time.monotonic()
+        head = b"".join(connection.recv(1) for _ in range(60))
+        assert time.monotonic() - started >= 60 * 0.05  # one byte at a time, past the headers' own end
+        assert head.startswith(b"HTTP/1.1 400 Bad Request\r\n") and b"\r\n\r\n" not in head
+        proxy.disarm()
+        rest = b""
+        while chunk := connection.recv(1 << 16):
+            rest += chunk
+    assert (head + rest).endswith(b"\r\n\r\n") and b"X-Drip: x" in head + rest
+    assert proxy.hits["drip-headers"] == 1

@@ -24,8 +24,8 @@ from optim_repair.errors import InputError, ObjectExists, OptimRepairError, Outp
 from optim_repair.storage.answers import CHANGED, WHOLE_ANSWER_BYTES, cut, within
 from optim_repair.storage.azure.credentials import Access, access, without_queries
 from optim_repair.storage.azure.values import as_xml, encoded, is_md5, md5_of, text_of
-from optim_repair.storage.batched import HttpReads
-from optim_repair.storage.names import ListingBudget, checked_name, redacted
+from optim_repair.storage.batched import HttpReads, sending
+from optim_repair.storage.names import ListingBudget, checked_name, origin, redacted
 from optim_repair.storage.objects import Copied, Small, StoredObject
 
 API_VERSION = "2023-11-03"
@@ -77,18 +77,14 @@ class AzureReader(HttpReads):
         **kwargs: Any,
     ) -> Any:
         """One request (about ``key``, for messages), its body left unread, retried where transient unless not
-        ``retried``; a refusal (but the statuses ``accept`` names) or a transport failure raised as the error a
-        user is shown."""
+        ``retried``, answered in time and not redirected (``answered``); a refusal (but the statuses ``accept``
+        names) or a transport failure raised as the error a user is shown."""
         kwargs.setdefault("timeout", (CONNECT_SECONDS, READ_SECONDS))
         sent = {"x-ms-version": API_VERSION, "Accept-Encoding": "identity", **self.access.headers(), **(headers or {})}
-        try:
-            answer = (self._session if retried else self._once).request(
-                method, url, stream=True, headers=sent, params={**(params or {}), **self.access.query()}, **kwargs
-            )
-        except self._transport as exc:
-            raise self._lost(exc, key) from exc
-        history = getattr(getattr(answer.raw, "retries", None), "history", ())
-        self._count.add(requests=1 + len(history))
+        answer = self.answered(
+            self._session if retried else self._once, method, url, key, writing=writing, accept=accept, headers=sent,
+            params={**(params or {}), **self.access.query()}, **kwargs,
+        )  # fmt: skip
         if answer.status_code >= 400 and answer.status_code not in accept:
             raise self.failure(answer, key, writing, listing=(params or {}).get("comp") == "list")
         return answer
@@ -100,7 +96,7 @@ class AzureReader(HttpReads):
             answer = self.send(method, url, key, **kwargs)
             return answer, self.body(answer, key, WHOLE_ANSWER_BYTES)
 
-        return within(call, self.where(key))
+        return within(call, self.where(key), origin(url), sending=sending(kwargs))
 
     def failure(self, answer: Any, key: str, writing: bool, *, listing: bool = False) -> OptimRepairError:
         """The error of a request the store refused, by its status and ``x-ms-error-code``: denied is exit 4; a

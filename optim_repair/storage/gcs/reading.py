@@ -25,9 +25,9 @@ from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, ObjectExists, OptimRepairError, OutputError, UsageError, shown_name
 from optim_repair.storage.answers import CHANGED, WHOLE_ANSWER_BYTES, cut, within
-from optim_repair.storage.batched import HttpReads
+from optim_repair.storage.batched import HttpReads, sending
 from optim_repair.storage.gcs.values import as_json, crc32c_of, encoded, hashes, is_crc
-from optim_repair.storage.names import ListingBudget, checked_endpoint, checked_name, redacted
+from optim_repair.storage.names import ListingBudget, checked_endpoint, checked_name, origin, redacted
 from optim_repair.storage.objects import Copied, Small, StoredObject
 
 GOOGLE = "https://storage.googleapis.com"
@@ -99,16 +99,14 @@ class GcsReader(HttpReads):
     def send(
         self, method: str, url: str, key: str, *, writing: bool = False, accept: tuple[int, ...] = (), **kwargs: Any
     ) -> Any:
-        """One request (about ``key``, for messages), its body left unread; a refusal (but the statuses ``accept``
-        names) or a transport failure raised as the error a user is shown."""
+        """One request (about ``key``, for messages), its body left unread, answered in time and not redirected
+        (``answered``); a refusal (but the statuses ``accept`` names) or a transport failure raised as the error a
+        user is shown."""
         kwargs.setdefault("timeout", (CONNECT_SECONDS, READ_SECONDS))
         headers = {"Accept-Encoding": "identity", **kwargs.pop("headers", {})}
-        try:
-            answer = self._session.request(method, url, stream=True, headers=headers, **kwargs)
-        except self._transport as exc:
-            raise self._lost(exc, key) from exc
-        retried = getattr(getattr(answer.raw, "retries", None), "history", ())
-        self._count.add(requests=1 + len(retried))
+        answer = self.answered(
+            self._session, method, url, key, writing=writing, accept=accept, headers=headers, **kwargs
+        )
         if answer.status_code >= 400 and answer.status_code not in accept:
             raise self._failure(answer, key, writing, listing=urllib.parse.urlsplit(url).path.endswith("/o"))
         return answer
@@ -120,7 +118,7 @@ class GcsReader(HttpReads):
             answer = self.send(method, url, key, writing=writing, **kwargs)
             return as_json(self.body(answer, key, WHOLE_ANSWER_BYTES), self.where(key))
 
-        return within(call, self.where(key))
+        return within(call, self.where(key), origin(url), writing=writing, sending=sending(kwargs))
 
     def _failure(self, answer: Any, key: str, writing: bool, *, listing: bool) -> OptimRepairError:
         """The error of a request the store refused: denied is exit 4, naming bucket and key; a write that would

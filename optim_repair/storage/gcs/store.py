@@ -131,6 +131,7 @@ class GcsStore(GcsReader):
                     session,
                     key,
                     writing=True,
+                    accept=(308,),  # "Resume Incomplete": a part taken, no redirect
                     data=chunk,
                     headers={"Content-Range": f"bytes {start}-{last}/{size}"},
                 )

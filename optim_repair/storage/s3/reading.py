@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError, OptimRepairError, OutputError, UsageError, shown_name
-from optim_repair.storage.answers import check_range, cut, failure, receive, within
+from optim_repair.storage.answers import check_range, cut, failure, receive, redirected, within
 from optim_repair.storage.batched import WORKERS, BatchedReads, Counter
-from optim_repair.storage.names import ListingBudget, checked_endpoint, checked_name, redacted
+from optim_repair.storage.names import ListingBudget, checked_endpoint, checked_name, origin, redacted
 from optim_repair.storage.objects import Copied, Small, StoredObject, crc32_of, encoded_crc32
 
 CONNECT_SECONDS = 10
@@ -34,10 +34,11 @@ READ_SECONDS = 60
 RUN_METADATA = "optim-repair-run"
 """The user metadata every object a run writes carries: the run's id, by which a write whose answer was lost (the
 retry finds the object there) is known for the run's own."""
-_WHOLE_ANSWERS = frozenset({"list_objects_v2", "list_multipart_uploads", "head_object"})
-"""The requests whose answers the client reads whole, each bounded by ``answers.within``. Object bodies are read
-against the floor as they come (``answers.receive``); a write's answer may rightly take long (a server-side copy of
-gigabytes), and is bounded by botocore's read timeout alone."""
+_WITHIN = frozenset({"list_objects_v2", "list_multipart_uploads", "head_object", "get_object"})
+"""The requests bounded by ``answers.within``: those whose answers the client reads whole, and a GetObject's status
+and headers (its body is read against the floor as it comes, ``answers.receive``): a status line and headers that
+drip a byte a second never trip botocore's read timeout, which is per socket read. A write's answer may rightly
+take long (a server-side copy of gigabytes), and is bounded by botocore's read timeout alone."""
 
 
 def _parsing(exc: BaseException) -> bool:
@@ -94,11 +95,17 @@ class S3Reader(BatchedReads):
 
     def request(self, operation: str, key: str, *, writing: bool = False, **kwargs: Any) -> Any:
         """The client's ``operation`` on this bucket (about ``key``, for messages); every refusal and transport
-        failure raised as the error a user is shown."""
+        failure raised as the error a user is shown, a redirect (unfollowed) naming where it pointed."""
         call = functools.partial(getattr(self._client, operation), Bucket=self.bucket, **kwargs)
+        endpoint = self._client.meta.endpoint_url
         try:
-            return within(call, self.where(key)) if operation in _WHOLE_ANSWERS else call()
+            return within(call, self.where(key), origin(endpoint), writing=writing) if operation in _WITHIN else call()
         except self._botocore.ClientError as exc:
+            metadata = exc.response.get("ResponseMetadata", {})
+            status = metadata.get("HTTPStatusCode")
+            if isinstance(status, int) and 300 <= status < 400:  # botocore follows none, and says so in no words
+                location = metadata.get("HTTPHeaders", {}).get("location")
+                raise redirected(status, location, endpoint, self.where(key), writing) from exc
             raise failure(exc.response, self.where(key), writing) from exc
         except self._botocore.NoCredentialsError as exc:
             raise InputError("no AWS credentials found (environment, ~/.aws profile, or SSO login)") from exc
