@@ -88,16 +88,17 @@ class ElementTally:
     non_finite: bool = False
     """Whether a differing element is NaN or infinite on one side (its difference is none)."""
 
-    def add(self, a: bytes, b: bytes) -> None:
-        """Add two blocks of equal length, each of whole elements."""
+    def add(self, a: bytes, b: bytes, times: int = 1) -> None:
+        """Add two blocks of equal length, each of whole elements, each element standing for ``times`` of the
+        tensor's (a tensor expanded along a dimension holds each stored element that many times)."""
         if a == b:
             return
         for start in range(0, len(a), STRETCH):
             stretch_a, stretch_b = a[start : start + STRETCH], b[start : start + STRETCH]
             if stretch_a != stretch_b:  # bytes compare by memcmp (memoryviews, element by element)
-                self._differing(stretch_a, stretch_b)
+                self._differing(stretch_a, stretch_b, times)
 
-    def _differing(self, a: bytes, b: bytes) -> None:
+    def _differing(self, a: bytes, b: bytes, times: int) -> None:
         size = itemsize(self.dtype)
         if size in _WORDS:
             words_a, words_b = memoryview(a).cast(_WORDS[size]), memoryview(b).cast(_WORDS[size])
@@ -106,7 +107,7 @@ class ElementTally:
             changed = [
                 i for i in range(0, len(a) // size) if a[i * size : (i + 1) * size] != b[i * size : (i + 1) * size]
             ]
-        self.differing += len(changed)
+        self.differing += len(changed) * times
         decode = decoder(self.dtype)
         if decode is None:
             return

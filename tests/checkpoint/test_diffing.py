@@ -4,6 +4,7 @@ it (the same), a torch file with one bit of a moment flipped (found and counted)
 
 from __future__ import annotations
 
+import io
 import pickle
 import shutil
 import struct
@@ -12,14 +13,23 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from optim_repair import api
 from optim_repair.errors import InputError
 from optim_repair.formats.torchfile import open_torch_file
+from tests.factories import chunked, s3server, trainers
 from tests.factories import dcp as dk
-from tests.factories import s3server, trainers
 from tests.factories.s3server import PREFIX
 
 EXPERT_EVERY = 3
@@ -201,3 +211,94 @@ def test_a_pickle_that_reaches_one_list_by_many_paths_is_refused_before_it_is_li
     assert path.stat().st_size < first.stat().st_size + 64 * 1024
     with pytest.raises(InputError, match="values to compare"):
         api.diff(first, path)
+
+
+def _saved_state(path: Path, **moments: torch.Tensor) -> Path:
+    """A real AdamW's state after one step, saved as UniRL saves it, its entry's tensors replaced by ``moments``."""
+    weight = nn.Parameter(torch.zeros(4))
+    optimizer = torch.optim.AdamW([weight])
+    weight.grad = torch.ones(4)
+    optimizer.step()
+    state = optimizer.state_dict()
+    state["state"][0].update(moments)
+    torch.save({"optimizer": state}, path)
+    return path
+
+
+def test_a_tensor_expanded_to_a_hundred_million_elements_is_compared_by_its_one_stored_element(
+    tmp_path: Path,
+) -> None:
+    """``torch.zeros(1).expand(10**8)`` is saved with stride 0 in a few kilobytes: its one stored element is
+    compared, standing for every element the tensor holds (one read a logical element passed 1 GiB)."""
+    count = 10**8
+    a = _saved_state(tmp_path / "a.pt", exp_avg=torch.zeros(1).expand(count))
+    b = _saved_state(tmp_path / "b.pt", exp_avg=torch.full((1,), 0.5).expand(count))
+    assert b.stat().st_size < 8192
+    difference = api.diff(a, b)
+    (leaf,) = difference.leaves
+    assert (leaf.name, leaf.what, leaf.elements, leaf.numel, leaf.largest) == (
+        "optimizer.state.0.exp_avg", "bytes", count, count, 0.5
+    )  # fmt: skip
+    assert difference.tally.bytes_compared < 1024
+    assert api.diff(a, _saved_state(tmp_path / "c.pt", exp_avg=torch.zeros(1).expand(count))).same
+
+
+def _saved(value: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _rows_in_chunks(path: Path, rows: int, changed: int | None = None) -> Path:
+    """A DCP checkpoint of one AdamW parameter ``w`` of ``rows`` rows whose moments are each stored in ``rows``
+    chunks of a row, as ``rows`` ranks would save them (into one shard file), ``exp_avg``'s row ``changed`` a
+    quarter higher: torch's own metadata classes, as ``tests/factories/chunked.py`` writes them."""
+    path.mkdir(parents=True)
+    properties = TensorProperties(dtype=torch.float32)
+    state: dict[str, object] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    planner: dict[str, tuple[object, ...]] = {}
+    shard = bytearray()
+
+    def stored(index: MetadataIndex, data: bytes) -> None:
+        storage[index] = _StorageInfo("__0_0.distcp", len(shard), len(data))
+        shard.extend(data)
+
+    for key in ("exp_avg", "exp_avg_sq"):
+        fqn = f"optim.state.w.{key}"
+        chunks = [ChunkStorageMetadata(torch.Size([row, 0]), torch.Size([1, chunked.WIDTH])) for row in range(rows)]
+        state[fqn] = TensorStorageMetadata(properties, torch.Size([rows, chunked.WIDTH]), chunks)
+        planner[fqn] = ("optim", "state", "w", key)
+        for row in range(rows):
+            value = torch.arange(chunked.WIDTH, dtype=torch.float32).add(row).reshape(1, chunked.WIDTH) / 8
+            if key == "exp_avg" and row == changed:
+                value += 0.25
+            stored(MetadataIndex(fqn, torch.Size([row, 0])), _saved(value))
+    scalar = [ChunkStorageMetadata(torch.Size([]), torch.Size([]))]
+    state["optim.state.w.step"] = TensorStorageMetadata(properties, torch.Size([]), scalar)
+    planner["optim.state.w.step"] = ("optim", "state", "w", "step")
+    stored(MetadataIndex("optim.state.w.step", torch.Size([])), _saved(torch.tensor(5.0)))
+    for option, value in {**chunked.OPTIONS, "params": ["w"]}.items():
+        key = f"optim.param_groups.0.{option}"
+        state[key], planner[key] = BytesStorageMetadata(), ("optim", "param_groups", 0, option)
+        stored(MetadataIndex(key), _saved(value))
+    (path / "__0_0.distcp").write_bytes(bytes(shard))
+    with open(path / ".metadata", "wb") as stream:
+        pickle.dump(Metadata(state, planner, storage), stream)
+    return path
+
+
+def test_a_tensor_in_two_thousand_chunks_meets_each_chunk_of_the_other_side_once(tmp_path: Path) -> None:
+    """Each side's chunks are swept in the order they start, so a chunk meets only the chunks it overlaps
+    (every chunk of A met with every chunk of B took 28 s at a thousand chunks, the square of the count)."""
+    rows = 2000
+    a = _rows_in_chunks(tmp_path / "a", rows)
+    assert api.diff(a, shutil.copytree(a, tmp_path / "copy")).same
+    difference = api.diff(a, _rows_in_chunks(tmp_path / "b", rows, changed=1234))
+    (leaf,) = difference.leaves
+    assert (leaf.name, leaf.what, leaf.elements, leaf.numel, leaf.largest) == (
+        "optim.state.w.exp_avg", "bytes", chunked.WIDTH, rows * chunked.WIDTH, 0.25
+    )  # fmt: skip
+    converted = tmp_path / "converted.pt"
+    dcp_to_torch_save(a, converted)
+    assert api.diff(a, converted).same
