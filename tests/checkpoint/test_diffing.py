@@ -5,6 +5,7 @@ it (the same), a torch file with one bit of a moment flipped (found and counted)
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import shutil
 import struct
@@ -241,6 +242,26 @@ def test_a_tensor_expanded_to_a_hundred_million_elements_is_compared_by_its_one_
     )  # fmt: skip
     assert difference.tally.bytes_compared < 1024
     assert api.diff(a, _saved_state(tmp_path / "c.pt", exp_avg=torch.zeros(1).expand(count))).same
+
+
+def test_two_steps_whose_moments_differ_everywhere_count_as_torch_counts(tmp_path: Path) -> None:
+    """Every element differs (any two steps of a run): the count and the largest difference are torch's own."""
+    generator = torch.Generator().manual_seed(0)
+    moments = {dtype: [torch.randn(300_000, generator=generator).to(dtype) for _ in range(2)]
+               for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}  # fmt: skip
+    moments[torch.float32][1][::7] = moments[torch.float32][0][::7]  # every seventh element the same
+    moments[torch.float64][1][5] = math.nan
+    names = {torch.float32: "exp_avg", torch.float64: "exp_avg_sq", torch.bfloat16: "a", torch.float16: "b"}
+    a = _saved_state(tmp_path / "a.pt", **{names[dtype]: pair[0] for dtype, pair in moments.items()})
+    b = _saved_state(tmp_path / "b.pt", **{names[dtype]: pair[1] for dtype, pair in moments.items()})
+    leaves = {leaf.name: leaf for leaf in api.diff(a, b).leaves}
+    for dtype, (x, y) in moments.items():
+        leaf = leaves[f"optimizer.state.0.{names[dtype]}"]
+        differs = x.view(torch.uint8).view(-1, x.element_size()).ne(y.view(torch.uint8).view(-1, x.element_size()))
+        finite = (x.double() - y.double()).abs()[differs.any(dim=1) & (x.isfinite() & y.isfinite())]
+        assert leaf.elements == int(differs.any(dim=1).sum()) and leaf.numel == x.numel()
+        assert leaf.largest == float(finite.max())
+        assert leaf.non_finite is (dtype == torch.float64)
 
 
 def _saved(value: object) -> bytes:
