@@ -48,6 +48,7 @@ from optim_repair.records.leaves import Leaf, LeafName, Piece, RawLeaf, TensorLe
 from optim_repair.storage.ranged import FileSlice
 
 _SWITCH_SECONDS = 0.0005
+_REPEATED = 1 << 20
 
 
 class _Files:
@@ -168,20 +169,31 @@ def _resolved(piece: Piece, dtype: str, files: _Files) -> Piece:
 
 
 class _Reader:
-    """The bytes of a sequence of runs in one file, taken a block at a time."""
+    """The bytes of a sequence of runs in one file (``layouts.runs``), taken a block at a time: a run taken more
+    than once and no longer than ``_REPEATED`` bytes is read once and repeated in memory."""
 
-    def __init__(self, files: _Files, file: str, runs: Iterator[tuple[int, int]]) -> None:
+    def __init__(self, files: _Files, file: str, runs: Iterator[tuple[int, int, int]]) -> None:
         self._files, self._file, self._runs = files, file, runs
-        self._offset, self._left = 0, 0
+        self._offset, self._unit, self._done, self._total = 0, 1, 0, 0
+        self._held: bytes | None = None
 
     def take(self, length: int) -> bytes:
         parts = []
         while length:
-            if not self._left:
-                self._offset, self._left = next(self._runs)
-            size = min(length, self._left)
-            parts.append(self._files.read(self._file, self._offset, size))
-            self._offset, self._left, length = self._offset + size, self._left - size, length - size
+            if self._done == self._total:
+                self._offset, self._unit, times = next(self._runs)
+                self._done, self._total, self._held = 0, self._unit * times, None
+            at = self._done % self._unit
+            if self._total > self._unit and self._unit <= _REPEATED:
+                if self._held is None:
+                    self._held = self._files.read(self._file, self._offset, self._unit)
+                size = min(length, self._total - self._done)
+                again = (size - (self._unit - at)) // self._unit + 1
+                parts.append((self._held[at:] + self._held * again)[:size])
+            else:
+                size = min(length, self._total - self._done, self._unit - at)
+                parts.append(self._files.read(self._file, self._offset + at, size))
+            self._done, length = self._done + size, length - size
         return b"".join(parts) if len(parts) != 1 else parts[0]
 
 

@@ -91,22 +91,31 @@ def walk(pieces: tuple[Piece, Piece], box: Box) -> Walk:
     return Walk((first[0], first[1]), tuple(dims), times)
 
 
-def runs(piece: Piece, first: int, dims: Sequence[tuple[int, int]], item: int) -> Iterator[tuple[int, int]]:
-    """The ``(offset, length)`` runs of bytes that a walk over ``dims`` (size, stride) from element ``first``
-    takes in the piece's file, in order, adjacent runs joined."""
+def runs(piece: Piece, first: int, dims: Sequence[tuple[int, int]], item: int) -> Iterator[tuple[int, int, int]]:
+    """The runs of bytes that a walk over ``dims`` (size, stride) from element ``first`` takes in the piece's
+    file, in order: ``(offset, length, times)``, the ``length`` bytes at ``offset`` taken ``times`` over (where
+    the walk goes along a stride of 0 inside them), adjacent runs joined."""
     inner, span = len(dims), 1  # the trailing dimensions that lie as one run
     while inner > 0 and dims[inner - 1][1] == span:
         span *= dims[inner - 1][0]
         inner -= 1
-    pending: tuple[int, int] | None = None
+    times = 1  # and those outside it along which the walk takes it again
+    while inner > 0 and dims[inner - 1][1] == 0:
+        times *= dims[inner - 1][0]
+        inner -= 1
+    length = span * item
+    pending: tuple[int, int, int] | None = None
     strides = [stride for _, stride in dims[:inner]]
     for index in itertools.product(*(range(extent) for extent, _ in dims[:inner])):
         offset = piece.base + (first + sum(i * stride for i, stride in zip(index, strides, strict=True))) * item
-        if pending is not None and pending[0] + pending[1] == offset:
-            pending = (pending[0], pending[1] + span * item)
+        if pending is not None and pending[2] == times == 1 and pending[0] + pending[1] == offset:
+            pending = (pending[0], pending[1] + length, 1)
+            continue
+        if pending is not None and (pending[0], pending[1]) == (offset, length):
+            pending = (offset, length, pending[2] + times)
             continue
         if pending is not None:
             yield pending
-        pending = (offset, span * item)
+        pending = (offset, length, times)
     if pending is not None:
         yield pending
