@@ -243,12 +243,17 @@ def _boxes(leaf: TensorLeaf) -> dict[Box, Piece]:
 
 
 def compare_tensors(a: TensorLeaf, b: TensorLeaf, files: tuple[_Files, _Files]) -> _Compared:
-    """The elements of two tensors of one dtype and shape, compared where their pieces meet."""
+    """The elements of two tensors of one dtype and shape, compared where their pieces meet; refused where both
+    sides' pieces overlap one another so that they meet in more elements than they hold (else at most one side's)."""
     item = itemsize(a.dtype)
     compared = _Compared(ElementTally(a.dtype))
     pieces_a = [_resolved(piece, a.dtype, files[0]) for piece in _boxes(a).values()]
     pieces_b = [_resolved(piece, b.dtype, files[1]) for piece in _boxes(b).values()]
+    held = sum(numel(piece.size) for piece in (*pieces_a, *pieces_b))
     for piece_a, piece_b, box in meets(pieces_a, pieces_b):
+        if compared.covered + numel(box[1]) > held:
+            reason = f"its chunks overlap one another on both sides, meeting in more than the {held} elements they hold"
+            raise InputError(reason, path=f"{files[0].listing.named(piece_a.file)}@{piece_a.base}")
         _stream_pair(compared, files, (piece_a, piece_b), box, item)
     return compared
 

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from optim_repair import api
 from optim_repair.errors import InputError
 from optim_repair.formats.torchfile import open_torch_file
+from optim_repair.records.dtypes import numel
 from tests.factories import chunked, s3server, trainers
 from tests.factories import dcp as dk
 from tests.factories.s3server import PREFIX
@@ -270,10 +271,11 @@ def _saved(value: object) -> bytes:
     return buffer.getvalue()
 
 
-def _rows_in_chunks(path: Path, rows: int, changed: int | None = None) -> Path:
+def _rows_in_chunks(path: Path, rows: int, changed: int | None = None, *, nested: bool = False) -> Path:
     """A DCP checkpoint of one AdamW parameter ``w`` of ``rows`` rows whose moments are each stored in ``rows``
     chunks of a row, as ``rows`` ranks would save them (into one shard file), ``exp_avg``'s row ``changed`` a
-    quarter higher: torch's own metadata classes, as ``tests/factories/chunked.py`` writes them."""
+    quarter higher (``nested``: chunk ``r`` holds the rows from ``r`` on, as no writer leaves them): torch's own
+    metadata classes, as ``tests/factories/chunked.py`` writes them."""
     path.mkdir(parents=True)
     properties = TensorProperties(dtype=torch.float32)
     state: dict[str, object] = {}
@@ -287,14 +289,15 @@ def _rows_in_chunks(path: Path, rows: int, changed: int | None = None) -> Path:
 
     for key in ("exp_avg", "exp_avg_sq"):
         fqn = f"optim.state.w.{key}"
-        chunks = [ChunkStorageMetadata(torch.Size([row, 0]), torch.Size([1, chunked.WIDTH])) for row in range(rows)]
+        boxes = [([row, 0], [rows - row if nested else 1, chunked.WIDTH]) for row in range(rows)]
+        chunks = [ChunkStorageMetadata(torch.Size(start), torch.Size(size)) for start, size in boxes]
         state[fqn] = TensorStorageMetadata(properties, torch.Size([rows, chunked.WIDTH]), chunks)
         planner[fqn] = ("optim", "state", "w", key)
-        for row in range(rows):
-            value = torch.arange(chunked.WIDTH, dtype=torch.float32).add(row).reshape(1, chunked.WIDTH) / 8
+        for row, (start, size) in enumerate(boxes):
+            value = torch.arange(numel(size), dtype=torch.float32).add(row).reshape(size) / 8
             if key == "exp_avg" and row == changed:
                 value += 0.25
-            stored(MetadataIndex(fqn, torch.Size([row, 0])), _saved(value))
+            stored(MetadataIndex(fqn, torch.Size(start)), _saved(value))
     scalar = [ChunkStorageMetadata(torch.Size([]), torch.Size([]))]
     state["optim.state.w.step"] = TensorStorageMetadata(properties, torch.Size([]), scalar)
     planner["optim.state.w.step"] = ("optim", "state", "w", "step")
@@ -323,3 +326,13 @@ def test_a_tensor_in_two_thousand_chunks_meets_each_chunk_of_the_other_side_once
     converted = tmp_path / "converted.pt"
     dcp_to_torch_save(a, converted)
     assert api.diff(a, converted).same
+
+
+def test_chunks_that_overlap_one_another_on_both_sides_are_refused_before_they_meet_more_than_they_hold(
+    tmp_path: Path,
+) -> None:
+    """Three hundred chunks each holding the rows from its own on, on both sides, would meet in 36 million elements
+    (the cube of the count) where both sides hold 361,200: an input error, said once they meet in more."""
+    a = _rows_in_chunks(tmp_path / "a", 300, nested=True)
+    with pytest.raises(InputError, match="overlap one another on both sides"):
+        api.diff(a, shutil.copytree(a, tmp_path / "copy"))
