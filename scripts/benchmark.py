@@ -2,8 +2,9 @@
 
 Builds a UniRL-style ``checkpoint.pt`` (model weights + name-keyed AdamW state, a few entries missing)
 of about ``--gib`` GiB with ``--params`` parameters, the same state as a DCP directory, a mixture-of-experts
-checkpoint of each count of small parameters in ``--moe-params`` (3% without state), and a DCP checkpoint of
-each count of chunks in ``--chunks`` (``tests.factories.chunked``: one per rank per tensor). Each command runs
+checkpoint of each count of small parameters in ``--moe-params`` (3% without state), a DCP checkpoint of
+each count of chunks in ``--chunks`` (``tests.factories.chunked``: one per rank per tensor), and two steps of one
+parameter whose 64 MiB moment differs everywhere (for ``diff``). Each command runs
 ``--repeat`` times in a fresh process, interleaved with its yardstick, on a warm page cache; the table
 gives the median seconds, the peak RSS, and the ratio to the yardstick next to the goal:
 
