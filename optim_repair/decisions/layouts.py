@@ -75,6 +75,7 @@ class Walk:
 
 
 def walk(pieces: tuple[Piece, Piece], box: Box) -> Walk:
+    """How the elements of ``box`` lie in both pieces."""
     start, size = box
     first = tuple(
         piece.offset + sum((s - p) * stride for s, p, stride in zip(start, piece.start, piece.stride, strict=True))
