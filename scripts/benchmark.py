@@ -2,8 +2,9 @@
 
 Builds a UniRL-style ``checkpoint.pt`` (model weights + name-keyed AdamW state, a few entries missing)
 of about ``--gib`` GiB with ``--params`` parameters, the same state as a DCP directory, a mixture-of-experts
-checkpoint of each count of small parameters in ``--moe-params`` (3% without state), and a DCP checkpoint of
-each count of chunks in ``--chunks`` (``tests.factories.chunked``: one per rank per tensor). Each command runs
+checkpoint of each count of small parameters in ``--moe-params`` (3% without state), a DCP checkpoint of
+each count of chunks in ``--chunks`` (``tests.factories.chunked``: one per rank per tensor), and two steps of one
+parameter whose 64 MiB moment differs everywhere (for ``diff``). Each command runs
 ``--repeat`` times in a fresh process, interleaved with its yardstick, on a warm page cache; the table
 gives the median seconds, the peak RSS, and the ratio to the yardstick next to the goal:
 
@@ -62,6 +63,18 @@ print(f"elapsed={time.perf_counter() - start}", file=sys.stderr)
 """
 """What a user would script to find DCP parameters without state: torch reads the metadata, a set difference;
 it times itself, so that torch's import is not counted."""
+COMPARE = """
+import sys, time, torch
+start = time.perf_counter()
+a, b = (torch.load(path, mmap=True, weights_only=True)["optimizer"]["state"][0]["exp_avg"] for path in sys.argv[1:])
+differing = int(a.view(torch.int32).ne(b.view(torch.int32)).sum())
+largest = float((a.double() - b.double()).abs().max())
+print(f"elapsed={time.perf_counter() - start}", file=sys.stderr)
+"""
+"""What a user would script to say how two moments differ: torch loads both, counts the elements that differ
+and takes the largest difference; it times itself, so that torch's import is not counted."""
+MOMENTS = 16 << 20
+"""Elements of each moment of the two steps ``diff`` compares where they differ everywhere (64 MiB, float32)."""
 
 
 def build(root: Path, gib: float, params: int, moe_params: list[int]) -> None:
@@ -98,6 +111,11 @@ def build(root: Path, gib: float, params: int, moe_params: list[int]) -> None:
         moe_groups = [{**groups[0], "params": list(experts)}]
         optimizer = {"state": moe_state, "param_groups": moe_groups}
         torch.save({"model": experts, "optimizer": optimizer}, root / f"moe-{count}.pt")
+    generator = torch.Generator().manual_seed(0)
+    for step in ("a", "b"):  # two steps of one parameter: its moment differs everywhere
+        moment = {"step": torch.tensor(10.0), "exp_avg": torch.randn(MOMENTS, generator=generator)}
+        optimizer = {"state": {0: moment}, "param_groups": [{**groups[0], "params": [0]}]}
+        torch.save({"optimizer": optimizer}, root / f"moments-{step}.pt")
 
 
 def params_for(chunks: int, ranks: int) -> int:
@@ -240,6 +258,20 @@ def main() -> int:
                 "cmp",
                 ["cmp", torch_file, twin],
                 1.2,
+            ),
+            (
+                "diff (two 64 MiB moments that differ everywhere)",
+                [*tool, "diff", root / "moments-a.pt", root / "moments-b.pt"],
+                "torch.load + count + largest",
+                [python, "-c", COMPARE, root / "moments-a.pt", root / "moments-b.pt"],
+                None,
+            ),
+            (
+                "diff (two 64 MiB moments that differ everywhere)",
+                [*tool, "diff", root / "moments-a.pt", root / "moments-b.pt"],
+                "cat (both files read)",
+                shell(f"cat {root / 'moments-a.pt'} {root / 'moments-b.pt'} > /dev/null"),
+                None,
             ),
             (
                 "diff --metadata-only (torch file, its copy)",

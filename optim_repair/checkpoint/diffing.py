@@ -2,15 +2,16 @@
 
 Each side is read as ``inspect`` reads it (``read_parsed``), then listed leaf by leaf by its formats' readers
 (``formats.*.leaves``). Two tensors are compared over the boxes where their pieces meet (a DCP chunk, a whole
-storage), each box as the runs of bytes its elements occupy, in blocks of ``CHUNK`` bytes: at the speed of the
-disk or the store, in memory that does not grow with the tensors.
+storage; the pieces swept in the order they start, so each meets only those it overlaps), each box as the runs
+of bytes its stored elements occupy, each stored element once where both sides lay the box out alike, in blocks
+of ``CHUNK`` bytes, in memory that does not grow with the tensors. Equal blocks pass at the speed of the disk or
+the store; ``decisions.elements`` counts and decodes those that differ.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import itertools
 import sys
 import time
 from collections import Counter
@@ -30,6 +31,7 @@ from optim_repair.decisions.difference import (
     optimizer_differences,
 )
 from optim_repair.decisions.elements import ElementTally
+from optim_repair.decisions.layouts import Box, meets, runs, walk
 from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError, UsageError, os_error_reason
 from optim_repair.formats.dcp import is_rank_metadata
 from optim_repair.formats.dcp.leaves import dcp_leaves
@@ -46,8 +48,7 @@ from optim_repair.records.leaves import Leaf, LeafName, Piece, RawLeaf, TensorLe
 from optim_repair.storage.ranged import FileSlice
 
 _SWITCH_SECONDS = 0.0005
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-"""A box of a tensor's elements: where it starts, and its size."""
+_REPEATED = 1 << 20
 
 
 class _Files:
@@ -167,51 +168,32 @@ def _resolved(piece: Piece, dtype: str, files: _Files) -> Piece:
     return Piece(piece.start, piece.size, piece.file, base, meta.stride, meta.storage_offset)
 
 
-def _meet(a: Piece, b: Piece) -> Box | None:
-    start = tuple(max(x, y) for x, y in zip(a.start, b.start, strict=True))
-    end = tuple(min(x + dx, y + dy) for x, dx, y, dy in zip(a.start, a.size, b.start, b.size, strict=True))
-    if any(lo >= hi for lo, hi in zip(start, end, strict=True)):
-        return None if start else ((), ())
-    return start, tuple(hi - lo for lo, hi in zip(start, end, strict=True))
-
-
-def _runs(piece: Piece, box: Box, item: int) -> Iterator[tuple[int, int]]:
-    """The ``(offset, length)`` runs of bytes that the box's elements take in the piece's file, in row-major
-    order, adjacent runs joined."""
-    start, size = box
-    first = piece.offset + sum((s - p) * stride for s, p, stride in zip(start, piece.start, piece.stride, strict=True))
-    inner, span = len(size), 1  # the trailing dimensions that lie as one run
-    while inner > 0 and (size[inner - 1] == 1 or piece.stride[inner - 1] == span):
-        span *= size[inner - 1]
-        inner -= 1
-    pending: tuple[int, int] | None = None
-    for index in itertools.product(*(range(extent) for extent in size[:inner])):
-        offset = piece.base + (first + sum(i * stride for i, stride in zip(index, piece.stride, strict=False))) * item
-        if pending is not None and pending[0] + pending[1] == offset:
-            pending = (pending[0], pending[1] + span * item)
-            continue
-        if pending is not None:
-            yield pending
-        pending = (offset, span * item)
-    if pending is not None:
-        yield pending
-
-
 class _Reader:
-    """The bytes of a sequence of runs in one file, taken a block at a time."""
+    """The bytes of a sequence of runs in one file (``layouts.runs``), taken a block at a time: a run taken more
+    than once and no longer than ``_REPEATED`` bytes is read once and repeated in memory."""
 
-    def __init__(self, files: _Files, file: str, runs: Iterator[tuple[int, int]]) -> None:
+    def __init__(self, files: _Files, file: str, runs: Iterator[tuple[int, int, int]]) -> None:
         self._files, self._file, self._runs = files, file, runs
-        self._offset, self._left = 0, 0
+        self._offset, self._unit, self._done, self._total = 0, 1, 0, 0
+        self._held: bytes | None = None
 
     def take(self, length: int) -> bytes:
         parts = []
         while length:
-            if not self._left:
-                self._offset, self._left = next(self._runs)
-            size = min(length, self._left)
-            parts.append(self._files.read(self._file, self._offset, size))
-            self._offset, self._left, length = self._offset + size, self._left - size, length - size
+            if self._done == self._total:
+                self._offset, self._unit, times = next(self._runs)
+                self._done, self._total, self._held = 0, self._unit * times, None
+            at = self._done % self._unit
+            if self._total > self._unit and self._unit <= _REPEATED:
+                if self._held is None:
+                    self._held = self._files.read(self._file, self._offset, self._unit)
+                size = min(length, self._total - self._done)
+                again = (size - (self._unit - at)) // self._unit + 1
+                parts.append((self._held[at:] + self._held * again)[:size])
+            else:
+                size = min(length, self._total - self._done, self._unit - at)
+                parts.append(self._files.read(self._file, self._offset + at, size))
+            self._done, length = self._done + size, length - size
         return b"".join(parts) if len(parts) != 1 else parts[0]
 
 
@@ -226,16 +208,31 @@ class _Compared:
 def _stream_pair(
     compared: _Compared, files: tuple[_Files, _Files], pieces: tuple[Piece, Piece], box: Box, item: int
 ) -> None:
-    readers = [_Reader(side, piece.file, _runs(piece, box, item)) for side, piece in zip(files, pieces, strict=True)]
-    left = numel(box[1]) * item
+    """Compare the box's elements in both pieces: each side's walk over them read in blocks, as its storage lays
+    them out where both sides lay them out alike (each stored element read once, however often the tensor holds
+    it); where they differ, element by element as the walk pairs them, refused past what both sides store."""
+    paired = walk(pieces, box)
     compared.covered += numel(box[1])
+    stored = paired.spanned(0) + paired.spanned(1)
+    if paired.walked > stored:
+        raise UsageError(
+            f"its elements, laid out by strides {list(pieces[0].stride)} in A and {list(pieces[1].stride)} in B, "
+            f"pair {paired.walked} elements where both sides store {stored}: compare them with {{argument}}",
+            path=f"{files[0].listing.named(pieces[0].file)}@{pieces[0].base}",
+            argument="metadata_only",
+        )
+    readers = [
+        _Reader(side, piece.file, runs(piece, paired.first[at], [(dim[0], dim[1 + at]) for dim in paired.dims], item))
+        for at, (side, piece) in enumerate(zip(files, pieces, strict=True))
+    ]
+    left = paired.walked * item
     block = CHUNK - CHUNK % item
     while left:
         length = min(block, left)
         a, b = readers[0].take(length), readers[1].take(length)
         if compared.first is None:
             compared.first = (a[:item], b[:item])
-        compared.tally.add(a, b)
+        compared.tally.add(a, b, paired.times)
         compared.nbytes += length
         left -= length
 
@@ -246,15 +243,18 @@ def _boxes(leaf: TensorLeaf) -> dict[Box, Piece]:
 
 
 def compare_tensors(a: TensorLeaf, b: TensorLeaf, files: tuple[_Files, _Files]) -> _Compared:
-    """The elements of two tensors of one dtype and shape, compared where their pieces meet."""
+    """The elements of two tensors of one dtype and shape, compared where their pieces meet; refused where both
+    sides' pieces overlap one another so that they meet in more elements than they hold (else at most one side's)."""
     item = itemsize(a.dtype)
     compared = _Compared(ElementTally(a.dtype))
+    pieces_a = [_resolved(piece, a.dtype, files[0]) for piece in _boxes(a).values()]
     pieces_b = [_resolved(piece, b.dtype, files[1]) for piece in _boxes(b).values()]
-    for piece_a in (_resolved(piece, a.dtype, files[0]) for piece in _boxes(a).values()):
-        for piece_b in pieces_b:
-            box = _meet(piece_a, piece_b)
-            if box is not None:
-                _stream_pair(compared, files, (piece_a, piece_b), box, item)
+    held = sum(numel(piece.size) for piece in (*pieces_a, *pieces_b))
+    for piece_a, piece_b, box in meets(pieces_a, pieces_b):
+        if compared.covered + numel(box[1]) > held:
+            reason = f"its chunks overlap one another on both sides, meeting in more than the {held} elements they hold"
+            raise InputError(reason, path=f"{files[0].listing.named(piece_a.file)}@{piece_a.base}")
+        _stream_pair(compared, files, (piece_a, piece_b), box, item)
     return compared
 
 

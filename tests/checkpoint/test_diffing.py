@@ -4,6 +4,8 @@ it (the same), a torch file with one bit of a moment flipped (found and counted)
 
 from __future__ import annotations
 
+import io
+import math
 import pickle
 import shutil
 import struct
@@ -12,14 +14,24 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from optim_repair import api
 from optim_repair.errors import InputError
 from optim_repair.formats.torchfile import open_torch_file
+from optim_repair.records.dtypes import numel
+from tests.factories import chunked, s3server, trainers
 from tests.factories import dcp as dk
-from tests.factories import s3server, trainers
 from tests.factories.s3server import PREFIX
 
 EXPERT_EVERY = 3
@@ -201,3 +213,126 @@ def test_a_pickle_that_reaches_one_list_by_many_paths_is_refused_before_it_is_li
     assert path.stat().st_size < first.stat().st_size + 64 * 1024
     with pytest.raises(InputError, match="values to compare"):
         api.diff(first, path)
+
+
+def _saved_state(path: Path, **moments: torch.Tensor) -> Path:
+    """A real AdamW's state after one step, saved as UniRL saves it, its entry's tensors replaced by ``moments``."""
+    weight = nn.Parameter(torch.zeros(4))
+    optimizer = torch.optim.AdamW([weight])
+    weight.grad = torch.ones(4)
+    optimizer.step()
+    state = optimizer.state_dict()
+    state["state"][0].update(moments)
+    torch.save({"optimizer": state}, path)
+    return path
+
+
+def test_a_tensor_expanded_to_a_hundred_million_elements_is_compared_by_its_one_stored_element(
+    tmp_path: Path,
+) -> None:
+    """``torch.zeros(1).expand(10**8)`` is saved with stride 0 in a few kilobytes: its one stored element is
+    compared, standing for every element the tensor holds (one read a logical element passed 1 GiB)."""
+    count = 10**8
+    a = _saved_state(tmp_path / "a.pt", exp_avg=torch.zeros(1).expand(count))
+    b = _saved_state(tmp_path / "b.pt", exp_avg=torch.full((1,), 0.5).expand(count))
+    assert b.stat().st_size < 8192
+    difference = api.diff(a, b)
+    (leaf,) = difference.leaves
+    assert (leaf.name, leaf.what, leaf.elements, leaf.numel, leaf.largest) == (
+        "optimizer.state.0.exp_avg", "bytes", count, count, 0.5
+    )  # fmt: skip
+    assert difference.tally.bytes_compared < 1024
+    assert api.diff(a, _saved_state(tmp_path / "c.pt", exp_avg=torch.zeros(1).expand(count))).same
+
+
+def test_two_steps_whose_moments_differ_everywhere_count_as_torch_counts(tmp_path: Path) -> None:
+    """Every element differs (any two steps of a run): the count and the largest difference are torch's own."""
+    generator = torch.Generator().manual_seed(0)
+    moments = {dtype: [torch.randn(300_000, generator=generator).to(dtype) for _ in range(2)]
+               for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}  # fmt: skip
+    moments[torch.float32][1][::7] = moments[torch.float32][0][::7]  # every seventh element the same
+    moments[torch.float64][1][5] = math.nan
+    names = {torch.float32: "exp_avg", torch.float64: "exp_avg_sq", torch.bfloat16: "a", torch.float16: "b"}
+    a = _saved_state(tmp_path / "a.pt", **{names[dtype]: pair[0] for dtype, pair in moments.items()})
+    b = _saved_state(tmp_path / "b.pt", **{names[dtype]: pair[1] for dtype, pair in moments.items()})
+    leaves = {leaf.name: leaf for leaf in api.diff(a, b).leaves}
+    for dtype, (x, y) in moments.items():
+        leaf = leaves[f"optimizer.state.0.{names[dtype]}"]
+        differs = x.view(torch.uint8).view(-1, x.element_size()).ne(y.view(torch.uint8).view(-1, x.element_size()))
+        finite = (x.double() - y.double()).abs()[differs.any(dim=1) & (x.isfinite() & y.isfinite())]
+        assert leaf.elements == int(differs.any(dim=1).sum()) and leaf.numel == x.numel()
+        assert leaf.largest == float(finite.max())
+        assert leaf.non_finite is (dtype == torch.float64)
+
+
+def _saved(value: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _rows_in_chunks(path: Path, rows: int, changed: int | None = None, *, nested: bool = False) -> Path:
+    """A DCP checkpoint of one AdamW parameter ``w`` of ``rows`` rows whose moments are each stored in ``rows``
+    chunks of a row, as ``rows`` ranks would save them (into one shard file), ``exp_avg``'s row ``changed`` a
+    quarter higher (``nested``: chunk ``r`` holds the rows from ``r`` on, as no writer leaves them): torch's own
+    metadata classes, as ``tests/factories/chunked.py`` writes them."""
+    path.mkdir(parents=True)
+    properties = TensorProperties(dtype=torch.float32)
+    state: dict[str, object] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    planner: dict[str, tuple[object, ...]] = {}
+    shard = bytearray()
+
+    def stored(index: MetadataIndex, data: bytes) -> None:
+        storage[index] = _StorageInfo("__0_0.distcp", len(shard), len(data))
+        shard.extend(data)
+
+    for key in ("exp_avg", "exp_avg_sq"):
+        fqn = f"optim.state.w.{key}"
+        boxes = [([row, 0], [rows - row if nested else 1, chunked.WIDTH]) for row in range(rows)]
+        chunks = [ChunkStorageMetadata(torch.Size(start), torch.Size(size)) for start, size in boxes]
+        state[fqn] = TensorStorageMetadata(properties, torch.Size([rows, chunked.WIDTH]), chunks)
+        planner[fqn] = ("optim", "state", "w", key)
+        for row, (start, size) in enumerate(boxes):
+            value = torch.arange(numel(size), dtype=torch.float32).add(row).reshape(size) / 8
+            if key == "exp_avg" and row == changed:
+                value += 0.25
+            stored(MetadataIndex(fqn, torch.Size(start)), _saved(value))
+    scalar = [ChunkStorageMetadata(torch.Size([]), torch.Size([]))]
+    state["optim.state.w.step"] = TensorStorageMetadata(properties, torch.Size([]), scalar)
+    planner["optim.state.w.step"] = ("optim", "state", "w", "step")
+    stored(MetadataIndex("optim.state.w.step", torch.Size([])), _saved(torch.tensor(5.0)))
+    for option, value in {**chunked.OPTIONS, "params": ["w"]}.items():
+        key = f"optim.param_groups.0.{option}"
+        state[key], planner[key] = BytesStorageMetadata(), ("optim", "param_groups", 0, option)
+        stored(MetadataIndex(key), _saved(value))
+    (path / "__0_0.distcp").write_bytes(bytes(shard))
+    with open(path / ".metadata", "wb") as stream:
+        pickle.dump(Metadata(state, planner, storage), stream)
+    return path
+
+
+def test_a_tensor_in_two_thousand_chunks_meets_each_chunk_of_the_other_side_once(tmp_path: Path) -> None:
+    """Each side's chunks are swept in the order they start, so a chunk meets only the chunks it overlaps
+    (every chunk of A met with every chunk of B took 28 s at a thousand chunks, the square of the count)."""
+    rows = 2000
+    a = _rows_in_chunks(tmp_path / "a", rows)
+    assert api.diff(a, shutil.copytree(a, tmp_path / "copy")).same
+    difference = api.diff(a, _rows_in_chunks(tmp_path / "b", rows, changed=1234))
+    (leaf,) = difference.leaves
+    assert (leaf.name, leaf.what, leaf.elements, leaf.numel, leaf.largest) == (
+        "optim.state.w.exp_avg", "bytes", chunked.WIDTH, rows * chunked.WIDTH, 0.25
+    )  # fmt: skip
+    converted = tmp_path / "converted.pt"
+    dcp_to_torch_save(a, converted)
+    assert api.diff(a, converted).same
+
+
+def test_chunks_that_overlap_one_another_on_both_sides_are_refused_before_they_meet_more_than_they_hold(
+    tmp_path: Path,
+) -> None:
+    """Three hundred chunks each holding the rows from its own on, on both sides, would meet in 36 million elements
+    (the cube of the count) where both sides hold 361,200: an input error, said once they meet in more."""
+    a = _rows_in_chunks(tmp_path / "a", 300, nested=True)
+    with pytest.raises(InputError, match="overlap one another on both sides"):
+        api.diff(a, shutil.copytree(a, tmp_path / "copy"))
