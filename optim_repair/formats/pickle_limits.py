@@ -6,7 +6,14 @@ from memo references (2**60 leaves: hashing never ends) takes the process down. 
 decodes the opcodes itself (executing nothing), simulating the stack with a weight (leaves,
 counting shared parts each time) and a depth for every object, and refuses:
 
+* an opcode outside the set its reader implements (``pickle_opcodes``: torch's weights-only unpickler reads a
+  torch file, ``pickle`` a DCP ``.metadata`` or bytes entry);
 * containers nested deeper than ``MAX_DEPTH``, or a tuple weighing more than ``MAX_WEIGHT``;
+* more objects alive at once (on its stack, its marks and its memo) than ``MAX_LIVE`` and one per
+  ``LIVE_BYTES`` bytes of it (checked every ``LIVE_CHECK_OPS`` opcodes): the scan's memory, and the
+  unpickler's stack and memo, stay proportional to the pickle's size;
+* an integer of more than ``MAX_INT_BYTES`` bytes, or ``MAX_INT_DIGITS`` characters of text (its conversion,
+  and any printing of it, stays cheap: Python refuses to print an integer of more than 4,300 digits);
 * more hashing than the pickle's own size justifies (dict keys, and the arguments of every call,
   weighed together, against ``HASH_BUDGET_PER_OP`` per opcode);
 * a memo entry stored out of order (a memo index of 2**28), or a reference to one never stored;
@@ -47,6 +54,17 @@ MAX_WEIGHT = 1 << 24
 HASH_BUDGET_PER_OP = 32
 """Hashing work allowed per opcode read, beyond ``HASH_BUDGET_BASE``."""
 HASH_BUDGET_BASE = 1 << 20
+MAX_LIVE = 1 << 20
+LIVE_BYTES = 4
+"""Objects alive at once: at most ``MAX_LIVE`` and one per ``LIVE_BYTES`` bytes of the pickle (from its start to
+the data's end). torch's pickles keep about one memo entry per 10 to 12 bytes."""
+LIVE_CHECK_OPS = 1 << 16
+"""How often (in opcodes read) the objects alive are counted: between two counts they grow by at most this."""
+MAX_INT_BYTES = 256
+"""The longest integer of LONG1 and LONG4, in bytes (LONG1's own limit: 255); ``pickle`` writes LONG4 for no
+integer below 2**2040."""
+MAX_INT_DIGITS = 620
+"""The longest integer of INT and LONG, in characters (digits, a sign, and the ``L`` that LONG ends with)."""
 
 _INDEXED = frozenset({opcodes.PUT, opcodes.GET})
 """The kinds whose argument is a memo index."""
@@ -73,6 +91,13 @@ def _underflow() -> _Refused:
 
 def _too_deep() -> _Refused:
     return _Refused(f"it nests containers more than {MAX_DEPTH} deep")
+
+
+def _too_many(live: int) -> _Refused:
+    return _Refused(
+        f"it holds more than {live} objects at once on its stack and in its memo (at most {MAX_LIVE} and one per "
+        f"{LIVE_BYTES} bytes of it)"
+    )
 
 
 def _over_budget() -> _Refused:
@@ -109,6 +134,14 @@ def _grow(container: _Record, items: list[_Record]) -> bool:
 
 def _argument(data: Any, pos: int, kind: int, arg: int) -> tuple[int, int]:
     """Skip an argument ``_Scan.run`` does not read; return the next opcode's start and a memo index (or length)."""
+    if arg > opcodes.NUMBER:
+        width = arg - opcodes.NUMBER
+        if pos + width > len(data):
+            raise _Refused("it ends inside an opcode")
+        digits: int = data[pos] if width == 1 else _U4(data, pos)[0]
+        if digits > MAX_INT_BYTES:
+            raise _Refused(f"it holds an integer of {digits} bytes, more than {MAX_INT_BYTES}")
+        return pos + width + digits, 0
     if arg > opcodes.SIZED:
         width = arg - opcodes.SIZED
         if pos + width > len(data):
@@ -127,6 +160,8 @@ def _argument(data: Any, pos: int, kind: int, arg: int) -> tuple[int, int]:
     end = data.find(b"\n", pos)
     if end < 0:
         raise _Refused("it ends inside an opcode")
+    if arg == opcodes.NUMBER_LINE and end - pos > MAX_INT_DIGITS:
+        raise _Refused(f"it holds an integer of {end - pos} characters, more than {MAX_INT_DIGITS}")
     index = int(data[pos:end]) if kind in _INDEXED else 0
     if arg == opcodes.TWO_LINES:
         end = data.find(b"\n", end + 1)
@@ -172,8 +207,10 @@ class _Scan:
         self.hashed = 0
         self.stale = False
 
-    def run(self, data: Any, pos: int) -> tuple[int, bool]:
-        size, table, u4, leaf, handlers = len(data), opcodes.TABLE, _U4, _LEAF, _HANDLERS
+    def run(self, data: Any, pos: int, allowed: opcodes.OpcodeSet) -> tuple[int, bool]:
+        size, table, u4, leaf, handlers = len(data), allowed.table, _U4, _LEAF, _HANDLERS
+        live, check_ops = MAX_LIVE + max(size - pos, 0) // LIVE_BYTES, LIVE_CHECK_OPS
+        count_at = check_ops  # the next count of the objects alive: every check_ops opcodes
         short_sized, long_sized, frame_kind = opcodes.SHORT_SIZED, opcodes.LONG_SIZED, opcodes.FRAME
         scalar_kind, memoize_kind, get_kind, put_kind = opcodes.SCALAR, opcodes.MEMOIZE, opcodes.GET, opcodes.PUT
         mark_kind, tuple_kind, empty_kind, stop_kind = opcodes.MARK, opcodes.TUPLE_N, opcodes.EMPTY, opcodes.STOP
@@ -190,9 +227,13 @@ class _Scan:
             op_start = pos
             entry = table[data[pos]]
             if entry is None:
-                raise _Refused(f"it holds the unknown opcode {bytes([data[pos]])!r}")
+                raise _Refused(allowed.refusals[data[pos]])
             kind, arg, count, hashes = entry
             ops += 1
+            if ops == count_at:
+                if len(stack) + len(marks) + len(memo) > live:
+                    raise _too_many(live)
+                count_at += check_ops
             pos += 1
             if arg:
                 if arg == 1:  # BINPUT, BINGET, BININT1, PROTO
@@ -377,38 +418,42 @@ _HANDLERS: Sequence[_Handler] = [_METHODS.get(kind, _Scan._nothing) for kind in 
 """The method that handles each kind, by kind (``_nothing`` for those that ``_Scan.run`` handles itself)."""
 
 
-def scan_python(data: Any, pos: int = 0) -> tuple[int, bool]:
+def scan_python(data: Any, pos: int = 0, allowed: opcodes.OpcodeSet = opcodes.PICKLE) -> tuple[int, bool]:
     """``scan`` in Python, on bytes or an mmap: the reference for ``scan_compiled``."""
-    return _Scan().run(data, pos)
+    return _Scan().run(data, pos, allowed)
 
 
-def scan_compiled(data: Any, pos: int = 0) -> tuple[int, bool]:
+def scan_compiled(data: Any, pos: int = 0, allowed: opcodes.OpcodeSet = opcodes.PICKLE) -> tuple[int, bool]:
     """``scan`` compiled, on any buffer: ``scan_python``'s results and refusals (where ``_scan.c`` was built)."""
-    limits = MAX_DEPTH, MAX_WEIGHT, HASH_BUDGET_BASE, HASH_BUDGET_PER_OP
-    return _compiled.scan(data, pos, opcodes.PACKED, _Refused, *limits)
+    limits = MAX_DEPTH, MAX_WEIGHT, HASH_BUDGET_BASE, HASH_BUDGET_PER_OP, MAX_LIVE, LIVE_BYTES, LIVE_CHECK_OPS
+    integers = MAX_INT_BYTES, MAX_INT_DIGITS
+    return _compiled.scan(data, pos, allowed.packed, allowed.refusals, _Refused, *limits, *integers)
 
 
 SCANNER = "compiled" if _compiled and os.environ.get("OPTIM_REPAIR_PURE_PYTHON") != "1" else "pure-python"
 
 
-def scan(data: Any, pos: int = 0) -> tuple[int, bool]:
-    """Check the pickle that starts at ``pos`` in ``data`` (bytes or mmap); return where it ends, and
-    whether it grows a container taken from the memo (its depths may be stale)."""
-    return scan_compiled(data, pos) if SCANNER == "compiled" else scan_python(data, pos)
+def scan(data: Any, pos: int = 0, allowed: opcodes.OpcodeSet = opcodes.PICKLE) -> tuple[int, bool]:
+    """Check the pickle that starts at ``pos`` in ``data`` (bytes or mmap), of the opcodes ``allowed``; return
+    where it ends, and whether it grows a container taken from the memo (its depths may be stale)."""
+    return scan_compiled(data, pos, allowed) if SCANNER == "compiled" else scan_python(data, pos, allowed)
 
 
-def check_pickle(stream: BinaryIO, source: str, what: str = "pickle") -> bool:
+def check_pickle(
+    stream: BinaryIO, source: str, what: str = "pickle", allowed: opcodes.OpcodeSet = opcodes.PICKLE
+) -> bool:
     """Refuse, with ``InputError``, a pickle whose unpickling could crash, hang or exhaust memory.
 
-    Checks the one pickle that starts at ``stream``'s position, and leaves the position there.
+    Checks the one pickle that starts at ``stream``'s position, of the opcodes ``allowed`` (by default every
+    opcode of ``pickle``), and leaves the position there.
     Returns whether the depths it checked may be stale (see ``scan``).
     """
     start = stream.tell()
     try:
         if isinstance(stream, io.BytesIO):
-            return scan(stream.getvalue(), start)[1]  # the bytes it was made from: no copy
+            return scan(stream.getvalue(), start, allowed)[1]  # the bytes it was made from: no copy
         with mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return scan(data, start)[1]
+            return scan(data, start, allowed)[1]
     except _Refused as exc:
         raise InputError(f"not a readable {what} ({exc})", path=source) from None
     except IndexError:

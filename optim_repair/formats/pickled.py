@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 from optim_repair.errors import InputError, TorchRefuses, UnsafeInputError, shown
 from optim_repair.formats import safe_globals
 from optim_repair.formats.pickle_limits import MAX_DEPTH
+from optim_repair.formats.pickle_opcodes import WEIGHTS_ONLY, OpcodeSet
 from optim_repair.formats.unpickling import AllowlistUnpickler
 from optim_repair.records.dtypes import DTYPES, LEGACY_STORAGES, itemsize
 from optim_repair.records.inventory import OtherValue, StateValue, TensorMeta, within_storage
@@ -318,12 +319,20 @@ def check_depth(root: Any, source: str) -> None:
             pending.extend((child, False) for child in _children(node) if _children(child) != ())
 
 
-def load_graph(data: bytes | BinaryIO, source: str, *, ours: bool = False, legacy: bool = False) -> PickleGraph:
+def load_graph(
+    data: bytes | BinaryIO,
+    source: str,
+    *,
+    ours: bool = False,
+    legacy: bool = False,
+    allowed: OpcodeSet = WEIGHTS_ONLY,
+) -> PickleGraph:
     """Unpickle ``data`` safely into a graph of plain values and stand-ins; no tensor bytes are read. ``legacy``:
-    a pickle of the legacy format, whose storages' persistent ids end in a view."""
+    a pickle of the legacy format, whose storages' persistent ids end in a view; ``allowed``: the opcodes of
+    the reader that will read it (``torch.load(weights_only=True)``'s, but for a DCP bytes entry)."""
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
     unpickler = _GraphUnpickler(stream, source, legacy=legacy)
-    root = unpickler.load_safely("torch pickle", ours=ours)
+    root = unpickler.load_safely("torch pickle", ours=ours, allowed=allowed)
     if unpickler.depth_unchecked:
         check_depth(root, source)
     return PickleGraph(root, unpickler.storages, unpickler.memo.copy, unpickler.stream_position())

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import BinaryIO, ClassVar, Literal
 
 from optim_repair.errors import InputError, NotATorchFile, TorchRefuses, UnsafeInputError, shown
+from optim_repair.formats.pickle_opcodes import PICKLE
 from optim_repair.formats.pickled import PickleGraph, load_graph
 from optim_repair.storage.disk import size_of
 
@@ -62,14 +63,17 @@ def open_legacy(stream: BinaryIO, path: Path, source: str, *, ours: bool = False
     size = size_of(stream)
     if size == 0:
         raise InputError("empty file", path=source)
+    start = stream.tell()
     try:
-        magic = load_graph(stream, source).root
+        magic = load_graph(stream, source, allowed=PICKLE).root  # what the file is, whichever opcodes it holds
     except UnsafeInputError:
         raise
     except InputError:
         magic = None
     if magic != LEGACY_MAGIC:
         raise NotATorchFile("not a torch file (no zip archive, no legacy magic number)", path=source)
+    stream.seek(start)
+    load_graph(stream, source)  # then as torch reads it: of the opcodes of its weights-only unpickler
     protocol = load_graph(stream, source).root
     if protocol != LEGACY_PROTOCOL:
         raise TorchRefuses(f"its protocol version is {shown(protocol)}, not {LEGACY_PROTOCOL}", path=source)
