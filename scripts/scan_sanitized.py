@@ -35,7 +35,7 @@ REPORTS = ("ERROR: AddressSanitizer", "runtime error:", "LeakSanitizer", "SUMMAR
 """What a sanitizer writes on stderr when it finds something."""
 TIGHT = {"MAX_DEPTH": 6, "MAX_WEIGHT": 40, "HASH_BUDGET_BASE": 30, "MAX_LIVE": 12, "LIVE_CHECK_OPS": 3,
          "MAX_INT_BYTES": 3, "MAX_INT_DIGITS": 4}  # fmt: skip
-"""The limits of ``pickle_limits`` for the cases run under tight limits."""
+"""The limits of ``pickle_limits`` (the integers': of ``pickle_arguments``) for the cases under tight limits."""
 PLAIN = {"state": {0: {"step": 3.0, "exp_avg": [1.5, -2], "key": (1, "a", None)}}, "groups": [{"params": [0, 1]}]}
 STREAM = b"N(t)l]d}s\x8f\x90\x91ae\x85\x86\x87\x94h\x00h\x01q\x01g0\np2\nRb\x81\x922012Q\x93\x8e\x85\x95KI0\nL1L\n"
 """Opcodes of every kind (with arguments where short), drawn one after another for the random streams."""
@@ -111,14 +111,15 @@ def cases(count: int, seed: int, found: list[bytes]) -> Iterator[tuple[bytes, bo
 def child(count: int, seed: int, seeds_file: Path) -> int:
     """Run the cases here (under the sanitizers): print what disagreed, as JSON; exit 0."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    from optim_repair.formats import pickle_limits
+    from optim_repair.formats import pickle_arguments, pickle_limits
     from optim_repair.formats.pickle_opcodes import PICKLE, WEIGHTS_ONLY
 
     if pickle_limits._compiled is None:
         raise SystemExit("scan_sanitized: the sanitized _scan.c did not import")
     if "libasan" not in Path("/proc/self/maps").read_text():
         raise SystemExit("scan_sanitized: AddressSanitizer's runtime is not loaded")
-    limits = {name: getattr(pickle_limits, name) for name in TIGHT}
+    homes = {name: pickle_arguments if name.startswith("MAX_INT") else pickle_limits for name in TIGHT}
+    limits = {name: getattr(homes[name], name) for name in TIGHT}
 
     def outcome(scan: Any, data: Any, allowed: Any) -> str:
         try:
@@ -131,7 +132,7 @@ def child(count: int, seed: int, seeds_file: Path) -> int:
     for data, weights_only, tight in cases(count, seed, found):
         allowed = WEIGHTS_ONLY if weights_only else PICKLE
         for name, value in (TIGHT if tight else limits).items():
-            setattr(pickle_limits, name, value)
+            setattr(homes[name], name, value)
         python = outcome(pickle_limits.scan_python, data, allowed)
         compiled = outcome(pickle_limits.scan_compiled, bytearray(data), allowed)
         if compiled != python:

@@ -12,8 +12,8 @@ counting shared parts each time) and a depth for every object, and refuses:
 * more objects alive at once (on its stack, its marks and its memo) than ``MAX_LIVE`` and one per
   ``LIVE_BYTES`` bytes of it (checked every ``LIVE_CHECK_OPS`` opcodes): the scan's memory, and the
   unpickler's stack and memo, stay proportional to the pickle's size;
-* an integer of more than ``MAX_INT_BYTES`` bytes, or ``MAX_INT_DIGITS`` characters of text (its conversion,
-  and any printing of it, stays cheap: Python refuses to print an integer of more than 4,300 digits);
+* an integer of more than ``pickle_arguments.MAX_INT_BYTES`` bytes, or ``MAX_INT_DIGITS`` characters of text
+  (its conversion, and any printing of it, stays cheap: Python refuses to print one of more than 4,300 digits);
 * more hashing than the pickle's own size justifies (dict keys, and the arguments of every call,
   weighed together, against ``HASH_BUDGET_PER_OP`` per opcode);
 * a memo entry stored out of order (a memo index of 2**28), or a reference to one never stored;
@@ -39,7 +39,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
 from optim_repair.errors import InputError
+from optim_repair.formats import pickle_arguments
 from optim_repair.formats import pickle_opcodes as opcodes
+from optim_repair.formats.pickle_arguments import U4, Refused, argument, begin_frame, past_frame
 
 try:
     from optim_repair.formats import _scan as _compiled
@@ -60,17 +62,6 @@ LIVE_BYTES = 4
 the data's end). torch's pickles keep about one memo entry per 10 to 12 bytes."""
 LIVE_CHECK_OPS = 1 << 16
 """How often (in opcodes read) the objects alive are counted: between two counts they grow by at most this."""
-MAX_INT_BYTES = 256
-"""The longest integer of LONG1 and LONG4, in bytes (LONG1's own limit: 255); ``pickle`` writes LONG4 for no
-integer below 2**2040."""
-MAX_INT_DIGITS = 620
-"""The longest integer of INT and LONG, in characters (digits, a sign, and the ``L`` that LONG ends with)."""
-
-_INDEXED = frozenset({opcodes.PUT, opcodes.GET})
-"""The kinds whose argument is a memo index."""
-_U4 = struct.Struct("<I").unpack_from
-_U8 = struct.Struct("<Q").unpack_from
-
 _Record = list[Any]
 """What the scan knows of an object on its stack or in its memo: four fields, read by the indices below."""
 _WEIGHT, _DEPTH, _PARTS, _SHARED = range(4)
@@ -81,27 +72,23 @@ _LEAF: _Record = [1, 0, None, False]
 """Every scalar's record (never changed: nothing grows or shares a scalar)."""
 
 
-class _Refused(Exception):
-    """A refusal, with its reason."""
+def _underflow() -> Refused:
+    return Refused("its stack underflows")
 
 
-def _underflow() -> _Refused:
-    return _Refused("its stack underflows")
+def _too_deep() -> Refused:
+    return Refused(f"it nests containers more than {MAX_DEPTH} deep")
 
 
-def _too_deep() -> _Refused:
-    return _Refused(f"it nests containers more than {MAX_DEPTH} deep")
-
-
-def _too_many(live: int) -> _Refused:
-    return _Refused(
+def _too_many(live: int) -> Refused:
+    return Refused(
         f"it holds more than {live} objects at once on its stack and in its memo (at most {MAX_LIVE} and one per "
         f"{LIVE_BYTES} bytes of it)"
     )
 
 
-def _over_budget() -> _Refused:
-    return _Refused("it asks for more hashing than its size justifies (a billion-laughs structure)")
+def _over_budget() -> Refused:
+    return Refused("it asks for more hashing than its size justifies (a billion-laughs structure)")
 
 
 def _new_tuple(items: list[_Record]) -> _Record:
@@ -113,7 +100,7 @@ def _new_tuple(items: list[_Record]) -> _Record:
     if depth >= MAX_DEPTH:
         raise _too_deep()
     if weight > MAX_WEIGHT:
-        raise _Refused(f"a tuple expands to more than {MAX_WEIGHT} items (a billion-laughs structure)")
+        raise Refused(f"a tuple expands to more than {MAX_WEIGHT} items (a billion-laughs structure)")
     return [weight, depth + 1, items, False]
 
 
@@ -130,63 +117,6 @@ def _grow(container: _Record, items: list[_Record]) -> bool:
     deeper = depth > container[_DEPTH]
     container[_WEIGHT], container[_DEPTH] = min(weight, MAX_WEIGHT + 1), depth
     return deeper and bool(container[_SHARED])
-
-
-def _argument(data: Any, pos: int, kind: int, arg: int) -> tuple[int, int]:
-    """Skip an argument ``_Scan.run`` does not read; return the next opcode's start and a memo index (or length)."""
-    if arg > opcodes.NUMBER:
-        width = arg - opcodes.NUMBER
-        if pos + width > len(data):
-            raise _Refused("it ends inside an opcode")
-        digits: int = data[pos] if width == 1 else _U4(data, pos)[0]
-        if digits > MAX_INT_BYTES:
-            raise _Refused(f"it holds an integer of {digits} bytes, more than {MAX_INT_BYTES}")
-        return pos + width + digits, 0
-    if arg > opcodes.SIZED:
-        width = arg - opcodes.SIZED
-        if pos + width > len(data):
-            raise _Refused("it ends inside an opcode")
-        length: int = data[pos] if width == 1 else _U4(data, pos)[0] if width == 4 else _U8(data, pos)[0]
-        return pos + width + length, 0
-    if arg > 0:
-        if pos + arg > len(data):
-            raise _Refused("it ends inside an opcode")
-        if kind == opcodes.FRAME:  # the unpickler reads a frame's declared length in one go: it must be there
-            length = _U8(data, pos)[0]
-            if length > len(data) - pos - arg:
-                raise _Refused(f"it declares a frame of {length} bytes, more than it holds")
-            return pos + arg, length
-        return pos + arg, 0
-    end = data.find(b"\n", pos)
-    if end < 0:
-        raise _Refused("it ends inside an opcode")
-    if arg == opcodes.NUMBER_LINE and end - pos > MAX_INT_DIGITS:
-        raise _Refused(f"it holds an integer of {end - pos} characters, more than {MAX_INT_DIGITS}")
-    index = int(data[pos:end]) if kind in _INDEXED else 0
-    if arg == opcodes.TWO_LINES:
-        end = data.find(b"\n", end + 1)
-        if end < 0:
-            raise _Refused("it ends inside an opcode")
-    return end + 1, index
-
-
-def _past_frame(op_start: int, pos: int, frame_end: int, size: int) -> int:
-    """Where the frame ends once an opcode (from ``op_start`` to ``pos``) ends past ``frame_end``: outside any."""
-    if pos > size:
-        raise _Refused("it declares more bytes than it holds")
-    if op_start < frame_end:  # the C unpickler would read the rest past the frame, and misread what follows
-        raise _Refused("an opcode crosses the end of its frame")
-    return size
-
-
-def _begin_frame(op_start: int, pos: int, length: int, frame_end: int, size: int) -> int:
-    """Where the frame begun by a FRAME opcode (from ``op_start`` to ``pos``) ends."""
-    if op_start < frame_end:
-        if pos > frame_end:
-            raise _Refused("an opcode crosses the end of its frame")
-        if frame_end < size:
-            raise _Refused("it begins a frame inside another")
-    return pos + length
 
 
 class _Scan:
@@ -208,7 +138,7 @@ class _Scan:
         self.stale = False
 
     def run(self, data: Any, pos: int, allowed: opcodes.OpcodeSet) -> tuple[int, bool]:
-        size, table, u4, leaf, handlers = len(data), allowed.table, _U4, _LEAF, _HANDLERS
+        size, table, u4, leaf, handlers = len(data), allowed.table, U4, _LEAF, _HANDLERS
         live, check_ops = MAX_LIVE + max(size - pos, 0) // LIVE_BYTES, LIVE_CHECK_OPS
         count_at = check_ops  # the next count of the objects alive: every check_ops opcodes
         short_sized, long_sized, frame_kind = opcodes.SHORT_SIZED, opcodes.LONG_SIZED, opcodes.FRAME
@@ -223,11 +153,11 @@ class _Scan:
         # makes would run unspecialised, 20-25% slower.
         while True:
             if pos >= size:
-                raise _Refused("it ends without a STOP opcode")
+                raise Refused("it ends without a STOP opcode")
             op_start = pos
             entry = table[data[pos]]
             if entry is None:
-                raise _Refused(allowed.refusals[data[pos]])
+                raise Refused(allowed.refusals[data[pos]])
             kind, arg, count, hashes = entry
             ops += 1
             if ops == count_at:
@@ -247,18 +177,18 @@ class _Scan:
                 elif arg == long_sized:  # BINUNICODE, BINBYTES, BINSTRING, LONG4
                     pos += 4 + (u4(data, pos)[0] if pos + 4 <= size else 0)
                 else:
-                    pos, index = _argument(data, pos, kind, arg)
+                    pos, index = argument(data, pos, kind, arg)
                     if kind == frame_kind:
-                        frame_end = _begin_frame(op_start, pos, index, frame_end, size)
+                        frame_end = begin_frame(op_start, pos, index, frame_end, size)
                 if pos > frame_end:
-                    frame_end = _past_frame(op_start, pos, frame_end, size)
+                    frame_end = past_frame(op_start, pos, frame_end, size)
             if kind == scalar_kind:
                 stack.append(leaf)
             elif kind == memoize_kind:
                 memo.append(stack[-1])
             elif kind == get_kind:
                 if index >= len(memo):
-                    raise _Refused(f"it refers to memo entry {index}, which it never stored")
+                    raise Refused(f"it refers to memo entry {index}, which it never stored")
                 record = memo[index]
                 if record is not leaf:
                     record[_SHARED] = True
@@ -269,7 +199,7 @@ class _Scan:
                 elif index < len(memo):
                     memo[index] = stack[-1]
                 else:  # what pickle never writes, and what would make the unpickler allocate a memo of index entries
-                    raise _Refused(f"it stores memo entry {index} when it holds {len(memo)}")
+                    raise Refused(f"it stores memo entry {index} when it holds {len(memo)}")
             elif kind == mark_kind:
                 marks.append(len(stack))
             elif kind == tuple_kind:
@@ -285,12 +215,12 @@ class _Scan:
                 stack.append([1, 1, [], False])
             elif kind == stop_kind:
                 if len(stack) != 1 or len(marks) != 1:
-                    raise _Refused("it stops with other than one object on its stack")
+                    raise Refused("it stops with other than one object on its stack")
                 return pos, self.stale
             elif kind < marked_kind:
                 handlers[kind](self, count, hashes, ops)
             elif len(marks) == 1:
-                raise _Refused("it pops a mark it never set")
+                raise Refused("it pops a mark it never set")
             else:
                 start = marks.pop()
                 items = stack[start:]
@@ -426,8 +356,8 @@ def scan_python(data: Any, pos: int = 0, allowed: opcodes.OpcodeSet = opcodes.PI
 def scan_compiled(data: Any, pos: int = 0, allowed: opcodes.OpcodeSet = opcodes.PICKLE) -> tuple[int, bool]:
     """``scan`` compiled, on any buffer: ``scan_python``'s results and refusals (where ``_scan.c`` was built)."""
     limits = MAX_DEPTH, MAX_WEIGHT, HASH_BUDGET_BASE, HASH_BUDGET_PER_OP, MAX_LIVE, LIVE_BYTES, LIVE_CHECK_OPS
-    integers = MAX_INT_BYTES, MAX_INT_DIGITS
-    return _compiled.scan(data, pos, allowed.packed, allowed.refusals, _Refused, *limits, *integers)
+    integers = pickle_arguments.MAX_INT_BYTES, pickle_arguments.MAX_INT_DIGITS
+    return _compiled.scan(data, pos, allowed.packed, allowed.refusals, Refused, *limits, *integers)
 
 
 SCANNER = "compiled" if _compiled and os.environ.get("OPTIM_REPAIR_PURE_PYTHON") != "1" else "pure-python"
@@ -454,7 +384,7 @@ def check_pickle(
             return scan(stream.getvalue(), start, allowed)[1]  # the bytes it was made from: no copy
         with mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as data:
             return scan(data, start, allowed)[1]
-    except _Refused as exc:
+    except Refused as exc:
         raise InputError(f"not a readable {what} ({exc})", path=source) from None
     except IndexError:
         raise InputError(f"not a readable {what} (its stack underflows)", path=source) from None

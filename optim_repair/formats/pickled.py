@@ -320,12 +320,7 @@ def check_depth(root: Any, source: str) -> None:
 
 
 def load_graph(
-    data: bytes | BinaryIO,
-    source: str,
-    *,
-    ours: bool = False,
-    legacy: bool = False,
-    allowed: OpcodeSet = WEIGHTS_ONLY,
+    data: bytes | BinaryIO, source: str, *, ours: bool = False, legacy: bool = False, allowed: OpcodeSet = WEIGHTS_ONLY
 ) -> PickleGraph:
     """Unpickle ``data`` safely into a graph of plain values and stand-ins; no tensor bytes are read. ``legacy``:
     a pickle of the legacy format, whose storages' persistent ids end in a view; ``allowed``: the opcodes of

@@ -23,10 +23,9 @@ import torch
 
 from optim_repair.errors import InputError
 from optim_repair.formats import pickle_limits
+from optim_repair.formats.pickle_arguments import MAX_INT_BYTES, MAX_INT_DIGITS
 from optim_repair.formats.pickle_limits import (
     MAX_DEPTH,
-    MAX_INT_BYTES,
-    MAX_INT_DIGITS,
     MAX_WEIGHT,
     check_pickle,
     scan,
