@@ -189,6 +189,16 @@ class TorchRefuses(InputError):
         super().__init__(f"torch will refuse this file: {reason}", **fields)
 
 
+class OutOfMemory(InputError):
+    """Reading the input needs more memory than the process has left (under ``ulimit -v``, in a container): a
+    file too large for the limit, never a bug. What a small file can make the tool allocate is bounded besides."""
+
+    code = "out-of-memory"
+
+    def __init__(self, **fields: Any) -> None:
+        super().__init__("needs more memory than is left", **fields)
+
+
 class UnsafeInputError(InputError):
     """The input would run code (or import a non-allowlisted global) if loaded."""
 

@@ -36,6 +36,7 @@ from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError, Usa
 from optim_repair.formats.dcp import is_rank_metadata
 from optim_repair.formats.dcp.leaves import dcp_leaves
 from optim_repair.formats.dcp.metadata import display_path
+from optim_repair.formats.pickle_opcodes import PICKLE
 from optim_repair.formats.pickled import tensor_meta
 from optim_repair.formats.planned import Parsed
 from optim_repair.formats.safetensors.leaves import safetensors_leaves
@@ -160,7 +161,7 @@ def _resolved(piece: Piece, dtype: str, files: _Files) -> Piece:
             raise InputError(f"a chunk of {piece.archive} bytes holds {numel(piece.size)} {dtype} elements", path=where)
         return Piece(piece.start, piece.size, piece.file, piece.base, piece.stride, 0)
     chunk = cast(BinaryIO, FileSlice(files.stream(piece.file), piece.base, piece.archive))
-    archive = open_zip(chunk, Path(where), where)
+    archive = open_zip(chunk, Path(where), where, allowed=PICKLE)  # dcp.load reads it with weights_only=False
     meta = tensor_meta(archive.graph.root)
     if meta is None or meta.shape != piece.size or meta.dtype != dtype or not meta.in_bounds:
         raise InputError(f"its chunk is no {dtype} tensor of shape {list(piece.size)}", path=where)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import BinaryIO, Literal, Protocol
 
 from optim_repair.checkpoint.discovery import Discovery, Entry, discover, model_only
-from optim_repair.errors import InputError, NotATorchFile, UnsafeInputError, UsageError
+from optim_repair.errors import InputError, NotATorchFile, OutOfMemory, UnsafeInputError, UsageError
 from optim_repair.formats.dcp import DcpMetadata, read_dcp
 from optim_repair.formats.deepspeed_universal import member_of, read_universal, universal_roots
 from optim_repair.formats.planned import Parsed
@@ -115,6 +115,8 @@ def read_parsed(listing: Listing, *, keep: bool = True) -> tuple[CheckpointInven
         inventory = _read(listing, torch_files, dcp)
     except PermissionError as exc:
         raise InputError("cannot read (permission denied)", path=str(exc.filename)) from exc
+    except MemoryError:
+        raise OutOfMemory(path=listing.root) from None
     return inventory, Parsed(torch_files, dcp or {})
 
 
@@ -231,6 +233,13 @@ def model_weights(listing: Listing) -> tuple[WeightMap, ...]:
     parameters); a torch file that is none, or names other code (``training_args.bin``), holds no weights and is
     passed over, as is every other file (``model.safetensors.index.json``: the shards' own headers give the
     shapes)."""
+    try:
+        return _model_weights(listing)
+    except MemoryError:
+        raise OutOfMemory(path=listing.root) from None
+
+
+def _model_weights(listing: Listing) -> tuple[WeightMap, ...]:
     root = listing.root
     if listing.is_file:
         if role_of(root) == "safetensors":

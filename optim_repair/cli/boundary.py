@@ -26,6 +26,7 @@ from optim_repair.errors import (
     ClosedPipe,
     ExitCode,
     OptimRepairError,
+    OutOfMemory,
     Remedy,
     Stopped,
     StreamError,
@@ -325,6 +326,10 @@ def run_command(command: Callable[[], int], screen: render.Screen, *, json: bool
         argument = "--" + exc.argument.replace("_", "-") if exc.argument else ""
         message = exc.describe(argument, _as_flag(exc.remedy) if exc.remedy else "")
         code = fail(_kept(message, placed), exc.exit_code, exc.code, exc.path, json, screen)
+    except MemoryError:  # past what reading bounds (a limit of the process, a large file): not a bug
+        signals.settle()
+        short = OutOfMemory()
+        code = fail(_kept(str(short), placed), short.exit_code, short.code, None, json, screen)
     except (KeyboardInterrupt, Stopped) as exc:  # KeyboardInterrupt: the app run without the console's handler
         signals.settle()
         signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT

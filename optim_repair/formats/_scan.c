@@ -8,8 +8,11 @@
  *
  * A record is a struct in one growable array (an object's record is its index there; index 0 is
  * the one record every scalar shares); the stack, the memo and the marks are growable arrays of
- * such indices, and a tuple's items are a run in a last array. Nothing per opcode is a Python
- * object, but for a protocol 0 memo index that is not a short run of digits (read with int()).
+ * such indices, and a tuple holds an array of its items'. A record counts the references to it (from
+ * the stack, the memo and tuples' items) and dies with the last, as the Python scan's records do:
+ * its index is reused, so that the records held never outnumber the objects alive. Nothing per
+ * opcode is a Python object, but for a protocol 0 memo index that is not a short run of digits
+ * (read with int()).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,7 +26,7 @@ enum {
     TUPLE, FROM_MARK, EXTEND, POP_MARK, KINDS
 };
 /* How an argument is encoded, as pickle_opcodes.py says: n bytes, a line or two, or SIZED + a length's width. */
-enum { LINE = -1, TWO_LINES = -2, SIZED = 100, SHORT_SIZED = 101, LONG_SIZED = 104 };
+enum { LINE = -1, TWO_LINES = -2, NUMBER_LINE = -3, SIZED = 100, SHORT_SIZED = 101, LONG_SIZED = 104, NUMBER = 110 };
 #define NO_OPCODE 255 /* the kind byte of a byte that is no opcode */
 #define LEAF 0        /* the record of every scalar */
 
@@ -33,11 +36,12 @@ typedef struct {
 } Entry;
 
 typedef struct {
-    int64_t weight;   /* leaves, counting shared parts each time */
-    int64_t depth;    /* how deeply containers nest in it */
-    Py_ssize_t parts; /* where a tuple's items start in Scan.parts */
-    Py_ssize_t nparts;/* how many (0 for anything but a tuple with items) */
-    int shared;       /* taken from the memo or duplicated */
+    int64_t weight;    /* leaves, counting shared parts each time */
+    Py_ssize_t *parts; /* a tuple's items (NULL for anything but a tuple with items), each a reference */
+    Py_ssize_t nparts; /* how many */
+    Py_ssize_t refs;   /* references from the stack, the memo and tuples' items; once dead, the next dead one */
+    int32_t depth;     /* how deeply containers nest in it (at most max_depth) */
+    int32_t shared;    /* taken from the memo or duplicated */
 } Record;
 
 typedef struct {
@@ -51,11 +55,14 @@ typedef struct {
     Entry table[256];
     Record *records;
     Py_ssize_t nrecords, crecords;
-    Refs stack, marks, memo, parts;
+    Refs stack, marks, memo;
+    Py_ssize_t dead;  /* the last record to die (-1: none), whose refs names the one before: those to reuse */
     int64_t hashed, ops;
     int stale, beyond;        /* beyond: whether the last text memo index was past int64, positive or negative */
     PyObject *refused, *huge; /* huge: such an index, positive, kept for the message */
-    long long max_depth, max_weight, budget_base, budget_per_op;
+    PyObject *refusals;       /* why each byte the table refuses is refused: a tuple of 256 str */
+    long long max_depth, max_weight, budget_base, budget_per_op, live_base, live_bytes, live_check;
+    long long max_int_bytes, max_int_digits;
 } Scan;
 
 static int
@@ -88,34 +95,95 @@ push(Refs *refs, Py_ssize_t value)
     return 0;
 }
 
-/* A new record (index, or -1); its weight and depth, and the items (from `items`) of a tuple. */
-static Py_ssize_t
-new_record(Scan *s, int64_t weight, int64_t depth, const Py_ssize_t *items, Py_ssize_t nitems)
+/* One more reference to record `r`. */
+static inline void
+hold(Scan *s, Py_ssize_t r)
 {
-    if (s->nrecords == s->crecords) {
-        Py_ssize_t cap = s->crecords ? s->crecords * 2 : 256;
-        Record *records = PyMem_Realloc(s->records, (size_t)cap * sizeof(Record));
-        if (records == NULL) {
+    if (r != LEAF) {
+        s->records[r].refs++;
+    }
+}
+
+/* One reference fewer to record `r`: the last gone, it dies, and so do the references it holds (its items: the
+ * recursion is as deep as tuples nest, at most max_depth). */
+static void
+drop(Scan *s, Py_ssize_t r)
+{
+    if (r == LEAF || --s->records[r].refs > 0) {
+        return;
+    }
+    Py_ssize_t *parts = s->records[r].parts, nparts = s->records[r].nparts;
+    s->records[r].parts = NULL;
+    s->records[r].nparts = 0;
+    s->records[r].refs = s->dead;
+    s->dead = r;
+    for (Py_ssize_t i = 0; i < nparts; i++) {
+        drop(s, parts[i]);
+    }
+    PyMem_Free(parts);
+}
+
+/* Drop the references of `n` items (popped from the stack, so lying above its top). */
+static void
+drop_all(Scan *s, const Py_ssize_t *items, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        drop(s, items[i]);
+    }
+}
+
+/* Push record `r` onto the stack or the memo, as a reference. */
+static inline int
+push_held(Scan *s, Refs *refs, Py_ssize_t r)
+{
+    if (push(refs, r) < 0) {
+        return -1;
+    }
+    hold(s, r);
+    return 0;
+}
+
+/* A new record (index, or -1), not yet referenced; its weight and depth, and the items (from `items`) of a tuple,
+ * whose references it takes over. */
+static Py_ssize_t
+new_record(Scan *s, int64_t weight, int32_t depth, const Py_ssize_t *items, Py_ssize_t nitems)
+{
+    Py_ssize_t *parts = NULL;
+    if (nitems) {
+        parts = PyMem_Malloc((size_t)nitems * sizeof(Py_ssize_t));
+        if (parts == NULL) {
             PyErr_NoMemory();
             return -1;
         }
-        s->records = records;
-        s->crecords = cap;
+        memcpy(parts, items, (size_t)nitems * sizeof(Py_ssize_t));
     }
-    Record *record = &s->records[s->nrecords];
+    Py_ssize_t index;
+    if (s->dead >= 0) {
+        index = s->dead;
+        s->dead = s->records[index].refs;
+    }
+    else {
+        if (s->nrecords == s->crecords) {
+            Py_ssize_t cap = s->crecords ? s->crecords * 2 : 256;
+            Record *records = PyMem_Realloc(s->records, (size_t)cap * sizeof(Record));
+            if (records == NULL) {
+                PyMem_Free(parts);
+                PyErr_NoMemory();
+                return -1;
+            }
+            s->records = records;
+            s->crecords = cap;
+        }
+        index = s->nrecords++;
+    }
+    Record *record = &s->records[index];
     record->weight = weight;
     record->depth = depth;
-    record->parts = s->parts.len;
+    record->parts = parts;
     record->nparts = nitems;
+    record->refs = 0;
     record->shared = 0;
-    if (nitems) {
-        if (reserve(&s->parts, nitems) < 0) {
-            return -1;
-        }
-        memcpy(s->parts.items + s->parts.len, items, (size_t)nitems * sizeof(Py_ssize_t));
-        s->parts.len += nitems;
-    }
-    return s->nrecords++;
+    return index;
 }
 
 static int
@@ -176,8 +244,8 @@ new_tuple(Scan *s, const Py_ssize_t *items, Py_ssize_t nitems)
                      s->max_weight);
         return -1;
     }
-    Py_ssize_t record = new_record(s, weight, depth + 1, items, nitems);
-    return record < 0 ? -1 : push(&s->stack, record);
+    Py_ssize_t record = new_record(s, weight, (int32_t)depth + 1, items, nitems);
+    return record < 0 ? -1 : push_held(s, &s->stack, record);
 }
 
 /* _grow: add `items` to a container's record; 1 where it was shared and is now deeper, else 0 (-1: refused). */
@@ -198,7 +266,7 @@ grow(Scan *s, Py_ssize_t container, const Py_ssize_t *items, Py_ssize_t nitems)
     Record *record = &s->records[container];
     int deeper = depth > record->depth;
     record->weight = weight < s->max_weight + 1 ? weight : s->max_weight + 1;
-    record->depth = depth;
+    record->depth = (int32_t)depth;
     return record->shared && deeper;
 }
 
@@ -270,6 +338,20 @@ argument(Scan *s, Py_ssize_t *at, int kind, int arg, int64_t *index)
     Py_ssize_t pos = *at, size = s->size;
     const unsigned char *data = s->data;
     *index = 0;
+    if (arg > NUMBER) {
+        int width = arg - NUMBER;
+        if (size - pos < width) {
+            return refuse(s, "it ends inside an opcode");
+        }
+        uint64_t length = width == 1 ? data[pos] : u4(data + pos);
+        if (length > (uint64_t)s->max_int_bytes) {
+            PyErr_Format(s->refused, "it holds an integer of %llu bytes, more than %lld", (unsigned long long)length,
+                         s->max_int_bytes);
+            return -1;
+        }
+        *at = advance(pos + width, length);
+        return 0;
+    }
     if (arg > SIZED) {
         int width = arg - SIZED;
         if (size - pos < width) {
@@ -298,6 +380,11 @@ argument(Scan *s, Py_ssize_t *at, int kind, int arg, int64_t *index)
     const unsigned char *end = memchr(data + pos, '\n', (size_t)(size - pos));
     if (end == NULL) {
         return refuse(s, "it ends inside an opcode");
+    }
+    if (arg == NUMBER_LINE && end - (data + pos) > s->max_int_digits) {
+        PyErr_Format(s->refused, "it holds an integer of %zd characters, more than %lld", (Py_ssize_t)(end - (data + pos)),
+                     s->max_int_digits);
+        return -1;
     }
     if ((kind == PUT || kind == GET) && text_index(s, pos, end - data, index) < 0) {
         return -1;
@@ -340,6 +427,7 @@ handle(Scan *s, int kind, int count, int hashes)
             }
             s->stale = shared || s->stale;
         }
+        drop_all(s, items, taken);
         return 0;
     }
     case REDUCE: {
@@ -350,7 +438,7 @@ handle(Scan *s, int kind, int count, int hashes)
         if (args->nparts) {
             int64_t weight = 1;
             for (Py_ssize_t i = 0; i < args->nparts; i++) {
-                weight += s->records[s->parts.items[args->parts + i]].weight;
+                weight += s->records[args->parts[i]].weight;
             }
             s->hashed += weight;
         }
@@ -363,22 +451,25 @@ handle(Scan *s, int kind, int count, int hashes)
         if (args->depth >= s->max_depth) {
             return too_deep(s);
         }
-        int64_t depth = args->depth + 1;
+        int32_t depth = args->depth + 1;
         stack->len -= count;
+        drop_all(s, stack->items + stack->len, count);
         Py_ssize_t record = new_record(s, 1, depth, NULL, 0);
-        return record < 0 ? -1 : push(stack, record);
+        return record < 0 ? -1 : push_held(s, stack, record);
     }
     case PERSID:
         if (stack->len - count < floor) {
             return underflow(s);
         }
         stack->len -= count;
+        drop_all(s, stack->items + stack->len, count);
         return push(stack, LEAF);
     case BUILD: {
         if (stack->len == 0) {
             return index_error("pop from empty list");
         }
         const Record state = s->records[stack->items[--stack->len]];
+        drop(s, stack->items[stack->len]);
         if (hash(s, state.weight) < 0) {
             return -1;
         }
@@ -404,7 +495,7 @@ handle(Scan *s, int kind, int count, int hashes)
             s->marks.len--;
         }
         else if (stack->len > floor) {
-            stack->len--;
+            drop(s, stack->items[--stack->len]);
         }
         else {
             return underflow(s);
@@ -417,7 +508,7 @@ handle(Scan *s, int kind, int count, int hashes)
         if (TOP(s, 1) != LEAF) {
             s->records[TOP(s, 1)].shared = 1;
         }
-        return push(stack, TOP(s, 1));
+        return push_held(s, stack, TOP(s, 1));
     default: /* PROTO, READONLY_BUFFER, FRAME (read with its argument) */
         return 0;
     }
@@ -437,14 +528,15 @@ handle_marked(Scan *s, int kind, int hashes, const Py_ssize_t *items, Py_ssize_t
         }
     }
     if (kind == TUPLE) {
-        return new_tuple(s, items, nitems);
+        return new_tuple(s, items, nitems); /* which takes over the items' references */
     }
     if (kind == FROM_MARK) {
         Py_ssize_t record = new_record(s, 1, 1, NULL, 0);
         if (record < 0 || grow(s, record, items, nitems) < 0) {
             return -1;
         }
-        return push(&s->stack, record);
+        drop_all(s, items, nitems);
+        return push_held(s, &s->stack, record);
     }
     if (kind == EXTEND) {
         if (s->stack.len <= s->marks.items[s->marks.len - 1]) {
@@ -458,7 +550,8 @@ handle_marked(Scan *s, int kind, int hashes, const Py_ssize_t *items, Py_ssize_t
             s->stale = shared || s->stale;
         }
     }
-    return 0; /* POP_MARK: the items, dropped */
+    drop_all(s, items, nitems); /* POP_MARK: the items, dropped */
+    return 0;
 }
 
 /* _Scan.run: the opcodes from `pos` to STOP; returns (where the pickle ends, whether depths may be stale). */
@@ -469,6 +562,7 @@ run(Scan *s, Py_ssize_t pos)
     Py_ssize_t size = s->size, frame_end = size; /* where the frame being read ends; the data's end outside one */
     int64_t index = 0;
     Refs *stack = &s->stack, *memo = &s->memo, *marks = &s->marks;
+    long long live = s->live_base + (size > pos ? size - pos : 0) / s->live_bytes;
     for (;;) {
         if (pos >= size) {
             refuse(s, "it ends without a STOP opcode");
@@ -477,15 +571,18 @@ run(Scan *s, Py_ssize_t pos)
         Py_ssize_t op_start = pos;
         const Entry entry = s->table[data[pos]];
         if ((unsigned char)entry.kind == NO_OPCODE) {
-            PyObject *code = PyBytes_FromStringAndSize((const char *)data + pos, 1);
-            if (code != NULL) {
-                PyErr_Format(s->refused, "it holds the unknown opcode %R", code);
-                Py_DECREF(code);
-            }
+            PyErr_SetObject(s->refused, PyTuple_GET_ITEM(s->refusals, data[pos]));
             return NULL;
         }
         int kind = entry.kind, arg = entry.arg;
         s->ops++;
+        if (s->ops % s->live_check == 0 && stack->len + marks->len + memo->len > live) {
+            PyErr_Format(s->refused,
+                         "it holds more than %lld objects at once on its stack and in its memo (at most %lld and one "
+                         "per %lld bytes of it)",
+                         live, s->live_base, s->live_bytes);
+            return NULL;
+        }
         pos++;
         if (arg) {
             if (arg == 1) { /* BINPUT, BINGET, BININT1, PROTO */
@@ -543,7 +640,7 @@ run(Scan *s, Py_ssize_t pos)
                 index_error("list index out of range");
                 return NULL;
             }
-            if (push(memo, TOP(s, 1)) < 0) {
+            if (push_held(s, memo, TOP(s, 1)) < 0) {
                 return NULL;
             }
             break;
@@ -566,7 +663,7 @@ run(Scan *s, Py_ssize_t pos)
             if (record != LEAF) {
                 s->records[record].shared = 1;
             }
-            if (push(stack, record) < 0) {
+            if (push_held(s, stack, record) < 0) {
                 return NULL;
             }
             break;
@@ -587,7 +684,7 @@ run(Scan *s, Py_ssize_t pos)
                 return NULL;
             }
             if (index == memo->len) {
-                if (push(memo, TOP(s, 1)) < 0) {
+                if (push_held(s, memo, TOP(s, 1)) < 0) {
                     return NULL;
                 }
             }
@@ -597,7 +694,11 @@ run(Scan *s, Py_ssize_t pos)
                 return NULL;
             }
             else {
-                memo->items[index < 0 ? memo->len + index : index] = TOP(s, 1);
+                Py_ssize_t *slot = &memo->items[index < 0 ? memo->len + index : index];
+                Py_ssize_t old = *slot;
+                hold(s, TOP(s, 1));
+                *slot = TOP(s, 1);
+                drop(s, old);
             }
             break;
         case MARK:
@@ -620,7 +721,7 @@ run(Scan *s, Py_ssize_t pos)
         case EMPTY:
         case EMPTY_TUPLE: {
             Py_ssize_t record = new_record(s, 1, 1, NULL, 0);
-            if (record < 0 || push(stack, record) < 0) {
+            if (record < 0 || push_held(s, stack, record) < 0) {
                 return NULL;
             }
             break;
@@ -656,10 +757,12 @@ run(Scan *s, Py_ssize_t pos)
 }
 
 PyDoc_STRVAR(scan_doc,
-             "scan(data, pos, table, refused, max_depth, max_weight, budget_base, budget_per_op)\n--\n\n"
+             "scan(data, pos, table, refusals, refused, max_depth, max_weight, budget_base, budget_per_op,\n"
+             "     live_base, live_bytes, live_check, max_int_bytes, max_int_digits)\n--\n\n"
              "pickle_limits.scan, compiled: check the pickle at pos in data (any buffer); return where it\n"
-             "ends and whether its depths may be stale. table: pickle_opcodes.PACKED; refused: the class\n"
-             "of refusals; then the limits, as pickle_limits names them.");
+             "ends and whether its depths may be stale. table and refusals: an OpcodeSet's packed and\n"
+             "refusals; refused: the class of refusals; then the limits, as pickle_limits names them\n"
+             "(MAX_LIVE, LIVE_BYTES, LIVE_CHECK_OPS, MAX_INT_BYTES, MAX_INT_DIGITS).");
 
 static PyObject *
 scan(PyObject *module, PyObject *args)
@@ -668,21 +771,34 @@ scan(PyObject *module, PyObject *args)
     Py_ssize_t pos;
     Scan s;
     memset(&s, 0, sizeof(s));
-    if (!PyArg_ParseTuple(args, "y*ny*OLLLL", &view, &pos, &packed, &s.refused, &s.max_depth, &s.max_weight,
-                          &s.budget_base, &s.budget_per_op)) {
+    s.dead = -1;
+    if (!PyArg_ParseTuple(args, "y*ny*O!OLLLLLLLLL", &view, &pos, &packed, &PyTuple_Type, &s.refusals, &s.refused,
+                          &s.max_depth, &s.max_weight, &s.budget_base, &s.budget_per_op, &s.live_base, &s.live_bytes,
+                          &s.live_check, &s.max_int_bytes, &s.max_int_digits)) {
         return NULL;
     }
     PyObject *result = NULL;
     const long long most = 1LL << 40; /* sums of weights stay far inside int64 */
+    int refusals_ok = PyTuple_GET_SIZE(s.refusals) == 256;
+    for (Py_ssize_t code = 0; refusals_ok && code < 256; code++) {
+        refusals_ok = PyUnicode_Check(PyTuple_GET_ITEM(s.refusals, code));
+    }
     if (packed.len != 4 * 256) {
         PyErr_SetString(PyExc_ValueError, "table must hold 4 bytes for each of 256 opcodes");
+    }
+    else if (!refusals_ok) {
+        PyErr_SetString(PyExc_ValueError, "refusals must hold a str for each of 256 opcodes");
     }
     else if (pos < 0) {
         PyErr_SetString(PyExc_ValueError, "pos must not be negative");
     }
-    else if (s.max_depth < 0 || s.max_depth > most || s.max_weight < 0 || s.max_weight > most ||
-             s.budget_base < 0 || s.budget_base > most || s.budget_per_op < 0 || s.budget_per_op > most) {
-        PyErr_SetString(PyExc_ValueError, "limits must lie between 0 and 2**40");
+    else if (s.max_depth < 0 || s.max_depth > 10000 || s.max_weight < 0 || s.max_weight > most ||
+             s.budget_base < 0 || s.budget_base > most || s.budget_per_op < 0 || s.budget_per_op > most ||
+             s.live_base < 0 || s.live_base > most || s.live_bytes < 1 || s.live_bytes > most || s.live_check < 1 ||
+             s.live_check > most || s.max_int_bytes < 0 || s.max_int_bytes > most || s.max_int_digits < 0 ||
+             s.max_int_digits > most) {
+        PyErr_SetString(PyExc_ValueError,
+                        "limits must lie between 0 (1 for live_bytes and live_check) and 2**40 (10000 for max_depth)");
     }
     else {
         const unsigned char *table = packed.buf;
@@ -699,11 +815,14 @@ scan(PyObject *module, PyObject *args)
         }
     }
     Py_XDECREF(s.huge);
+    for (Py_ssize_t r = 0; r < s.nrecords; r++) {
+        PyMem_Free(s.records[r].parts);
+    }
     PyMem_Free(s.records);
     PyMem_Free(s.stack.items);
     PyMem_Free(s.marks.items);
     PyMem_Free(s.memo.items);
-    PyMem_Free(s.parts.items);
+
     PyBuffer_Release(&packed);
     PyBuffer_Release(&view);
     return result;

@@ -6,7 +6,14 @@ from memo references (2**60 leaves: hashing never ends) takes the process down. 
 decodes the opcodes itself (executing nothing), simulating the stack with a weight (leaves,
 counting shared parts each time) and a depth for every object, and refuses:
 
+* an opcode outside the set its reader implements (``pickle_opcodes``: torch's weights-only unpickler reads a
+  torch file, ``pickle`` a DCP ``.metadata`` or bytes entry);
 * containers nested deeper than ``MAX_DEPTH``, or a tuple weighing more than ``MAX_WEIGHT``;
+* more objects alive at once (on its stack, its marks and its memo) than ``MAX_LIVE`` and one per
+  ``LIVE_BYTES`` bytes of it (checked every ``LIVE_CHECK_OPS`` opcodes): the scan's memory, and the
+  unpickler's stack and memo, stay proportional to the pickle's size;
+* an integer of more than ``pickle_arguments.MAX_INT_BYTES`` bytes, or ``MAX_INT_DIGITS`` characters of text
+  (its conversion, and any printing of it, stays cheap: Python refuses to print one of more than 4,300 digits);
 * more hashing than the pickle's own size justifies (dict keys, and the arguments of every call,
   weighed together, against ``HASH_BUDGET_PER_OP`` per opcode);
 * a memo entry stored out of order (a memo index of 2**28), or a reference to one never stored;
@@ -31,7 +38,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from optim_repair.errors import InputError
+from optim_repair.formats import pickle_arguments
 from optim_repair.formats import pickle_opcodes as opcodes
+from optim_repair.formats.pickle_arguments import U4, Refused, argument, begin_frame, past_frame
 
 try:
     from optim_repair.formats import _scan as _compiled
@@ -46,12 +55,12 @@ MAX_WEIGHT = 1 << 24
 HASH_BUDGET_PER_OP = 32
 """Hashing work allowed per opcode read, beyond ``HASH_BUDGET_BASE``."""
 HASH_BUDGET_BASE = 1 << 20
-
-_INDEXED = frozenset({opcodes.PUT, opcodes.GET})
-"""The kinds whose argument is a memo index."""
-_U4 = struct.Struct("<I").unpack_from
-_U8 = struct.Struct("<Q").unpack_from
-
+MAX_LIVE = 1 << 20
+LIVE_BYTES = 4
+"""Objects alive at once: at most ``MAX_LIVE`` and one per ``LIVE_BYTES`` bytes of the pickle (from its start to
+the data's end). torch's pickles keep about one memo entry per 10 to 12 bytes."""
+LIVE_CHECK_OPS = 1 << 16
+"""How often (in opcodes read) the objects alive are counted: between two counts they grow by at most this."""
 _Record = list[Any]
 """What the scan knows of an object on its stack or in its memo: four fields, read by the indices below."""
 _WEIGHT, _DEPTH, _PARTS, _SHARED = range(4)
@@ -62,20 +71,23 @@ _LEAF: _Record = [1, 0, None, False]
 """Every scalar's record (never changed: nothing grows or shares a scalar)."""
 
 
-class _Refused(Exception):
-    """A refusal, with its reason."""
+def _underflow() -> Refused:
+    return Refused("its stack underflows")
 
 
-def _underflow() -> _Refused:
-    return _Refused("its stack underflows")
+def _too_deep() -> Refused:
+    return Refused(f"it nests containers more than {MAX_DEPTH} deep")
 
 
-def _too_deep() -> _Refused:
-    return _Refused(f"it nests containers more than {MAX_DEPTH} deep")
+def _too_many(live: int) -> Refused:
+    return Refused(
+        f"it holds more than {live} objects at once on its stack and in its memo (at most {MAX_LIVE} and one per "
+        f"{LIVE_BYTES} bytes of it)"
+    )
 
 
-def _over_budget() -> _Refused:
-    return _Refused("it asks for more hashing than its size justifies (a billion-laughs structure)")
+def _over_budget() -> Refused:
+    return Refused("it asks for more hashing than its size justifies (a billion-laughs structure)")
 
 
 def _new_tuple(items: list[_Record]) -> _Record:
@@ -87,7 +99,7 @@ def _new_tuple(items: list[_Record]) -> _Record:
     if depth >= MAX_DEPTH:
         raise _too_deep()
     if weight > MAX_WEIGHT:
-        raise _Refused(f"a tuple expands to more than {MAX_WEIGHT} items (a billion-laughs structure)")
+        raise Refused(f"a tuple expands to more than {MAX_WEIGHT} items (a billion-laughs structure)")
     return [weight, depth + 1, items, False]
 
 
@@ -104,53 +116,6 @@ def _grow(container: _Record, items: list[_Record]) -> bool:
     deeper = depth > container[_DEPTH]
     container[_WEIGHT], container[_DEPTH] = min(weight, MAX_WEIGHT + 1), depth
     return deeper and bool(container[_SHARED])
-
-
-def _argument(data: Any, pos: int, kind: int, arg: int) -> tuple[int, int]:
-    """Skip an argument ``_Scan.run`` does not read; return the next opcode's start and a memo index (or length)."""
-    if arg > opcodes.SIZED:
-        width = arg - opcodes.SIZED
-        if pos + width > len(data):
-            raise _Refused("it ends inside an opcode")
-        length: int = data[pos] if width == 1 else _U4(data, pos)[0] if width == 4 else _U8(data, pos)[0]
-        return pos + width + length, 0
-    if arg > 0:
-        if pos + arg > len(data):
-            raise _Refused("it ends inside an opcode")
-        if kind == opcodes.FRAME:  # the unpickler reads a frame's declared length in one go: it must be there
-            length = _U8(data, pos)[0]
-            if length > len(data) - pos - arg:
-                raise _Refused(f"it declares a frame of {length} bytes, more than it holds")
-            return pos + arg, length
-        return pos + arg, 0
-    end = data.find(b"\n", pos)
-    if end < 0:
-        raise _Refused("it ends inside an opcode")
-    index = int(data[pos:end]) if kind in _INDEXED else 0
-    if arg == opcodes.TWO_LINES:
-        end = data.find(b"\n", end + 1)
-        if end < 0:
-            raise _Refused("it ends inside an opcode")
-    return end + 1, index
-
-
-def _past_frame(op_start: int, pos: int, frame_end: int, size: int) -> int:
-    """Where the frame ends once an opcode (from ``op_start`` to ``pos``) ends past ``frame_end``: outside any."""
-    if pos > size:
-        raise _Refused("it declares more bytes than it holds")
-    if op_start < frame_end:  # the C unpickler would read the rest past the frame, and misread what follows
-        raise _Refused("an opcode crosses the end of its frame")
-    return size
-
-
-def _begin_frame(op_start: int, pos: int, length: int, frame_end: int, size: int) -> int:
-    """Where the frame begun by a FRAME opcode (from ``op_start`` to ``pos``) ends."""
-    if op_start < frame_end:
-        if pos > frame_end:
-            raise _Refused("an opcode crosses the end of its frame")
-        if frame_end < size:
-            raise _Refused("it begins a frame inside another")
-    return pos + length
 
 
 class _Scan:
@@ -171,8 +136,10 @@ class _Scan:
         self.hashed = 0
         self.stale = False
 
-    def run(self, data: Any, pos: int) -> tuple[int, bool]:
-        size, table, u4, leaf, handlers = len(data), opcodes.TABLE, _U4, _LEAF, _HANDLERS
+    def run(self, data: Any, pos: int, allowed: opcodes.OpcodeSet) -> tuple[int, bool]:
+        size, table, u4, leaf, handlers = len(data), allowed.table, U4, _LEAF, _HANDLERS
+        live, check_ops = MAX_LIVE + max(size - pos, 0) // LIVE_BYTES, LIVE_CHECK_OPS
+        count_at = check_ops  # the next count of the objects alive: every check_ops opcodes
         short_sized, long_sized, frame_kind = opcodes.SHORT_SIZED, opcodes.LONG_SIZED, opcodes.FRAME
         scalar_kind, memoize_kind, get_kind, put_kind = opcodes.SCALAR, opcodes.MEMOIZE, opcodes.GET, opcodes.PUT
         mark_kind, tuple_kind, empty_kind, stop_kind = opcodes.MARK, opcodes.TUPLE_N, opcodes.EMPTY, opcodes.STOP
@@ -185,13 +152,17 @@ class _Scan:
         # makes would run unspecialised, 20-25% slower.
         while True:
             if pos >= size:
-                raise _Refused("it ends without a STOP opcode")
+                raise Refused("it ends without a STOP opcode")
             op_start = pos
             entry = table[data[pos]]
             if entry is None:
-                raise _Refused(f"it holds the unknown opcode {bytes([data[pos]])!r}")
+                raise Refused(allowed.refusals[data[pos]])
             kind, arg, count, hashes = entry
             ops += 1
+            if ops == count_at:
+                if len(stack) + len(marks) + len(memo) > live:
+                    raise _too_many(live)
+                count_at += check_ops
             pos += 1
             if arg:
                 if arg == 1:  # BINPUT, BINGET, BININT1, PROTO
@@ -205,18 +176,18 @@ class _Scan:
                 elif arg == long_sized:  # BINUNICODE, BINBYTES, BINSTRING, LONG4
                     pos += 4 + (u4(data, pos)[0] if pos + 4 <= size else 0)
                 else:
-                    pos, index = _argument(data, pos, kind, arg)
+                    pos, index = argument(data, pos, kind, arg)
                     if kind == frame_kind:
-                        frame_end = _begin_frame(op_start, pos, index, frame_end, size)
+                        frame_end = begin_frame(op_start, pos, index, frame_end, size)
                 if pos > frame_end:
-                    frame_end = _past_frame(op_start, pos, frame_end, size)
+                    frame_end = past_frame(op_start, pos, frame_end, size)
             if kind == scalar_kind:
                 stack.append(leaf)
             elif kind == memoize_kind:
                 memo.append(stack[-1])
             elif kind == get_kind:
                 if index >= len(memo):
-                    raise _Refused(f"it refers to memo entry {index}, which it never stored")
+                    raise Refused(f"it refers to memo entry {index}, which it never stored")
                 record = memo[index]
                 if record is not leaf:
                     record[_SHARED] = True
@@ -227,7 +198,7 @@ class _Scan:
                 elif index < len(memo):
                     memo[index] = stack[-1]
                 else:  # what pickle never writes, and what would make the unpickler allocate a memo of index entries
-                    raise _Refused(f"it stores memo entry {index} when it holds {len(memo)}")
+                    raise Refused(f"it stores memo entry {index} when it holds {len(memo)}")
             elif kind == mark_kind:
                 marks.append(len(stack))
             elif kind == tuple_kind:
@@ -243,12 +214,12 @@ class _Scan:
                 stack.append([1, 1, [], False])
             elif kind == stop_kind:
                 if len(stack) != 1 or len(marks) != 1:
-                    raise _Refused("it stops with other than one object on its stack")
+                    raise Refused("it stops with other than one object on its stack")
                 return pos, self.stale
             elif kind < marked_kind:
                 handlers[kind](self, count, hashes, ops)
             elif len(marks) == 1:
-                raise _Refused("it pops a mark it never set")
+                raise Refused("it pops a mark it never set")
             else:
                 start = marks.pop()
                 items = stack[start:]
@@ -376,37 +347,41 @@ _HANDLERS: Sequence[_Handler] = [_METHODS.get(kind, _Scan._nothing) for kind in 
 """The method that handles each kind, by kind (``_nothing`` for those that ``_Scan.run`` handles itself)."""
 
 
-def scan_python(data: Any, pos: int = 0) -> tuple[int, bool]:
+def scan_python(data: Any, pos: int = 0, allowed: opcodes.OpcodeSet = opcodes.PICKLE) -> tuple[int, bool]:
     """``scan`` in Python, on bytes or an mmap: the reference for ``scan_compiled``."""
-    return _Scan().run(data, pos)
+    return _Scan().run(data, pos, allowed)
 
 
-def scan_compiled(data: Any, pos: int = 0) -> tuple[int, bool]:
+def scan_compiled(data: Any, pos: int = 0, allowed: opcodes.OpcodeSet = opcodes.PICKLE) -> tuple[int, bool]:
     """``scan`` compiled, on any buffer: ``scan_python``'s results and refusals (where ``_scan.c`` was built)."""
-    limits = MAX_DEPTH, MAX_WEIGHT, HASH_BUDGET_BASE, HASH_BUDGET_PER_OP
-    return _compiled.scan(data, pos, opcodes.PACKED, _Refused, *limits)
+    limits = MAX_DEPTH, MAX_WEIGHT, HASH_BUDGET_BASE, HASH_BUDGET_PER_OP, MAX_LIVE, LIVE_BYTES, LIVE_CHECK_OPS
+    integers = pickle_arguments.MAX_INT_BYTES, pickle_arguments.MAX_INT_DIGITS
+    return _compiled.scan(data, pos, allowed.packed, allowed.refusals, Refused, *limits, *integers)
 
 
 SCANNER = "compiled" if _compiled and os.environ.get("OPTIM_REPAIR_PURE_PYTHON") != "1" else "pure-python"
 
 
-def scan(data: Any, pos: int = 0) -> tuple[int, bool]:
-    """Check the pickle that starts at ``pos`` in ``data`` (bytes or mmap); return where it ends, and
-    whether it grows a container taken from the memo (its depths may be stale)."""
-    return scan_compiled(data, pos) if SCANNER == "compiled" else scan_python(data, pos)
+def scan(data: Any, pos: int = 0, allowed: opcodes.OpcodeSet = opcodes.PICKLE) -> tuple[int, bool]:
+    """Check the pickle that starts at ``pos`` in ``data`` (bytes or mmap), of the opcodes ``allowed``; return
+    where it ends, and whether it grows a container taken from the memo (its depths may be stale)."""
+    return scan_compiled(data, pos, allowed) if SCANNER == "compiled" else scan_python(data, pos, allowed)
 
 
-def check_pickle(stream: io.BytesIO, source: str, what: str = "pickle") -> bool:
+def check_pickle(
+    stream: io.BytesIO, source: str, what: str = "pickle", allowed: opcodes.OpcodeSet = opcodes.PICKLE
+) -> bool:
     """Refuse, with ``InputError``, a pickle whose unpickling could crash, hang or exhaust memory.
 
-    Checks the one pickle that starts at ``stream``'s position, and leaves the position there: in memory, so that
-    what is checked is what is unpickled (a file's pickle is read first: ``pickle_reading``).
+    Checks the one pickle that starts at ``stream``'s position, of the opcodes ``allowed`` (by default every
+    opcode of ``pickle``), and leaves the position there: in memory, so that what is checked is what is unpickled
+    (a file's pickle is read first: ``pickle_reading``).
     Returns whether the depths it checked may be stale (see ``scan``).
     """
     start = stream.tell()
     try:
-        return scan(stream.getvalue(), start)[1]  # the bytes it was made from: no copy
-    except _Refused as exc:
+        return scan(stream.getvalue(), start, allowed)[1]  # the bytes it was made from: no copy
+    except Refused as exc:
         raise InputError(f"not a readable {what} ({exc})", path=source) from None
     except IndexError:
         raise InputError(f"not a readable {what} (its stack underflows)", path=source) from None

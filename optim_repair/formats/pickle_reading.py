@@ -16,7 +16,9 @@ from optim_repair.storage.disk import read_within
 _READ = 1 << 16
 """How much more than an opcode needs ``read_pickle`` reads at a time."""
 _STOPS, _UNKNOWN = -3, -4
-_LENGTHS = [_UNKNOWN if found is None else _STOPS if found[0] == opcodes.STOP else found[1] for found in opcodes.TABLE]
+_LENGTHS = [
+    _UNKNOWN if found is None else _STOPS if found[0] == opcodes.STOP else found[1] for found in opcodes.PICKLE.table
+]
 """How each byte's opcode is followed, for ``read_pickle``: its argument's encoding (``pickle_opcodes.encoding``),
 or that it is ``STOP``, or no opcode."""
 

@@ -22,6 +22,7 @@ from typing import Any
 from optim_repair.errors import InputError, TorchRefuses, UnsafeInputError, shown
 from optim_repair.formats import safe_globals
 from optim_repair.formats.pickle_limits import MAX_DEPTH
+from optim_repair.formats.pickle_opcodes import WEIGHTS_ONLY, OpcodeSet
 from optim_repair.formats.unpickling import AllowlistUnpickler
 from optim_repair.records.dtypes import DTYPES, LEGACY_STORAGES, itemsize
 from optim_repair.records.inventory import OtherValue, StateValue, TensorMeta, within_storage
@@ -323,11 +324,14 @@ def check_depth(root: Any, source: str) -> None:
             raise InputError(f"its containers nest more than {MAX_DEPTH} deep", path=source)
 
 
-def load_graph(data: bytes, source: str, *, ours: bool = False, legacy: bool = False) -> PickleGraph:
+def load_graph(
+    data: bytes, source: str, *, ours: bool = False, legacy: bool = False, allowed: OpcodeSet = WEIGHTS_ONLY
+) -> PickleGraph:
     """Unpickle ``data`` safely into a graph of plain values and stand-ins; no tensor bytes are read. ``legacy``:
-    a pickle of the legacy format, whose storages' persistent ids end in a view."""
+    a pickle of the legacy format, whose storages' persistent ids end in a view; ``allowed``: the opcodes of
+    the reader that will read it (``torch.load(weights_only=True)``'s, but for a DCP bytes entry)."""
     unpickler = _GraphUnpickler(io.BytesIO(data), source, legacy=legacy)
-    root = unpickler.load_safely("torch pickle", ours=ours)
+    root = unpickler.load_safely("torch pickle", ours=ours, allowed=allowed)
     if unpickler.depth_unchecked:
         check_depth(root, source)
     return PickleGraph(root, unpickler.storages, unpickler.memo.copy, unpickler.stream_position())

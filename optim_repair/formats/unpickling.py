@@ -21,6 +21,7 @@ from typing import Any
 
 from optim_repair.errors import InputError
 from optim_repair.formats.pickle_limits import check_pickle
+from optim_repair.formats.pickle_opcodes import PICKLE, OpcodeSet
 
 UNPICKLING_ERRORS = (
     pickle.UnpicklingError,
@@ -33,12 +34,12 @@ UNPICKLING_ERRORS = (
     ImportError,
     UnicodeDecodeError,
     struct.error,
-    MemoryError,
     RecursionError,
     OverflowError,
     RuntimeError,
 )
-"""What unpickling damaged bytes raises (besides the ``InputError`` of an allowlist)."""
+"""What unpickling damaged bytes raises (besides the ``InputError`` of an allowlist). A ``MemoryError`` is none:
+reading ends, as the whole read's ``OutOfMemory``."""
 
 ZIP_ERRORS = (
     zipfile.BadZipFile,
@@ -94,17 +95,18 @@ class AllowlistUnpickler(pickle.Unpickler):
         """Where in its file the pickle read so far ends (just past its STOP, once loaded)."""
         return self._file.tell()
 
-    def load_safely(self, what: str, *, ours: bool = False, bounded: bool = False) -> Any:
+    def load_safely(self, what: str, *, ours: bool = False, bounded: bool = False, allowed: OpcodeSet = PICKLE) -> Any:
         with collection_paused():
-            return self._load_safely(what, ours=ours, bounded=bounded)
+            return self._load_safely(what, ours=ours, bounded=bounded, allowed=allowed)
 
-    def _load_safely(self, what: str, *, ours: bool, bounded: bool) -> Any:
-        """Unpickle once ``check_pickle`` has bounded the work, translating every error of a damaged
-        pickle into an ``InputError`` about ``what``. ``ours``: a pickle this run wrote (a copy read back
-        for verification), which needs no bounding; ``bounded``: one whose work the caller has bounded
-        otherwise. The allowlist applies all the same."""
+    def _load_safely(self, what: str, *, ours: bool, bounded: bool, allowed: OpcodeSet) -> Any:
+        """Unpickle once ``check_pickle`` has bounded the work (and found only the opcodes ``allowed``: those
+        of the reader that will read it), translating every error of a damaged pickle into an ``InputError``
+        about ``what``. ``ours``: a pickle this run wrote (a copy read back for verification), which needs no
+        bounding; ``bounded``: one whose work the caller has bounded otherwise. The allowlist applies all the
+        same."""
         if not (ours or bounded):
-            self.depth_unchecked = check_pickle(self._file, self.source, what)
+            self.depth_unchecked = check_pickle(self._file, self.source, what, allowed)
         try:
             return self.load()
         except InputError as exc:  # raised by the allowlist or a stand-in: name the file

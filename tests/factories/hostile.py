@@ -20,6 +20,12 @@ from tests.factories.trainers import OPT_SITE, single_file, unirl_payload
 PROTO2 = b"\x80\x02"
 
 
+def text(value: str) -> bytes:
+    """BINUNICODE of ``value``: a string as torch's pickler writes it."""
+    data = value.encode()
+    return b"X" + struct.pack("<I", len(data)) + data
+
+
 def torch_zip(path: Path, data_pkl: bytes, records: dict[str, bytes] | None = None) -> Path:
     """A zip-format torch file holding ``data_pkl`` (and ``records``, by name under ``archive/``)."""
     with zipfile.ZipFile(path, "w") as archive:
@@ -50,16 +56,16 @@ def billion_laughs(levels: int = 60) -> bytes:
 def optimizer_with_key(key_ops: bytes) -> bytes:
     """A pickle of ``{"state": {KEY: {}}, "param_groups": []}``, the key given as opcodes."""
     return (
-        PROTO2 + b"}" + b"\x8c\x05state" + b"}" + key_ops + b"}" + b"s" + b"s"
-        + b"\x8c\x0cparam_groups" + b"]" + b"s."
+        PROTO2 + b"}" + text("state") + b"}" + key_ops + b"}" + b"s" + b"s"
+        + text("param_groups") + b"]" + b"s."
     )  # fmt: skip
 
 
 def optimizer_with_param(param_ops: bytes) -> bytes:
     """A pickle of ``{"state": {}, "param_groups": [{"params": [PARAM]}]}``, the param given as opcodes."""
     return (
-        PROTO2 + b"}" + b"\x8c\x05state" + b"}" + b"s"
-        + b"\x8c\x0cparam_groups" + b"]" + b"}" + b"\x8c\x06params" + b"]" + param_ops + b"a" + b"s" + b"a" + b"s."
+        PROTO2 + b"}" + text("state") + b"}" + b"s"
+        + text("param_groups") + b"]" + b"}" + text("params") + b"]" + param_ops + b"a" + b"s" + b"a" + b"s."
     )  # fmt: skip
 
 
@@ -182,3 +188,36 @@ def unsafe_pickle(root: Path, marker: Path) -> Built:
 def unsafe_legacy_pickle(root: Path, marker: Path) -> Built:
     """``unsafe_legacy.pt``: ``unsafe_pickle`` in the legacy (non-zip) serialization."""
     return _unsafe(root, marker, "unsafe_legacy.pt", legacy=True)
+
+
+def with_pickle(path: Path, data_pkl: bytes) -> Path:
+    """The torch file ``path`` rewritten with ``data_pkl`` in place of its pickle (its other records as they were)."""
+    with zipfile.ZipFile(path) as original:
+        records = [(info, original.read(info)) for info in original.infolist()]
+    with zipfile.ZipFile(path, "w") as archive:
+        for info, data in records:
+            archive.writestr(info, data_pkl if info.filename.endswith("/data.pkl") else data)
+    return path
+
+
+OUTSIDE_WEIGHTS_ONLY = {
+    "POP": b"NN0",
+    "POP_MARK": b"(N1N",
+    "DUP": b"N2\x86",
+    "MEMOIZE": b"N\x94",
+    "FRAME": b"\x95" + struct.pack("<Q", 1) + b"N",
+    "SHORT_BINUNICODE": b"\x8c\x01x",
+    "LONG4": b"\x8b" + struct.pack("<I", 1) + b"\x05",
+    "STACK_GLOBAL": b"X\x0b\x00\x00\x00collectionsX\x0b\x00\x00\x00OrderedDict\x93)R",
+}
+"""Opcodes that push one value, each using an opcode torch's weights-only unpickler does not implement."""
+
+
+def with_opcode(path: Path, name: str) -> Path:
+    """The torch file ``path`` with one more entry in its root dict, whose value is pickled with opcode ``name``
+    (``OUTSIDE_WEIGHTS_ONLY``): ``pickle`` reads it, ``torch.load(weights_only=True)`` refuses it."""
+    with zipfile.ZipFile(path) as archive:
+        (pkl,) = (name for name in archive.namelist() if name.endswith("/data.pkl"))
+        data = archive.read(pkl)
+    assert data.endswith(b".")
+    return with_pickle(path, data[:-1] + b"X\x05\x00\x00\x00extra" + OUTSIDE_WEIGHTS_ONLY[name] + b"s.")

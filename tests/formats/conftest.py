@@ -9,28 +9,29 @@ from typing import Any
 import pytest
 
 from optim_repair.formats import pickle_limits
+from optim_repair.formats.pickle_opcodes import PICKLE, OpcodeSet
 
 BUILT = importlib.util.find_spec("optim_repair.formats._scan") is not None
 NOT_BUILT = "optim_repair/formats/_scan.c is not built (installed without a C compiler, or a checkout not installed -e)"
 SCANNERS = ["pure-python", pytest.param("compiled", marks=pytest.mark.skipif(not BUILT, reason=NOT_BUILT))]
 """``pickle_limits.SCANNER``'s values, the compiled one skipped where it was not built."""
 
-Scan = Callable[[Any, int], tuple[int, bool]]
+Scan = Callable[[Any, int, OpcodeSet], tuple[int, bool]]
 
 
-def outcome(scan: Scan, data: Any, pos: int = 0) -> tuple[object, object]:
+def outcome(scan: Scan, data: Any, pos: int = 0, allowed: OpcodeSet = PICKLE) -> tuple[object, object]:
     """What a scan makes of ``data``: ``("scanned", (end, exact))``, or the exception's class and message."""
     try:
-        return "scanned", scan(data, pos)
+        return "scanned", scan(data, pos, allowed)
     except Exception as exc:
         return type(exc), str(exc)
 
 
-def checked(data: Any, pos: int = 0) -> tuple[int, bool]:
+def checked(data: Any, pos: int = 0, allowed: OpcodeSet = PICKLE) -> tuple[int, bool]:
     """The compiled scan of ``data`` (a bytes copy for the reference), once it is shown to do as the Python one."""
-    compiled = outcome(compiled_scan, data, pos)
-    assert compiled == outcome(pickle_limits.scan_python, bytes(data), pos), bytes(data)[:200]
-    return compiled_scan(data, pos)
+    compiled = outcome(compiled_scan, data, pos, allowed)
+    assert compiled == outcome(pickle_limits.scan_python, bytes(data), pos, allowed), bytes(data)[:200]
+    return compiled_scan(data, pos, allowed)
 
 
 compiled_scan: Scan = pickle_limits.scan_compiled

@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from optim_repair.errors import InputError
+from optim_repair.errors import InputError, OutOfMemory
+from optim_repair.formats import pickle_limits
+from optim_repair.formats.pickle_limits import LIVE_BYTES, MAX_LIVE
 from optim_repair.formats.safetensors import read_weights
 from tests.conftest import run_cli
 from tests.factories import dcp as dk
@@ -82,11 +84,15 @@ def test_an_opcode_across_the_end_of_its_frame_is_refused(tmp_path: Path) -> Non
     # The C unpickler reads the rest of this LONG_BINPUT's index afresh from past the frame, and
     # allocates a memo of 2**30 entries; read in order, the same bytes are a harmless pickle.
     crossing = b"\x80\x04\x95" + struct.pack("<Q", 4) + b"]r\x00\x00" + b"\x00\x000N."
-    path = hostile.torch_zip(tmp_path / "crossing.pt", crossing)
-    assert "an opcode crosses the end of its frame" in refused("inspect", path, codes=(4,))
     nested = b"\x80\x04\x95" + struct.pack("<Q", 10) + b"\x95" + struct.pack("<Q", 1) + b"N."
-    path = hostile.torch_zip(tmp_path / "nested.pt", nested)
-    assert "it begins a frame inside another" in refused("inspect", path, codes=(4,))
+    metadata = dk.unirl_dcp(tmp_path / "dcp").path / ".metadata"  # pickle.load reads frames: so is it read
+    for data, reason in ((crossing, "an opcode crosses the end of its frame"), (nested, "a frame inside another")):
+        metadata.write_bytes(data)
+        assert reason in refused("inspect", metadata.parent, codes=(4,))
+        path = hostile.torch_zip(tmp_path / "framed.pt", data)  # torch's weights-only unpickler reads none
+        assert "it holds the opcode FRAME (b'\\x95'), which torch's weights-only" in refused(
+            "inspect", path, codes=(4,)
+        )
 
 
 def test_a_wide_dict_shared_after_it_was_made_deeper_is_walked_once(tmp_path: Path) -> None:
@@ -239,7 +245,10 @@ def test_a_zstd_entry_is_decompressed_only_up_to_a_cap(tmp_path: Path) -> None:
 
 def test_odd_parameter_keys_are_refused_or_shown_escaped(tmp_path: Path) -> None:
     """bytes and NaN keys are damage (exit 4); a lone surrogate in a name is a name, shown escaped."""
-    odd = {"bytes": b"\x43\x03abc", "nan": b"G\x7f\xf8\x00\x00\x00\x00\x00\x00", "list": b"]", "dict": b"}"}
+    as_bytes = (
+        b"c_codecs\nencode\n" + hostile.text("abc") + hostile.text("latin1") + b"\x86R"
+    )  # as torch pickles b"abc"
+    odd = {"bytes": as_bytes, "nan": b"G\x7f\xf8\x00\x00\x00\x00\x00\x00", "list": b"]", "dict": b"}"}
     for name, key in odd.items():
         path = hostile.torch_zip(tmp_path / f"{name}.pt", hostile.optimizer_with_param(key))
         assert "neither a name nor an index" in refused("inspect", path, "--json", codes=(4,)), name
@@ -361,3 +370,58 @@ def test_a_sharding_info_that_does_not_place_each_tensor_is_refused(tmp_path: Pa
     save_file({"w": torch.zeros(2, 3)}, path, metadata={"DCP_SHARDING_INFO": info})
     with pytest.raises(InputError, match=f"not a safetensors file \\({message}\\)"):
         read_weights(path, path.name)
+
+
+@pytest.mark.parametrize("name", sorted(hostile.OUTSIDE_WEIGHTS_ONLY))
+def test_a_torch_file_of_an_opcode_torchs_weights_only_unpickler_lacks_is_refused_naming_it(
+    tmp_path: Path, name: str
+) -> None:
+    """Each such file once was repairable, and fix wrote a copy of it; torch.load refuses it."""
+    import torch
+
+    path = hostile.with_opcode(trainers.unirl_torch(tmp_path / "in").path / "checkpoint.pt", name)
+    with pytest.raises(pickle.UnpicklingError, match="Unsupported operand"):
+        torch.load(path, weights_only=True)
+    named = f"it holds the opcode {name} "
+    assert named in refused("inspect", path, codes=(4,))
+    assert named in refused("fix", path, "--out", tmp_path / "out", codes=(4,))
+    assert not (tmp_path / "out").exists()
+
+
+def test_objects_alive_at_once_are_bounded_by_the_pickles_size(tmp_path: Path) -> None:
+    """MARK, 15 million empty lists, POP_MARK: past a GiB in both scans; refused once past its bound."""
+    data = b"\x80\x02(" + b"]" * 15_000_000 + b"1N."
+    path = _zip_with(tmp_path / "alive.pt", "data.pkl", data, zipfile.ZIP_STORED)
+    bound = MAX_LIVE + len(data) // LIVE_BYTES
+    line = refused("inspect", path, codes=(4,), memory=TIGHT_LIMIT_BYTES)
+    assert f"it holds more than {bound} objects at once on its stack and in its memo" in line
+
+
+def test_a_diff_of_a_huge_integer_is_refused(tmp_path: Path) -> None:
+    """A LONG4 of 5,000 digits: diff was exit 70 (Python refuses to print an integer of more than 4,300)."""
+    huge = 10**4999
+    ops = b"\x8b" + struct.pack("<I", huge.bit_length() // 8 + 1) + huge.to_bytes(huge.bit_length() // 8 + 1, "little")
+    path = trainers.unirl_torch(tmp_path / "in").path / "checkpoint.pt"
+    with zipfile.ZipFile(path) as archive:
+        data = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
+    hostile.with_pickle(path, data[:-1] + hostile.text("extra") + ops + b"s.")
+    assert "it holds the opcode LONG4 " in refused("diff", path, path, codes=(4,))
+
+
+def test_reading_past_the_memory_left_is_exit_4_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a memory limit (``ulimit -v``, a container) a file too large for it was exit 70, "internal error
+    (MemoryError)"; the scan's memory is what runs out here, as the limit would make it."""
+    import optim_repair
+
+    def exhausted(*args: object) -> tuple[int, bool]:
+        raise MemoryError
+
+    path = defects.healthy(tmp_path / "in").path
+    monkeypatch.setattr(pickle_limits, "scan", exhausted)
+    with pytest.raises(OutOfMemory, match=r"needs more memory than is left$") as caught:
+        optim_repair.inspect(path)
+    assert caught.value.exit_code == 4
+    for args in (["inspect", path], ["fix", path, "--out", tmp_path / "out.pt"], ["diff", path, path]):
+        result = run_cli(args, code=4)
+        assert result.stderr.splitlines() == [f"optim-repair: error: {path}: needs more memory than is left"]
+    assert not (tmp_path / "out.pt").exists()

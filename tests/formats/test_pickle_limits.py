@@ -8,10 +8,13 @@ on every input it is given (``tests/formats/conftest.py``).
 
 from __future__ import annotations
 
+import inspect
 import io
 import pickle
 import pickletools
+import re
 import struct
+import tracemalloc
 import zipfile
 from pathlib import Path
 
@@ -19,10 +22,20 @@ import pytest
 import torch
 
 from optim_repair.errors import InputError
-from optim_repair.formats.pickle_limits import MAX_DEPTH, MAX_WEIGHT, check_pickle, scan
+from optim_repair.formats import pickle_limits
+from optim_repair.formats.pickle_arguments import MAX_INT_BYTES, MAX_INT_DIGITS
+from optim_repair.formats.pickle_limits import (
+    MAX_DEPTH,
+    MAX_WEIGHT,
+    check_pickle,
+    scan,
+    scan_python,
+)
+from optim_repair.formats.pickle_opcodes import WEIGHTS_ONLY, WEIGHTS_ONLY_NAMES, OpcodeSet
 from tests.factories import dcp as dk
 from tests.factories import hostile
 from tests.factories.models import TwoHeadNet, make_optimizer, train
+from tests.formats.conftest import compiled_scan
 
 pytestmark = pytest.mark.usefixtures("both_scans")
 OPCODES = {ord(op.code): op for op in pickletools.opcodes}
@@ -38,10 +51,10 @@ BASE = b"N\x94"
 """Every pickle made here starts with ``None``, stored as memo entry 0, at the bottom of its stack."""
 
 
-def refusal(data: bytes) -> str:
-    """Why ``check_pickle`` refuses ``data``."""
+def refusal(data: bytes, allowed: OpcodeSet = pickle_limits.opcodes.PICKLE) -> str:
+    """Why ``check_pickle`` refuses ``data`` (of the opcodes ``allowed``)."""
     with pytest.raises(InputError) as caught:
-        check_pickle(io.BytesIO(data), "test.pkl")
+        check_pickle(io.BytesIO(data), "test.pkl", allowed=allowed)
     return str(caught.value)
 
 
@@ -138,6 +151,38 @@ def torch_pickle(request: pytest.FixtureRequest, tmp_path: Path) -> bytes:
 def test_torchs_own_pickles_end_where_pickletools_says(torch_pickle: bytes) -> None:
     assert scan(torch_pickle) == (genops_end(torch_pickle), False)
     assert check_pickle(io.BytesIO(torch_pickle), "data.pkl") is False
+
+
+def test_a_torch_save_pickle_holds_only_opcodes_torchs_weights_only_unpickler_implements() -> None:
+    data = optimizer_pickle()
+    assert scan(data, 0, WEIGHTS_ONLY) == (genops_end(data), False)
+
+
+def test_the_weights_only_opcodes_are_those_torchs_own_unpickler_implements() -> None:
+    import torch._weights_only_unpickler as weights_only
+
+    source = inspect.getsource(weights_only.Unpickler.load)
+    assert set(re.findall(r"\b([A-Z][A-Z0-9_]*)\[0\]", source)) == WEIGHTS_ONLY_NAMES
+
+
+@pytest.mark.parametrize(
+    "op", [op for op in pickletools.opcodes if op.name not in WEIGHTS_ONLY_NAMES], ids=lambda op: op.name
+)
+def test_an_opcode_torchs_weights_only_unpickler_lacks_is_refused_naming_it(op: pickletools.OpcodeInfo) -> None:
+    data = b"N" + op.code.encode("latin-1") + sample_argument(op.arg) + b"."
+    named = f"it holds the opcode {op.name} ({op.code.encode('latin-1')!r}), which torch's weights-only unpickler"
+    assert named in refusal(data, WEIGHTS_ONLY)
+    assert "weights-only" not in outcome_of(data)  # every opcode of pickle: read as it is
+    assert named in refusal(BASE.replace(b"\x94", b"q\x00") + b"N" + op.code.encode("latin-1") + b".", WEIGHTS_ONLY)
+
+
+def outcome_of(data: bytes) -> str:
+    """What ``check_pickle`` makes of ``data`` of every opcode: its refusal, or ``scanned``."""
+    try:
+        check_pickle(io.BytesIO(data), "test.pkl")
+    except InputError as exc:
+        return str(exc)
+    return "scanned"
 
 
 def test_the_scan_reads_an_opcode_wherever_pickletools_does(torch_pickle: bytes) -> None:
@@ -280,3 +325,62 @@ def test_frames_are_read_as_the_unpickler_reads_them() -> None:
     assert "an opcode crosses the end of its frame" in refusal(b"\x80\x04" + frame(b"N\x95\x01") + bytes(7) + b".")
     # Past a frame's end, unframed opcodes and then a new frame are read as they come.
     assert scan(b"\x80\x04" + frame(b"N") + b"\x85" + frame(b".")) == (len(frame(b"N")) + len(frame(b".")) + 3, False)
+
+
+def test_integers_are_bounded_before_they_are_converted() -> None:
+    longest = (1 << (8 * MAX_INT_BYTES - 1)) - 1
+    data = b"\x8b" + struct.pack("<I", MAX_INT_BYTES) + longest.to_bytes(MAX_INT_BYTES, "little") + b"."
+    assert scan(data) == (len(data), False) and pickle.loads(data) == longest
+    five_thousand_digits = 10**4999
+    huge = five_thousand_digits.to_bytes((five_thousand_digits.bit_length() + 8) // 8, "little")
+    long4 = b"\x8b" + struct.pack("<I", len(huge)) + huge + b"."
+    assert f"it holds an integer of {len(huge)} bytes, more than {MAX_INT_BYTES}" in refusal(long4)
+    assert f"an integer of {1 << 32 - 1} bytes" in refusal(b"\x8b" + struct.pack("<I", 1 << 32 - 1) + b".")
+    assert "it ends inside an opcode" in refusal(b"\x8b\x01\x00")
+    for code, suffix in ((b"I", b""), (b"L", b"L")):
+        digits = b"9" * (MAX_INT_DIGITS - len(suffix))
+        assert scan(code + digits + suffix + b"\n.")[1] is False
+        over = b"9" + digits + suffix
+        assert f"it holds an integer of {len(over)} characters, more than {MAX_INT_DIGITS}" in refusal(
+            code + over + b"\n."
+        )
+        assert f"more than {MAX_INT_DIGITS}" in refusal(code + b"0" * 5000 + b"\n.")
+
+
+def test_objects_alive_at_once_are_bounded_by_the_pickles_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pickle_limits, "MAX_LIVE", 1000)
+    monkeypatch.setattr(pickle_limits, "LIVE_CHECK_OPS", 16)
+    over = "objects at once on its stack and in its memo (at most 1000 and one per 4 bytes of it)"
+    many = b"(" + b"]" * 4000 + b"1N."  # MARK, lists, POP_MARK: 4000 alive at once in 4003 bytes
+    assert f"it holds more than {1000 + len(many) // 4} {over}" in refusal(many)
+    assert f"more than {1000 + 4 * len(many) // 4}" in refusal(b"N" * (3 * len(many)) + many)
+    memoized = b"N" + b"\x94" * 4000 + b"."  # the memo's entries count too
+    assert f"it holds more than {1000 + len(memoized) // 4} {over}" in refusal(memoized)
+    marks = b"(" * 4000 + b"1" * 4000 + b"N."
+    assert f"it holds more than {1000 + len(marks) // 4} {over}" in refusal(marks)
+    padded = b"(" + b"]" * 1000 + b"X" + struct.pack("<I", 12000) + bytes(12000) + b"1N."  # paid for by its size
+    assert scan(padded) == (len(padded), False)
+    dropped = b"]0" * 10_000 + b"N."  # many made, few alive at once
+    assert scan(dropped) == (len(dropped), False)
+
+
+MADE_AND_DROPPED = {
+    "popped": b"]0" * 200_000 + b"N.",
+    "replaced under one key": b"}X\x01\x00\x00\x00kq\x000" + b"h\x00]s" * 200_000 + b".",
+    "tuples popped": b"NN\x86\x85" + b"]\x85\x850" * 100_000 + b".",
+    "memo entry stored again": b"]q\x00" + b"0]q\x00" * 200_000 + b".",
+}
+"""Pickles that make many containers, each dead by the next: their records must die with them."""
+
+
+@pytest.mark.parametrize("name", sorted(MADE_AND_DROPPED))
+def test_the_records_of_dead_objects_die_with_them(both_scans: str, name: str) -> None:
+    data = MADE_AND_DROPPED[name]
+    run = compiled_scan if both_scans == "compiled" else scan_python
+    tracemalloc.start()
+    try:
+        assert run(data, 0, pickle_limits.opcodes.PICKLE)[0] == len(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 10, peak  # 200,000 records kept would take 8 MB

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from optim_repair.errors import InputError
+from optim_repair.formats.pickle_opcodes import PICKLE
 from optim_repair.formats.pickle_writing import dump_graph
 from optim_repair.formats.pickled import is_dtensor, load_graph, tensor_meta
 
@@ -55,5 +56,5 @@ def test_a_dtensor_is_described_by_its_local_shard_and_pickles_back_stably(tmp_p
     ids=["called", "none-state", "second-state", "state-of-the-class", "keywords"],
 )
 def test_what_no_torch_pickle_does_with_these_classes_is_refused(body: bytes, reason: str) -> None:
-    with pytest.raises(InputError, match=reason):
-        load_graph(pickle.PROTO + b"\x04" + body, "hostile.pt")
+    with pytest.raises(InputError, match=reason):  # read as a DCP bytes entry is, of every opcode of pickle
+        load_graph(pickle.PROTO + b"\x04" + body, "hostile.pt", allowed=PICKLE)

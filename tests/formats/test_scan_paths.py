@@ -147,7 +147,7 @@ def test_any_buffer_is_scanned_as_its_bytes(tmp_path: Path) -> None:
 def mutations(data: bytes, count: int, seed: int) -> Iterator[bytes]:
     """``count`` copies of ``data``, each with a few bytes flipped, set to opcodes, inserted, dropped or cut."""
     rng = random.Random(seed)
-    opcodes = bytes(code for code in range(256) if pickle_limits.opcodes.TABLE[code] is not None)
+    opcodes = bytes(code for code in range(256) if pickle_limits.opcodes.PICKLE.table[code] is not None)
     for _ in range(count):
         mutated = bytearray(data)
         for _ in range(rng.randint(1, 4)):

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from optim_repair.errors import InputError, os_error_reason, shown
 from optim_repair.formats.dcp.metadata import METADATA_FILE, DcpMetadata, DcpStorage, display_path
+from optim_repair.formats.pickle_opcodes import PICKLE
 from optim_repair.formats.pickled import PickleGraph
 from optim_repair.formats.torchfile.zipformat import ZIP_MAGIC, check_archive, open_zip
 from optim_repair.formats.unpickling import ZIP_ERRORS
@@ -84,8 +85,9 @@ _END_RECORD = 22
 
 def read_saved_object(data: bytes, source: str) -> PickleGraph:
     """Parse the ``torch.save`` archive in ``data`` (a bytes entry) as a torch file is read: its records, its
-    framing and its pickle, safely; ``dcp.load`` reads it with ``torch.load``, which checks as much."""
-    return open_zip(_whole_archive(data, source), Path(source), source).graph
+    framing and its pickle, safely; ``dcp.load`` reads it with ``torch.load(weights_only=False)``, which checks
+    as much, and reads every opcode of ``pickle``."""
+    return open_zip(_whole_archive(data, source), Path(source), source, allowed=PICKLE).graph
 
 
 class ShardFiles(Protocol):

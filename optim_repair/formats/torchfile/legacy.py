@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import BinaryIO, ClassVar, Literal
 
 from optim_repair.errors import InputError, NotATorchFile, TorchRefuses, UnsafeInputError, shown
+from optim_repair.formats.pickle_opcodes import PICKLE, WEIGHTS_ONLY, OpcodeSet
 from optim_repair.formats.pickle_reading import read_pickle
 from optim_repair.formats.pickled import PickleGraph, load_graph
 from optim_repair.storage.answers import CHANGED
@@ -67,10 +68,19 @@ def has_legacy_magic(stream: BinaryIO) -> bool:
     return any(head.startswith(magic) for magic in _MAGIC_PICKLES)
 
 
-def _next_graph(stream: BinaryIO, source: str, size: int, *, ours: bool = False, legacy: bool = False) -> PickleGraph:
-    """The pickle at the position of ``stream`` (in a file of ``size`` bytes) parsed; the stream left past it."""
+def _next_graph(
+    stream: BinaryIO,
+    source: str,
+    size: int,
+    *,
+    ours: bool = False,
+    legacy: bool = False,
+    allowed: OpcodeSet = WEIGHTS_ONLY,
+) -> PickleGraph:
+    """The pickle at the position of ``stream`` (in a file of ``size`` bytes) parsed, of the opcodes ``allowed``;
+    the stream left past it."""
     start = stream.tell()
-    graph = load_graph(read_pickle(stream, source, size), source, ours=ours, legacy=legacy)
+    graph = load_graph(read_pickle(stream, source, size), source, ours=ours, legacy=legacy, allowed=allowed)
     stream.seek(start + graph.end)
     return graph
 
@@ -82,8 +92,9 @@ def open_legacy(stream: BinaryIO, path: Path, source: str, *, ours: bool = False
     size = opened[0]
     if size == 0:
         raise InputError("empty file", path=source)
+    start = stream.tell()
     try:
-        magic = _next_graph(stream, source, min(size, MAGIC_BYTES)).root
+        magic = _next_graph(stream, source, min(size, MAGIC_BYTES), allowed=PICKLE).root  # whichever opcodes
     except UnsafeInputError:
         raise
     except InputError as exc:
@@ -92,6 +103,8 @@ def open_legacy(stream: BinaryIO, path: Path, source: str, *, ours: bool = False
         magic = None
     if magic != LEGACY_MAGIC:
         raise NotATorchFile("not a torch file (no zip archive, no legacy magic number)", path=source)
+    stream.seek(start)
+    _next_graph(stream, source, min(size, MAGIC_BYTES))  # then as torch reads it: of its weights-only unpickler's
     protocol = _next_graph(stream, source, size).root
     if protocol != LEGACY_PROTOCOL:
         raise TorchRefuses(f"its protocol version is {shown(protocol)}, not {LEGACY_PROTOCOL}", path=source)

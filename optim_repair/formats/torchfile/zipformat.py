@@ -14,6 +14,7 @@ from typing import BinaryIO, ClassVar, Literal
 
 from optim_repair.errors import InputError, NotATorchFile, TorchRefuses, shown
 from optim_repair.formats.pickle_limits import check_pickle
+from optim_repair.formats.pickle_opcodes import WEIGHTS_ONLY, OpcodeSet
 from optim_repair.formats.pickled import PickleGraph, load_graph
 from optim_repair.formats.unpickling import ZIP_ERRORS
 
@@ -300,15 +301,22 @@ def check_archive(stream: BinaryIO, source: str) -> None:
 
 
 def open_zip(
-    stream: BinaryIO, path: Path, source: str, *, ours: bool = False, graph_of: GraphOf | None = None
+    stream: BinaryIO,
+    path: Path,
+    source: str,
+    *,
+    ours: bool = False,
+    graph_of: GraphOf | None = None,
+    allowed: OpcodeSet = WEIGHTS_ONLY,
 ) -> ZipTorchFile:
     """Parse a zip-format torch file from its open ``stream`` (a file, or a DCP bytes entry in memory): its
-    directory, its framing records and its pickle (by ``graph_of``, where given); no storage bytes."""
+    directory, its framing records and its pickle (by ``graph_of``, where given; of the opcodes ``allowed``,
+    those of the reader that will read it); no storage bytes."""
     with _open_archive(stream, source) as archive:
         records = archive.infolist()
         pickle_record, prefix, starts = _framing(archive, stream, source)
         data = _read_pickle(stream, pickle_record, source)
-        graph = graph_of(data) if graph_of else load_graph(data, source, ours=ours)
+        graph = graph_of(data) if graph_of else load_graph(data, source, ours=ours, allowed=allowed)
         by_name = {info.filename: info for info in records}
         offsets = {}
         size = stream.seek(0, io.SEEK_END)

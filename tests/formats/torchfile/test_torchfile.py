@@ -393,16 +393,14 @@ def test_legacy_copy_keeps_the_header(root: Path, tmp_path: Path) -> None:
     assert struct.unpack("<q", out.read_bytes()[after.storage_start : after.storage_start + 8])[0] > 0
 
 
-@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
-@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
-def test_every_pickle_protocol_and_plain_value_survives_a_write(tmp_path: Path, protocol: int, legacy: bool) -> None:
+def _plain_payload() -> dict[str, object]:
     import collections
 
     model, unused = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW([*model.parameters(), *unused.parameters()])
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
-    payload = {
+    return {
         "opt": opt.state_dict(),
         "dtype": torch.bfloat16,
         "device": torch.device("cpu"),
@@ -415,13 +413,34 @@ def test_every_pickle_protocol_and_plain_value_survives_a_write(tmp_path: Path, 
         "bytes": b"\x00" * 300,
         "none": None,
     }
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_every_plain_value_survives_a_write(tmp_path: Path, legacy: bool) -> None:
+    import collections
+
     src, out = tmp_path / "in.pt", tmp_path / "out.pt"
-    torch.save(payload, src, pickle_protocol=protocol, _use_new_zipfile_serialization=not legacy)
+    torch.save(_plain_payload(), src, _use_new_zipfile_serialization=not legacy)
     write_torch_file(src, "in", [Addition("", "opt", ("opt",), 2, ()), Addition("", "opt", ("opt",), 3, ())], out)
-    # protocols 3+ use opcodes weights_only does not know, for the original as for the copy: our own files
-    original, copy = torch.load(src, weights_only=False), torch.load(out, weights_only=False)
+    original, copy = torch.load(src, weights_only=True), torch.load(out, weights_only=True)
     assert_copy_faithful(original, copy, {("opt", "state"): {2, 3}})
     assert type(copy["param"]) is torch.nn.Parameter and type(copy["od"]) is collections.OrderedDict
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch's own, as it refuses the file
+@pytest.mark.parametrize("protocol", [3, 4, 5])
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_a_pickle_protocol_torchs_weights_only_loader_refuses_is_refused(
+    tmp_path: Path, protocol: int, legacy: bool
+) -> None:
+    # torch.save(pickle_protocol=3+) writes opcodes (BINBYTES, FRAME, SHORT_BINUNICODE, MEMOIZE...) that only
+    # weights_only=False reads: torch.load refuses the file, and so does reading it, naming the first.
+    src = tmp_path / "in.pt"
+    torch.save(_plain_payload(), src, pickle_protocol=protocol, _use_new_zipfile_serialization=not legacy)
+    with pytest.raises(Exception, match="Unsupported operand"):
+        torch.load(src, weights_only=True)
+    with pytest.raises(InputError, match="which torch's weights-only unpickler does not implement"):
+        open_torch_file(src, "in")
 
 
 def test_the_copy_is_pickled_with_the_protocol_torch_reads(tmp_path: Path) -> None:
