@@ -56,9 +56,9 @@ class PlannedDcp:
     def write(self, src: Path, dest: Path, *, meter: Meter) -> None:
         dest.mkdir(exist_ok=True)
         self.write_views(src, dest)
-        for name, planned in self.views:  # written in place of the original's, which the progress counts
-            if planned.rewrites_metadata:
-                meter.writing((src / name).stat().st_size)
+        for _, planned in self.views:  # written in place of the original's, which the progress counts as read
+            if planned.rewrites_metadata and planned.original.pickle is not None:
+                meter.writing(len(planned.original.pickle.data))
 
     def verify(self, src: Path, dest: Path, meter: Meter) -> Verification:
         proven = self.verify_views(src, dest)
