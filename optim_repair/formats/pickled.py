@@ -28,16 +28,10 @@ from optim_repair.records.dtypes import DTYPES, LEGACY_STORAGES, itemsize
 from optim_repair.records.inventory import OtherValue, StateValue, TensorMeta, within_storage
 
 TENSOR_REBUILDERS = frozenset({"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3"})
-_TORCH_GLOBALS = frozenset(
-    {"Size", "Tensor", "device", "UntypedStorage"}
-    | {
-        "per_tensor_affine",
-        "per_tensor_symmetric",
-        "per_channel_affine",
-        "per_channel_symmetric",
-        "per_channel_affine_float_qparams",
-    }
-)
+_TORCH_GLOBALS = frozenset({
+    "Size", "Tensor", "device", "UntypedStorage", "per_tensor_affine", "per_tensor_symmetric", "per_channel_affine",
+    "per_channel_symmetric", "per_channel_affine_float_qparams",
+})  # fmt: skip
 _REAL_GLOBALS: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("builtins", "set"): set,
