@@ -52,6 +52,12 @@ class MetadataRecord:
     kind: ClassVar[str] = ""
     state: Any = None
 
+    def __hash__(self) -> int:  # as torch's dataclasses: unhashable but the frozen MetadataIndex, by its fields
+        if self.kind != "MetadataIndex":
+            raise TypeError(f"unhashable type: '{self.kind}'")
+        state = self.state if isinstance(self.state, dict) else {}
+        return hash((state.get("fqn"), state.get("offset"), state.get("index")))
+
     def __setstate__(self, state: Any) -> None:
         # As pickle's BUILD treats an object without __setstate__: a dict state updates the one it has.
         if isinstance(state, dict) and isinstance(self.state, dict):

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
 
@@ -166,6 +167,24 @@ def test_refuses_a_metadata_pickle_that_runs_code(tmp_path: Path) -> None:
     with (path / ".metadata").open("rb") as stream:
         pickle.load(stream)  # what torch's FileSystemReader does: the payload is live
     assert marker.exists()
+
+
+def test_refuses_a_metadata_whose_key_torch_cannot_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk (a dataclass torch leaves unhashable) as a dict's key: torch's reader fails on it, so does this one
+    (the fuzzer's seed 3801, case 10140, made a field's name a chunk by one byte)."""
+    path = dk.unirl_dcp(tmp_path / "in").path
+    with (path / ".metadata").open("rb") as stream:
+        meta: Any = pickle.load(stream)  # the test's own checkpoint, written by torch just before
+    with monkeypatch.context() as hashing:  # hashable only while the hostile file is pickled
+        hashing.setattr(ChunkStorageMetadata, "__hash__", object.__hash__)
+        chunk = ChunkStorageMetadata(torch.Size([0]), torch.Size([1]))
+        next(iter(meta.storage_data)).__dict__[chunk] = 1  # a storage entry's field named by a chunk
+        (path / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(TypeError, match="unhashable type: 'ChunkStorageMetadata'"):
+        FileSystemReader(path).read_metadata()
+    for read in (read_metadata, read_summary):
+        with pytest.raises(InputError, match="unhashable type: 'ChunkStorageMetadata'"):
+            read(path, "")
 
 
 def test_refuses_a_bytes_entry_that_runs_code(tmp_path: Path) -> None:
